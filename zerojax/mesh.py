@@ -1,0 +1,68 @@
+"""Meshes: ``make_mesh`` and the internal normalisation of a user's mesh."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+DATA = "data"
+MODEL = "model"
+
+
+def make_mesh(data: int = -1, model: int = 1, *, devices=None) -> Mesh:
+    """A ``jax.sharding.Mesh`` with axes ``("data", "model")``.
+
+    Args:
+      data: data-parallel degree; -1 takes all devices left after ``model``.
+      model: model-parallel (tensor-parallel) degree.
+      devices: the devices to use (default: ``jax.devices()``, all processes).
+
+    Raises:
+      ValueError: if the degrees do not multiply to the device count.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    n = len(devs)
+    for name, val in (("data", data), ("model", model)):
+        if not isinstance(val, int) or (val < 1 and val != -1):
+            raise ValueError(f"make_mesh: {name}={val!r} must be a positive int or -1.")
+    if model == -1 and data == -1:
+        raise ValueError("make_mesh: only one of data, model may be -1.")
+    if data == -1:
+        if n % model:
+            raise ValueError(
+                f"make_mesh: {n} devices do not divide by model={model}; "
+                f"choose a model degree that divides {n}."
+            )
+        data = n // model
+    if model == -1:
+        if n % data:
+            raise ValueError(f"make_mesh: {n} devices do not divide by data={data}.")
+        model = n // data
+    if data * model != n:
+        raise ValueError(
+            f"make_mesh: data={data} x model={model} = {data * model} but there are {n} "
+            "devices; pass data=-1 to use the rest, or pass devices=... with that many."
+        )
+    return Mesh(np.array(devs).reshape(data, model), (DATA, MODEL),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def auto_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:
+    """The same devices and axis names with every axis of type Auto.
+
+    zerojax places its state and writes its collectives on this mesh, so a user's
+    Explicit-axis mesh (the default of ``jax.make_mesh``) works the same way.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"expected a jax.sharding.Mesh, got {type(mesh).__name__}; "
+            "build one with zerojax.make_mesh(data=-1)."
+        )
+    if data_axis not in mesh.axis_names:
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no {data_axis!r} axis, which ZeRO partitions "
+            f"over; build the mesh with zerojax.make_mesh(data=-1) or name one axis {data_axis!r}."
+        )
+    return Mesh(mesh.devices, mesh.axis_names,
+                axis_types=tuple(AxisType.Auto for _ in mesh.axis_names))

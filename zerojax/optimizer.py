@@ -1,0 +1,175 @@
+"""``zero()``: wrap any optax optimizer in a ZeRO-DP stage over a ``data`` mesh axis."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import collectives as C
+from zerojax import partition as part
+from zerojax.config import ZeroConfig
+from zerojax.mesh import auto_mesh
+from zerojax.state import TrainState
+from zerojax.step import TrainStep, build_train_step
+
+
+def _check_params(params: Any) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+        raise ValueError("params has no array leaves; pass the model's parameter pytree.")
+    for path, x in leaves:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(
+                f"params leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
+                "array; params must be a pytree of arrays (e.g. flax variables['params'])."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            raise TypeError(
+                f"params leaf {jax.tree_util.keystr(path)} has dtype {x.dtype}; parameters must "
+                "be floating point. Keep integer state (counters, indices) outside params."
+            )
+
+
+class ZeroOptimizer:
+    """An optax optimizer partitioned ZeRO-style over the ``data`` axis of a mesh.
+
+    Build it with :func:`zero`. It lays out the train state per stage
+    (:meth:`init_state`), compiles the train step (:meth:`train_step`) and gathers
+    whole parameters back (:meth:`full_params`).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, config: ZeroConfig):
+        if not isinstance(tx, optax.GradientTransformation) and not (
+                hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(
+                f"zero() wraps an optax.GradientTransformation, got {type(tx).__name__}; "
+                "pass e.g. optax.adamw(1e-3)."
+            )
+        self.inner = tx
+        self.config = config
+        self.mesh = auto_mesh(mesh, config.data_axis)
+        self.data_size = int(self.mesh.shape[config.data_axis])
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage={self.config.stage}, "
+                f"{self.config.data_axis}={self.data_size}, mesh={dict(self.mesh.shape)})")
+
+    # -- layout ---------------------------------------------------------------------
+    def layouts(self, params: Any) -> Any:
+        """A :class:`~zerojax.partition.LeafLayout` per leaf of ``params``."""
+        return part.layouts(params, self.data_size, self.config.min_shard_size,
+                            self.config.data_axis)
+
+    def specs(self, params: Any) -> part.StageSpecs:
+        """PartitionSpec trees of the params, gradients and optimizer state of this stage."""
+        lay = self.layouts(params)
+        stage = self.config.stage
+        opt_shapes = jax.eval_shape(self.inner.init, self._owned_structs(params))
+        return part.StageSpecs(
+            params=part.stage_param_specs(lay, stage),
+            grads=part.stage_grad_specs(lay, stage),
+            opt_state=part.opt_state_specs(opt_shapes, self.data_size,
+                                           self.config.min_shard_size, stage,
+                                           self.config.data_axis),
+        )
+
+    def _owned_structs(self, params):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+    # -- state ----------------------------------------------------------------------
+    def init_state(self, params: Any) -> TrainState:
+        """Place ``params`` and create the optimizer state, laid out for this stage.
+
+        The caller's ``params`` are copied, never donated: they stay usable.
+        """
+        _check_params(params)
+        specs = self.specs(params)
+        param_sh = part.shardings(self.mesh, specs.params)
+        # A fresh copy laid out per stage: device_put may hand back the caller's own
+        # buffers (on device 0, say), and the step donates its state.
+        placed = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=param_sh)(
+            jax.device_put(params, param_sh))
+        opt_state = jax.jit(self.inner.init,
+                            out_shardings=part.shardings(self.mesh, specs.opt_state))(placed)
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        return TrainState(step, placed, opt_state)
+
+    def train_step(self, loss_fn: Callable, *, has_aux: bool | None = None) -> TrainStep:
+        """Compile ``step(state, batch) -> (state, metrics)`` for ``loss_fn(params, batch)``.
+
+        ``loss_fn`` returns the mean loss over the batch it is given (or ``(loss, aux)``
+        with ``has_aux=True``). The batch's leading dimension is split over ``data``.
+        ``metrics["loss"]`` is the mean loss over the global batch.
+        """
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        aux = self.config.has_aux if has_aux is None else has_aux
+        return build_train_step(loss_fn, self, bool(aux))
+
+    def full_params(self, state: TrainState) -> Any:
+        """Whole parameters, replicated on every device (stage 3 all-gathers them)."""
+        if self.config.stage != 3:
+            return state.params
+        return jax.jit(lambda p: C.gather_params(p, self.layouts(p), self.mesh,
+                                                 self.config.data_axis))(state.params)
+
+    # -- optax interface ------------------------------------------------------------
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """The partitioned update as an ``optax.GradientTransformation``.
+
+        For a hand-written ``jax.jit`` step over global arrays: the optimizer state is
+        created partitioned over ``data`` and the update runs on partitioned gradients
+        and parameters (sharding constraints; the compiler picks the collectives). The
+        returned updates have the stage's parameter layout.
+        """
+        mesh, inner = self.mesh, self.inner
+
+        def init(params):
+            specs = self.specs(params)
+            return jax.lax.with_sharding_constraint(
+                inner.init(params), part.shardings(mesh, specs.opt_state))
+
+        def update(grads, state, params=None):
+            specs = self.specs(grads)
+            lay = self.layouts(grads)
+            part_sh = part.shardings(mesh, part.partitioned_specs(lay))
+            g = jax.lax.with_sharding_constraint(grads, part_sh)
+            p = None if params is None else jax.lax.with_sharding_constraint(params, part_sh)
+            updates, new_state = inner.update(g, state, p)
+            new_state = jax.lax.with_sharding_constraint(
+                new_state, part.shardings(mesh, specs.opt_state))
+            updates = jax.lax.with_sharding_constraint(
+                updates, part.shardings(mesh, specs.params))
+            return updates, new_state
+
+        return optax.GradientTransformation(init, update)
+
+
+def zero(tx: optax.GradientTransformation, mesh: Mesh, **options) -> ZeroOptimizer:
+    """Wrap an optax optimizer in ZeRO-DP over the ``data`` axis of ``mesh``.
+
+    Args:
+      tx: any ``optax.GradientTransformation`` (adam, adamw, sgd, lion, adafactor,
+        lamb, chains with ``clip_by_global_norm``, masked weight decay, ...).
+      mesh: a ``jax.sharding.Mesh`` with a ``data`` axis (Auto or Explicit axes).
+      **options: the fields of :class:`~zerojax.config.ZeroConfig` (``stage``,
+        ``min_shard_size``, ``donate``, ``has_aux``, ...).
+
+    Example::
+
+      mesh = zerojax.make_mesh(data=-1)
+      opt = zerojax.zero(optax.adamw(1e-3), mesh, stage=2)
+      state = opt.init_state(params)
+      step = opt.train_step(loss_fn)
+      state, metrics = step(state, batch)
+
+    References:
+      Rajbhandari, Rasley, Ruwase, He. ZeRO: Memory Optimizations Toward Training
+      Trillion Parameter Models. SC20. arXiv:1910.02054.
+    """
+    return ZeroOptimizer(tx, mesh, ZeroConfig.from_kwargs(**options))

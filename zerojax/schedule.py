@@ -1,0 +1,279 @@
+"""Stage 2 and 3 schedules: act on each parameter at its first use, scans included.
+
+The user's loss is traced once to a jaxpr on whole-shape parameters. This module
+evaluates that jaxpr inside the step's ``shard_map`` body with each partitioned
+parameter held *lazily* (:class:`_Lazy`): nothing happens to it until an equation
+uses it, and then
+
+* stage 3: its shard is all-gathered right there (:func:`gather_local`), and
+  autodiff turns that gather into the reduce-scatter of its gradient;
+* stage 2: the local full copy is wrapped in :func:`make_attach`, whose backward
+  reduce-scatters the gradient the moment it is complete.
+
+A use inside ``lax.scan`` over a stacked parameter (a flax ``nn.scan`` layer stack)
+is pushed into the scan body: the scan iterates over the *shards* and each iteration
+gathers its own layer. A use inside ``jax.checkpoint`` (``nn.remat``) is pushed into
+the checkpointed function, so the backward pass gathers again instead of keeping the
+gathered weights as residuals. A stage-3 use outside any checkpoint runs as a small
+``custom_vjp`` unit (gather + the equation) whose backward gathers the shard again,
+tied by an optimization barrier to the incoming cotangent so XLA can neither merge
+the two gathers nor hoist the second one into the forward pass (PITFALLS.md).
+
+Param-only equations (a cast, a transpose, a reshape of a parameter) stay lazy, so
+the gathered weight is consumed in the same unit as its activation input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax.extend import core as jcore
+
+from zerojax.collectives import gather_local, make_attach
+
+_INLINE = {"jit", "pjit", "closed_call", "core_call"}
+_REMAT = {"remat2", "checkpoint"}
+_NOT_CHAINABLE = _INLINE | _REMAT | {
+    "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "custom_lin", "shard_map", "xla_pmap", "rng_bit_generator", "random_bits",
+}
+
+
+@dataclasses.dataclass(eq=False)
+class _Ref:
+    """One stored parameter: its raw per-device arrays and the dim split over ``data``.
+
+    stage 3: ``raws = (shard,)``; stage 2: ``raws = (full, zero_shard)``.
+    """
+
+    raws: tuple
+    dim: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Lazy:
+    """A value computed from parameters only, not yet materialised in this scope."""
+
+    refs: tuple  # tuple[_Ref, ...]
+    fn: Callable | None  # fn(*materialised refs) -> value; None = the single ref itself
+
+    @property
+    def pure(self) -> bool:
+        return self.fn is None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    stage: int
+    axis: str
+    in_remat: bool = False
+
+    def materialize_ref(self, ref: _Ref):
+        if self.stage == 3:
+            return gather_local(ref.raws[0], ref.dim, self.axis)
+        full, zero_shard = ref.raws
+        return make_attach(ref.dim, self.axis)(full, zero_shard)
+
+
+def _value(lazy: _Lazy, mats: dict):
+    vals = [mats[id(r)] for r in lazy.refs]
+    return vals[0] if lazy.fn is None else lazy.fn(*vals)
+
+
+def _bind(eqn, invals):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _unique_refs(values) -> list:
+    seen, refs = set(), []
+    for v in values:
+        if isinstance(v, _Lazy):
+            for r in v.refs:
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    refs.append(r)
+    return refs
+
+
+class _Scope:
+    """Materialised parameters of one jaxpr scope (gathered at first use, then reused)."""
+
+    def __init__(self, ctx: _Ctx):
+        self.ctx = ctx
+        self.mats: dict = {}
+
+    def materialize(self, x):
+        if not isinstance(x, _Lazy):
+            return x
+        for r in x.refs:
+            if id(r) not in self.mats:
+                self.mats[id(r)] = self.ctx.materialize_ref(r)
+        return _value(x, self.mats)
+
+
+def _rebuild(values, refs, new_raws):
+    """Copies of the lazies in ``values`` whose refs hold ``new_raws`` (same order as refs)."""
+    mapping = {id(r): _Ref(tuple(raws), r.dim) for r, raws in zip(refs, new_raws)}
+    return [_Lazy(tuple(mapping[id(r)] for r in v.refs), v.fn) if isinstance(v, _Lazy) else v
+            for v in values]
+
+
+def eval_jaxpr(jaxpr, consts, args, ctx: _Ctx) -> list:
+    """Evaluate ``jaxpr`` with lazy parameters among ``args``; returns its outputs,
+    materialising any lazy output."""
+    scope = _Scope(ctx)
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if any(isinstance(x, _Lazy) for x in ins):
+            outs = _eval_lazy_eqn(eqn, ins, scope)
+        else:
+            outs = _bind(eqn, ins)
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    return [scope.materialize(read(v)) for v in jaxpr.outvars]
+
+
+def _eval_lazy_eqn(eqn, ins, scope: _Scope) -> list:
+    name = eqn.primitive.name
+    ctx = scope.ctx
+    if name in _INLINE:
+        closed = eqn.params["jaxpr"]
+        return eval_jaxpr(closed.jaxpr, closed.consts, ins, ctx)
+    if name in _REMAT:
+        return _eval_remat(eqn, ins, ctx)
+    if name == "scan":
+        return _eval_scan(eqn, ins, scope)
+    if _chainable(eqn, ins):
+        return [_chain(eqn, ins)]
+    if ctx.stage == 3 and not ctx.in_remat:
+        return _unit(eqn, ins, ctx)
+    return _bind(eqn, [scope.materialize(x) for x in ins])
+
+
+def _chainable(eqn, ins) -> bool:
+    if eqn.primitive.multiple_results or eqn.primitive.name in _NOT_CHAINABLE or eqn.effects:
+        return False
+    return all(isinstance(x, _Lazy) or isinstance(v, jcore.Literal)
+               for x, v in zip(ins, eqn.invars))
+
+
+def _chain(eqn, ins) -> _Lazy:
+    refs = tuple(_unique_refs(ins))
+
+    def fn(*mats):
+        by_id = {id(r): m for r, m in zip(refs, mats)}
+        vals = [_value(x, by_id) if isinstance(x, _Lazy) else x for x in ins]
+        return _bind(eqn, vals)[0]
+
+    return _Lazy(refs, fn)
+
+
+def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
+    refs = _unique_refs(ins)
+    regular_pos = [i for i, x in enumerate(ins) if not isinstance(x, _Lazy)]
+    inner_ctx = dataclasses.replace(ctx, in_remat=True)
+    jaxpr = eqn.params["jaxpr"]
+
+    def fn(raws, regulars):
+        vals = _rebuild(ins, refs, raws)
+        for i, r in zip(regular_pos, regulars):
+            vals[i] = r
+        return eval_jaxpr(jaxpr, (), vals, inner_ctx)
+
+    ckpt = jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    return ckpt([r.raws for r in refs], [ins[i] for i in regular_pos])
+
+
+def _eval_scan(eqn, ins, scope: _Scope) -> list:
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    ins = list(ins)
+    pushed: list[int] = []
+    for i, x in enumerate(ins):
+        if not isinstance(x, _Lazy):
+            continue
+        if i >= nc + nk and x.pure and x.refs[0].dim != 0:
+            pushed.append(i)  # iterate over the shards; gather inside the body
+        else:
+            ins[i] = scope.materialize(x)
+    consts, carry = ins[:nc], ins[nc:nc + nk]
+    xs_pos = list(range(nc + nk, len(ins)))
+    xs = [ins[i].refs[0].raws if i in pushed else ins[i] for i in xs_pos]
+    body = p["jaxpr"]
+    ctx = scope.ctx
+
+    def step(carry_in, xs_in):
+        vals = list(consts) + list(carry_in)
+        for i, x in zip(xs_pos, xs_in):
+            vals.append(_Lazy((_Ref(tuple(x), ins[i].refs[0].dim - 1),), None)
+                        if i in pushed else x)
+        outs = eval_jaxpr(body.jaxpr, body.consts, vals, ctx)
+        return outs[:nk], outs[nk:]
+
+    carry_out, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"],
+                                 unroll=p["unroll"])
+    return list(carry_out) + list(ys)
+
+
+def _unit(eqn, ins, ctx: _Ctx) -> list:
+    """Stage 3, outside any checkpoint: gather + the equation as one custom_vjp whose
+    backward gathers the shards again (after the cotangent has arrived)."""
+    refs = _unique_refs(ins)
+    reg_pos = [i for i, (x, v) in enumerate(zip(ins, eqn.invars))
+               if not isinstance(x, _Lazy) and not isinstance(v, jcore.Literal)]
+
+    def compute(shards, regulars):
+        mats = {id(r): ctx.materialize_ref(_Ref((s,), r.dim)) for r, s in zip(refs, shards)}
+        vals = [_value(x, mats) if isinstance(x, _Lazy) else x for x in ins]
+        for i, r in zip(reg_pos, regulars):
+            vals[i] = r
+        return _bind(eqn, vals)
+
+    @jax.custom_vjp
+    def unit(shards, regulars):
+        return compute(shards, regulars)
+
+    def fwd(shards, regulars):
+        return compute(shards, regulars), (shards, regulars)
+
+    def bwd(res, ct):
+        shards, regulars = res
+        shards, ct = jax.lax.optimization_barrier((shards, ct))
+        _, vjp = jax.vjp(compute, shards, regulars)
+        return vjp(ct)
+
+    unit.defvjp(fwd, bwd)
+    return unit([r.raws[0] for r in refs], [ins[i] for i in reg_pos])
+
+
+def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
+                      stage: int, axis: str) -> list:
+    """Evaluate a traced loss with partitioned parameters acted on at first use.
+
+    Args:
+      closed_jaxpr: the loss traced on whole-shape params followed by ``other_args``.
+      param_args: per param leaf, the raw arrays: stage 3 ``(shard,)``, stage 2
+        ``(full, zero_shard)``; for replicated leaves ``(full,)``.
+      other_args: the remaining (batch) arguments, per-device.
+      layouts: per param leaf, its :class:`LeafLayout`.
+    """
+    args: list[Any] = []
+    for raws, lay in zip(param_args, layouts):
+        args.append(_Lazy((_Ref(tuple(raws), lay.dim),), None) if lay.sharded else raws[0])
+    args.extend(other_args)
+    return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, _Ctx(stage, axis))
