@@ -16,8 +16,8 @@ gathers its own layer. A use inside ``jax.checkpoint`` (``nn.remat``) is pushed 
 the checkpointed function, so the backward pass gathers again instead of keeping the
 gathered weights as residuals. A stage-3 use outside any checkpoint runs as a small
 ``custom_vjp`` unit (gather + the equation) whose backward gathers the shard again,
-tied by an optimization barrier to the incoming cotangent so XLA can neither merge
-the two gathers nor hoist the second one into the forward pass (PITFALLS.md).
+made data-dependent on the incoming cotangent (:func:`_after`) so XLA can neither
+merge the two gathers nor hoist the second one into the forward pass (PITFALLS.md).
 
 Param-only equations (a cast, a transpose, a reshape of a parameter) stay lazy, so
 the gathered weight is consumed in the same unit as its activation input.
@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from zerojax.collectives import gather_local, make_attach
@@ -238,6 +239,7 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
                if not isinstance(x, _Lazy) and not isinstance(v, jcore.Literal)]
 
     def compute(shards, regulars):
+        shards = _after(shards, regulars)  # gather no earlier than the layer's input exists
         mats = {id(r): ctx.materialize_ref(_Ref((s,), r.dim)) for r, s in zip(refs, shards)}
         vals = [_value(x, mats) if isinstance(x, _Lazy) else x for x in ins]
         for i, r in zip(reg_pos, regulars):
@@ -253,12 +255,29 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
 
     def bwd(res, ct):
         shards, regulars = res
-        shards, ct = jax.lax.optimization_barrier((shards, ct))
-        _, vjp = jax.vjp(compute, shards, regulars)
+        _, vjp = jax.vjp(compute, _after(shards, ct), regulars)
         return vjp(ct)
 
     unit.defvjp(fwd, bwd)
     return unit([r.raws[0] for r in refs], [ins[i] for i in reg_pos])
+
+
+def _after(shards: list, ct) -> list:
+    """``shards``, made data-dependent on ``ct`` (a layer's input, or its cotangent).
+
+    ``shard + 0 * ct[0]`` equals ``shard`` (a NaN or inf in ``ct`` propagates, as it
+    would anyway), but XLA cannot prove it, so a gather of the result can neither be
+    merged with another gather of the same shard by common-subexpression elimination
+    nor scheduled before ``ct`` exists: the forward gather waits for the layer's
+    input, the backward one for the layer's cotangent. An optimization barrier does
+    not do this on every backend (the CPU compiler expands barriers before CSE).
+    """
+    leaves = [c for c in jax.tree.leaves(ct)
+              if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
+    if not leaves:
+        return shards
+    probe = jnp.ravel(leaves[0])[0]
+    return [s + jnp.zeros((), s.dtype) * probe.astype(s.dtype) for s in shards]
 
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
