@@ -1,0 +1,69 @@
+"""Shared pieces of the tests: a small model with awkward leaves and a reference run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def awkward_params(key=0):
+    """A dict of leaves of every awkward kind: divisible, a bias of 37, a (37, 7) and a
+    (7, 3) kernel that divide by nothing, and a scalar."""
+    ks = jax.random.split(jax.random.key(key), 6)
+    return {
+        "dense1": {"kernel": jax.random.normal(ks[0], (16, 64)) / 4.0,
+                   "bias": 0.1 * jax.random.normal(ks[1], (64,))},
+        "dense2": {"kernel": jax.random.normal(ks[2], (64, 37)) / 8.0,
+                   "bias": 0.1 * jax.random.normal(ks[3], (37,))},
+        "proj": jax.random.normal(ks[4], (37, 7)) / 6.0,
+        "head": jax.random.normal(ks[5], (7, 3)) / 3.0,
+        "scale": jnp.asarray(1.5),
+    }
+
+
+def awkward_loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["dense1"]["kernel"] + params["dense1"]["bias"])
+    h = jnp.tanh(h @ params["dense2"]["kernel"] + params["dense2"]["bias"])
+    h = jnp.tanh(h @ params["proj"])
+    out = params["scale"] * (h @ params["head"])
+    return jnp.mean((out - y) ** 2)
+
+
+def regression_batches(steps, batch=32, din=16, dout=3, seed=1):
+    rng = np.random.default_rng(seed)
+    teacher = rng.normal(size=(din, dout)).astype(np.float32) / 4.0
+    out = []
+    for _ in range(steps):
+        x = rng.normal(size=(batch, din)).astype(np.float32)
+        y = np.sin(x @ teacher).astype(np.float32)
+        out.append((x, y))
+    return out
+
+
+def reference_run(tx, params, loss_fn, batches):
+    """Plain single-device optax on the whole batches."""
+    dev = jax.devices()[0]
+    params = jax.device_put(params, dev)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+        g = jax.grad(loss_fn)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for b in batches:
+        params, state = step(params, state, jax.device_put(b, dev))
+    return params
+
+
+def max_rel_err(ref, got) -> float:
+    """max over leaves of ||a - b|| / ||a||."""
+    errs = jax.tree.map(
+        lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                           / max(np.linalg.norm(np.asarray(a, np.float64)), 1e-30)),
+        ref, got)
+    return max(jax.tree.leaves(errs))
