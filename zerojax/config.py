@@ -30,7 +30,7 @@ class ZeroConfig:
     """
 
     stage: int = 1
-    min_shard_size: int = 1024
+    min_shard_size: int = 128
     data_axis: str = "data"
     donate: bool = True
     has_aux: bool = False
