@@ -1,0 +1,244 @@
+"""The public contract: inputs it accepts, errors it gives, what it leaves alone."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+import zerojax
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return zerojax.make_mesh(data=8)
+
+
+# -- bad input -------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [-1, 4, 1.5, True, "2"])
+def test_stage_outside_0_to_3_is_rejected(mesh, stage):
+    with pytest.raises(ValueError, match=re.escape(f"stage={stage!r}")):
+        zerojax.zero(optax.sgd(0.1), mesh, stage=stage)
+
+
+def test_unknown_option_is_rejected_with_the_known_ones(mesh):
+    with pytest.raises(TypeError, match="unknown option.*'stag'.*known options"):
+        zerojax.zero(optax.sgd(0.1), mesh, stag=2)
+
+
+def test_mesh_without_data_axis_is_rejected():
+    m = Mesh(np.array(jax.devices()), ("batch",))
+    with pytest.raises(ValueError, match=r"no 'data' axis.*make_mesh"):
+        zerojax.zero(optax.sgd(0.1), m, stage=1)
+
+
+def test_make_mesh_rejects_degrees_that_do_not_fit():
+    with pytest.raises(ValueError, match="data=3 x model=2 = 6 but there are 8"):
+        zerojax.make_mesh(data=3, model=2)
+    with pytest.raises(ValueError, match="do not divide by model=3"):
+        zerojax.make_mesh(data=-1, model=3)
+
+
+def test_batch_not_divisible_by_data_names_the_leaf(mesh):
+    opt = zerojax.zero(optax.sgd(0.1), mesh, stage=2)
+    state = opt.init_state(awkward_params())
+    x, y = regression_batches(1, batch=12)[0]
+    with pytest.raises(ValueError, match=r"\[0\].*shape \(12, 16\).*12 does not divide.*8"):
+        opt.train_step(awkward_loss)(state, (x, y))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_non_scalar_loss_is_rejected(mesh, stage):
+    opt = zerojax.zero(optax.sgd(0.1), mesh, stage=stage)
+    state = opt.init_state(awkward_params())
+
+    def per_example_loss(p, b):
+        return jnp.sum((b[0] @ p["dense1"]["kernel"]) ** 2, axis=1)
+
+    with pytest.raises(ValueError, match=r"scalar loss.*shape \(4,\).*mean"):
+        opt.train_step(per_example_loss)(state, regression_batches(1)[0])
+
+
+def test_non_array_param_leaf_is_rejected(mesh):
+    opt = zerojax.zero(optax.sgd(0.1), mesh, stage=1)
+    with pytest.raises(TypeError, match=r"\['w'\].*not an array"):
+        opt.init_state({"w": "weights.npy"})
+    with pytest.raises(TypeError, match=r"\['count'\].*int32.*floating point"):
+        opt.init_state({"w": jnp.ones((8, 8)), "count": jnp.zeros((), jnp.int32)})
+
+
+def test_non_optax_optimizer_is_rejected(mesh):
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+        zerojax.zero(lambda g: g, mesh, stage=1)
+
+
+# -- what it accepts -------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_state_leaves_callers_params_usable(mesh, stage):
+    params = awkward_params()
+    opt = zerojax.zero(optax.adam(1e-2), mesh, stage=stage, min_shard_size=16)
+    state = opt.init_state(params)
+    step = opt.train_step(awkward_loss)
+    for b in regression_batches(2):
+        state, _ = step(state, b)
+    # donation consumed the old states, never the caller's arrays
+    np.testing.assert_array_equal(np.asarray(params["dense1"]["kernel"]),
+                                  np.asarray(awkward_params()["dense1"]["kernel"]))
+
+
+def test_explicit_axis_mesh_and_device_subset_work():
+    devs = np.array(jax.devices()[:4]).reshape(4, 1)
+    m = Mesh(devs, ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+    tx = optax.adam(1e-2)
+    opt = zerojax.zero(tx, m, stage=3, min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    batches = regression_batches(5)
+    for b in batches:
+        state, _ = step(state, b)
+    assert {d.id for d in jax.tree.leaves(state.params)[0].devices()} == {0, 1, 2, 3}
+    ref = reference_run(tx, awkward_params(), awkward_loss, batches)
+    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_has_aux_returns_each_shards_aux(mesh, stage):
+    opt = zerojax.zero(optax.sgd(0.1), mesh, stage=stage, min_shard_size=16)
+    state = opt.init_state(awkward_params())
+
+    def loss_with_aux(p, b):
+        loss = awkward_loss(p, b)
+        return loss, {"n": jnp.asarray(b[0].shape[0], jnp.float32), "loss": loss}
+
+    step = opt.train_step(loss_with_aux, has_aux=True)
+    b = regression_batches(1)[0]
+    _, metrics = step(state, b)
+    assert metrics["aux"]["n"].shape == (8,)
+    np.testing.assert_allclose(metrics["aux"]["n"], 4.0)
+    np.testing.assert_allclose(metrics["aux"]["loss"].mean(), metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], awkward_loss(awkward_params(), b), rtol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_flax_linen_scanned_model_matches_reference(mesh, stage):
+    from zerojax.models import ScannedMLP, mse_loss
+
+    model = ScannedMLP(features=32, layers=3, out=3)
+    batches = regression_batches(10)
+    params = model.init(jax.random.key(0), batches[0][0])["params"]
+    tx = optax.adam(1e-2)
+    opt = zerojax.zero(tx, mesh, stage=stage, min_shard_size=16)
+    state = opt.init_state(params)
+    step = opt.train_step(mse_loss(model))
+    for b in batches:
+        state, _ = step(state, b)
+    ref = reference_run(tx, params, mse_loss(model), batches)
+    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_flax_nnx_state_params(mesh, stage):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 64, rngs=rngs)
+            self.l2 = nnx.Linear(64, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(p, b):
+        return jnp.mean((nnx.merge(graphdef, p)(b[0]) - b[1]) ** 2)
+
+    tx = optax.sgd(0.05, momentum=0.9)
+    opt = zerojax.zero(tx, mesh, stage=stage, min_shard_size=16)
+    state = opt.init_state(params)
+    step = opt.train_step(loss_fn)
+    batches = regression_batches(5)
+    for b in batches:
+        state, _ = step(state, b)
+    assert isinstance(opt.full_params(state), nnx.State)
+    ref = reference_run(tx, params, loss_fn, batches)
+    assert max_rel_err(ref, opt.full_params(state)) < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_dtype_params_train(mesh, stage):
+    params = awkward_params()
+    params["dense1"]["kernel"] = params["dense1"]["kernel"].astype(jnp.bfloat16)
+
+    def loss_fn(p, b):
+        p = dict(p, dense1=dict(p["dense1"], kernel=p["dense1"]["kernel"].astype(jnp.float32)))
+        return awkward_loss(p, b)
+
+    tx = optax.sgd(0.05)
+    opt = zerojax.zero(tx, mesh, stage=stage, min_shard_size=16)
+    state = opt.init_state(params)
+    assert state.params["dense1"]["kernel"].dtype == jnp.bfloat16
+    step = opt.train_step(loss_fn)
+    batches = regression_batches(5)
+    for b in batches:
+        state, _ = step(state, b)
+    full = opt.full_params(state)
+    assert full["dense1"]["kernel"].dtype == jnp.bfloat16
+    ref = reference_run(tx, params, loss_fn, batches)
+    # bf16 leaf: its gradient is summed in bf16 across devices (8 bits of mantissa)
+    assert max_rel_err(ref["dense1"]["kernel"], full["dense1"]["kernel"]) < 2e-2
+    assert max_rel_err(ref["dense2"], full["dense2"]) < 1e-2
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_tx_in_a_hand_written_jit_step(mesh, stage):
+    """opt.tx partitions the optimizer state in a user's own jit step."""
+    tx = optax.adam(1e-2)
+    opt = zerojax.zero(tx, mesh, stage=stage, min_shard_size=16)
+    params = jax.device_put(awkward_params(), jax.sharding.NamedSharding(opt.mesh, P()))
+    opt_state = jax.jit(opt.tx.init)(params)
+    mu = opt_state[0].mu["dense1"]["kernel"]
+    assert mu.sharding.spec == (P() if stage == 0 else P(None, "data"))
+
+    @jax.jit
+    def step(p, s, b):
+        g = jax.grad(awkward_loss)(p, b)
+        u, s = opt.tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    batches = regression_batches(5)
+    for b in batches:
+        params, opt_state = step(params, opt_state, b)
+    ref = reference_run(tx, awkward_params(), awkward_loss, batches)
+    assert max_rel_err(ref, params) < 3e-4
+
+
+def test_specs_describe_each_stage(mesh):
+    params = awkward_params()
+    k = ("dense1", "kernel")
+    for stage, (p_spec, g_spec, mu_spec) in {
+        0: (P(), P(), P()),
+        1: (P(), P(None, "data"), P(None, "data")),
+        2: (P(), P(None, "data"), P(None, "data")),
+        3: (P(None, "data"), P(None, "data"), P(None, "data")),
+    }.items():
+        specs = zerojax.zero(optax.adam(1e-3), mesh, stage=stage, min_shard_size=16).specs(params)
+        assert specs.params[k[0]][k[1]] == p_spec
+        assert specs.grads[k[0]][k[1]] == g_spec
+        assert specs.opt_state[0].mu[k[0]][k[1]] == mu_spec
+        assert specs.opt_state[0].count == P()
+
+
+def test_full_params_of_stage3_are_whole_and_replicated(mesh):
+    opt = zerojax.zero(optax.sgd(0.1), mesh, stage=3, min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    shard = state.params["dense1"]["kernel"].addressable_shards[0].data
+    assert shard.shape == (16, 8)
+    full = opt.full_params(state)
+    assert full["dense1"]["kernel"].shape == (16, 64)
+    assert full["dense1"]["kernel"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(full["dense1"]["kernel"], awkward_params()["dense1"]["kernel"])
