@@ -39,29 +39,35 @@ def gather_local(shard: jax.Array, dim: int, axis: str) -> jax.Array:
     return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
 
 
-def make_attach(dim: int, axis: str):
-    """``attach(full, zero_shard) -> full`` whose gradient goes reduce-scattered to the shard.
+def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None):
+    """``use(param, zero_shard) -> whole parameter``, whose gradient goes, reduce-scattered,
+    to ``zero_shard``.
 
-    Stage 2: the forward uses the locally replicated ``full`` parameter unchanged; in the
-    backward pass its cotangent is reduce-scattered the moment it is complete and
-    handed to ``zero_shard`` (a zero array of the shard's shape that the step
-    differentiates with respect to), so no full-size gradient outlives its layer.
+    ``param`` is this device's shard (``gather=True``, stage 3: it is all-gathered
+    here) or its local full copy (``gather=False``, stage 2: used as is). In the
+    backward pass the cotangent is reduce-scattered the moment it is complete, in
+    ``reduce_dtype`` (default: the cotangent's own dtype), and handed to
+    ``zero_shard``: a zero array of the shard's shape and of ``grad_dtype`` (the
+    dtype gradients are accumulated in) that the step differentiates with respect to. So no full-size gradient
+    outlives its layer, and the reduction's dtype is chosen here rather than by
+    autodiff.
     """
 
     @jax.custom_vjp
-    def attach(full, zero_shard):
+    def use(param, zero_shard):
         del zero_shard
-        return full
+        return gather_local(param, dim, axis) if gather else param
 
-    def fwd(full, zero_shard):
-        del zero_shard
-        return full, None
+    def fwd(param, zero_shard):
+        return use(param, zero_shard), None
 
     def bwd(_, ct):
-        return None, reduce_scatter_local(ct, dim, axis)
+        if reduce_dtype is not None:
+            ct = ct.astype(reduce_dtype)
+        return None, reduce_scatter_local(ct, dim, axis).astype(grad_dtype)
 
-    attach.defvjp(fwd, bwd)
-    return attach
+    use.defvjp(fwd, bwd)
+    return use
 
 
 def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str) -> Any:
@@ -90,6 +96,6 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 
 __all__ = [
-    "all_reduce_local", "reduce_scatter_local", "gather_local", "make_attach",
+    "all_reduce_local", "reduce_scatter_local", "gather_local", "make_param_use",
     "gather_params", "slice_local", "is_layout",
 ]

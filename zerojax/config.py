@@ -7,8 +7,27 @@ arguments here; anything it does not know is rejected with the list of known nam
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
 
 STAGES = (0, 1, 2, 3)
+
+
+def _as_float_dtype(name: str, value: Any):
+    if value is None:
+        return None
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(
+            f"{name}={value!r} is not a floating-point dtype; use e.g. jnp.bfloat16, "
+            "jnp.float16 or jnp.float32 (or None)."
+        )
+    return dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +38,32 @@ class ZeroConfig:
       stage: what is partitioned over the ``data`` mesh axis (ZeRO paper, Sec. 5).
         0: nothing (plain data parallelism, gradients all-reduced);
         1: optimizer state (P_os); 2: + gradients (P_os+g); 3: + parameters (P_os+g+p).
+      param_dtype: dtype of the compute copy of the parameters (``TrainState.params``),
+        e.g. ``jnp.bfloat16``. The master weights keep the dtype of the params given
+        to ``init_state`` (normally float32) and live in the partitioned optimizer
+        state. None: no separate master copy; params are updated in their own dtype.
+      reduce_dtype: dtype of the gradient collectives (reduce-scatter / all-reduce).
+        None: the gradients' own dtype (the compute dtype). float32 sums bf16/fp16
+        gradients exactly at twice the traffic bytes.
+      max_grad_norm: clip the gradient to this global L2 norm (computed over the whole
+        gradient across all shards, one scalar reduction). None: no clipping.
+        ``metrics["grad_norm"]`` is always reported (before clipping).
+      accum_steps: gradient accumulation: every batch leaf has a leading axis of this
+        size holding the micro-batches (``(accum_steps, batch, ...)``); the step runs
+        them in a scan and makes one optimizer update. Stages 0-1 reduce the
+        accumulated gradient once; stages 2-3 reduce-scatter each micro-batch's
+        gradient into a partitioned (1/N) accumulator.
+      loss_scale: None (off), a float (static scale), or ``"dynamic"`` (for float16).
+        The loss is multiplied by the scale before differentiation and the gradients
+        divided by it after the reduction. A step whose gradient has an inf or NaN
+        anywhere (any shard on any device) is skipped on every device: params and
+        optimizer state are left unchanged. ``metrics`` report ``loss_scale`` and
+        ``skipped``.
+      loss_scale_init, loss_scale_growth_interval, loss_scale_growth_factor,
+      loss_scale_backoff, loss_scale_hysteresis, loss_scale_min: dynamic scaling
+        (as DeepSpeed's): after ``growth_interval`` finite steps in a row the scale is
+        multiplied by ``growth_factor``; an overflow multiplies it by ``backoff`` (not
+        below ``min``) once ``hysteresis`` overflows have happened since the last growth.
       min_shard_size: leaves with fewer elements than this stay replicated on every
         device (their gradients are all-reduced). Partitioning tiny leaves saves
         nothing and costs a collective each.
@@ -26,10 +71,22 @@ class ZeroConfig:
       donate: donate the train state to the step, so the new state reuses its buffers
         (the peak memory then holds one copy of the state, not two).
       has_aux: the loss function returns ``(loss, aux)``. ``metrics["aux"]`` then holds
-        each data shard's ``aux``, stacked along a new leading axis of size N.
+        each data shard's ``aux`` (of its last micro-batch), stacked along a new
+        leading axis of size N.
     """
 
     stage: int = 1
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    max_grad_norm: float | None = None
+    accum_steps: int = 1
+    loss_scale: float | str | None = None
+    loss_scale_init: float = 2.0**15
+    loss_scale_growth_interval: int = 2000
+    loss_scale_growth_factor: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_hysteresis: int = 2
+    loss_scale_min: float = 1.0
     min_shard_size: int = 128
     data_axis: str = "data"
     donate: bool = True
@@ -41,6 +98,39 @@ class ZeroConfig:
                 f"stage={self.stage!r} is not a ZeRO stage: use 0 (plain data parallelism), "
                 "1 (partition optimizer state), 2 (+ gradients) or 3 (+ parameters)."
             )
+        object.__setattr__(self, "param_dtype", _as_float_dtype("param_dtype", self.param_dtype))
+        object.__setattr__(self, "reduce_dtype",
+                           _as_float_dtype("reduce_dtype", self.reduce_dtype))
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float, np.floating))
+                and not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):
+            raise ValueError(
+                f"max_grad_norm={self.max_grad_norm!r} must be a positive number "
+                "(the global L2 norm to clip to) or None for no clipping."
+            )
+        _positive_int("accum_steps", self.accum_steps, "micro-batches per step")
+        if self.loss_scale is not None and self.loss_scale != "dynamic" and not (
+                isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
+                and self.loss_scale > 0):
+            raise ValueError(
+                f"loss_scale={self.loss_scale!r} must be None, 'dynamic' or a positive "
+                "number (a static scale)."
+            )
+        for name in ("loss_scale_init", "loss_scale_min", "loss_scale_growth_factor"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be positive.")
+        if not 0 < float(self.loss_scale_backoff) < 1:
+            raise ValueError(
+                f"loss_scale_backoff={self.loss_scale_backoff!r} must be in (0, 1), "
+                "e.g. 0.5 to halve the scale on overflow."
+            )
+        if float(self.loss_scale_growth_factor) < 1:
+            raise ValueError(
+                f"loss_scale_growth_factor={self.loss_scale_growth_factor!r} must be >= 1.")
+        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval,
+                      "finite steps before the scale grows")
+        _positive_int("loss_scale_hysteresis", self.loss_scale_hysteresis,
+                      "overflows tolerated before the scale backs off")
         if not isinstance(self.min_shard_size, int) or self.min_shard_size < 0:
             raise ValueError(
                 f"min_shard_size={self.min_shard_size!r} must be a non-negative int "
@@ -48,6 +138,10 @@ class ZeroConfig:
             )
         if not isinstance(self.data_axis, str) or not self.data_axis:
             raise ValueError(f"data_axis={self.data_axis!r} must be a mesh axis name.")
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == "dynamic"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ZeroConfig":
@@ -58,3 +152,8 @@ class ZeroConfig:
                 f"zero() got unknown option(s) {unknown}; known options are {sorted(known)}."
             )
         return cls(**kwargs)
+
+
+def _positive_int(name: str, value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int ({what}).")

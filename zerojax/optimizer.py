@@ -13,7 +13,7 @@ from zerojax import collectives as C
 from zerojax import partition as part
 from zerojax.config import ZeroConfig
 from zerojax.mesh import auto_mesh
-from zerojax.state import TrainState
+from zerojax.state import LossScaleState, MasterState, TrainState
 from zerojax.step import TrainStep, build_train_step
 
 
@@ -65,20 +65,23 @@ class ZeroOptimizer:
                             self.config.data_axis)
 
     def specs(self, params: Any) -> part.StageSpecs:
-        """PartitionSpec trees of the params, gradients and optimizer state of this stage."""
-        lay = self.layouts(params)
-        stage = self.config.stage
-        opt_shapes = jax.eval_shape(self.inner.init, self._owned_structs(params))
-        return part.StageSpecs(
-            params=part.stage_param_specs(lay, stage),
-            grads=part.stage_grad_specs(lay, stage),
-            opt_state=part.opt_state_specs(opt_shapes, self.data_size,
-                                           self.config.min_shard_size, stage,
-                                           self.config.data_axis),
-        )
+        """PartitionSpec trees of the params, gradients and optimizer state of this stage.
 
-    def _owned_structs(self, params):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        With ``param_dtype`` set, ``opt_state`` is a :class:`MasterState` whose
+        ``master`` (the fp32 master weights) is laid out like the optimizer state.
+        """
+        lay = self.layouts(params)
+        cfg = self.config
+        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        opt_shapes = jax.eval_shape(self.inner.init, structs)
+        if cfg.param_dtype is not None:
+            opt_shapes = MasterState(structs, opt_shapes)
+        return part.StageSpecs(
+            params=part.stage_param_specs(lay, cfg.stage),
+            grads=part.stage_grad_specs(lay, cfg.stage),
+            opt_state=part.opt_state_specs(opt_shapes, self.data_size, cfg.min_shard_size,
+                                           cfg.stage, cfg.data_axis),
+        )
 
     # -- state ----------------------------------------------------------------------
     def init_state(self, params: Any) -> TrainState:
@@ -87,16 +90,32 @@ class ZeroOptimizer:
         The caller's ``params`` are copied, never donated: they stay usable.
         """
         _check_params(params)
+        cfg = self.config
         specs = self.specs(params)
         param_sh = part.shardings(self.mesh, specs.params)
+        opt_sh = part.shardings(self.mesh, specs.opt_state)
+        replicated = NamedSharding(self.mesh, P())
         # A fresh copy laid out per stage: device_put may hand back the caller's own
         # buffers (on device 0, say), and the step donates its state.
-        placed = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=param_sh)(
-            jax.device_put(params, param_sh))
-        opt_state = jax.jit(self.inner.init,
-                            out_shardings=part.shardings(self.mesh, specs.opt_state))(placed)
-        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
-        return TrainState(step, placed, opt_state)
+        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=param_sh)
+        if cfg.param_dtype is None:
+            placed = copy(jax.device_put(params, param_sh))
+            opt_state = jax.jit(self.inner.init, out_shardings=opt_sh)(placed)
+        else:
+            def init(p):
+                compute = jax.tree.map(lambda x: x.astype(cfg.param_dtype), p)
+                return compute, MasterState(p, self.inner.init(p))
+
+            placed, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(
+                jax.device_put(params, opt_sh.master))
+        loss_scale = None
+        if cfg.loss_scale is not None:
+            init_scale = cfg.loss_scale_init if cfg.dynamic_loss_scale else cfg.loss_scale
+            loss_scale = jax.device_put(
+                LossScaleState(jnp.asarray(init_scale, jnp.float32), jnp.zeros((), jnp.int32),
+                               jnp.asarray(cfg.loss_scale_hysteresis, jnp.int32)), replicated)
+        step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+        return TrainState(step, placed, opt_state, loss_scale)
 
     def train_step(self, loss_fn: Callable, *, has_aux: bool | None = None) -> TrainStep:
         """Compile ``step(state, batch) -> (state, metrics)`` for ``loss_fn(params, batch)``.
@@ -111,11 +130,19 @@ class ZeroOptimizer:
         return build_train_step(loss_fn, self, bool(aux))
 
     def full_params(self, state: TrainState) -> Any:
-        """Whole parameters, replicated on every device (stage 3 all-gathers them)."""
-        if self.config.stage != 3:
-            return state.params
+        """Whole parameters, replicated on every device: the master weights (fp32) with
+        ``param_dtype`` set, else the params; partitioned leaves are all-gathered."""
+        cfg = self.config
+        if cfg.param_dtype is not None:
+            src = state.opt_state.master
+            partitioned = cfg.stage > 0
+        else:
+            src = state.params
+            partitioned = cfg.stage == 3
+        if not partitioned:
+            return src
         return jax.jit(lambda p: C.gather_params(p, self.layouts(p), self.mesh,
-                                                 self.config.data_axis))(state.params)
+                                                 cfg.data_axis))(src)
 
     # -- optax interface ------------------------------------------------------------
     @property
@@ -127,6 +154,12 @@ class ZeroOptimizer:
         and parameters (sharding constraints; the compiler picks the collectives). The
         returned updates have the stage's parameter layout.
         """
+        if self.config.param_dtype is not None or self.config.loss_scale is not None:
+            raise ValueError(
+                "opt.tx does not implement param_dtype / loss_scale (its state would have "
+                "to hold the master weights and the scale); use opt.train_step, or build "
+                "the optimizer without those options for a hand-written step."
+            )
         mesh, inner = self.mesh, self.inner
 
         def init(params):
@@ -158,7 +191,8 @@ def zero(tx: optax.GradientTransformation, mesh: Mesh, **options) -> ZeroOptimiz
         lamb, chains with ``clip_by_global_norm``, masked weight decay, ...).
       mesh: a ``jax.sharding.Mesh`` with a ``data`` axis (Auto or Explicit axes).
       **options: the fields of :class:`~zerojax.config.ZeroConfig` (``stage``,
-        ``min_shard_size``, ``donate``, ``has_aux``, ...).
+        ``param_dtype``, ``reduce_dtype``, ``max_grad_norm``, ``accum_steps``,
+        ``loss_scale``, ``min_shard_size``, ``donate``, ``has_aux``, ...).
 
     Example::
 

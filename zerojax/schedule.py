@@ -5,10 +5,12 @@ evaluates that jaxpr inside the step's ``shard_map`` body with each partitioned
 parameter held *lazily* (:class:`_Lazy`): nothing happens to it until an equation
 uses it, and then
 
-* stage 3: its shard is all-gathered right there (:func:`gather_local`), and
-  autodiff turns that gather into the reduce-scatter of its gradient;
-* stage 2: the local full copy is wrapped in :func:`make_attach`, whose backward
-  reduce-scatters the gradient the moment it is complete.
+* stage 3: its shard is all-gathered right there;
+* stage 2: its local full copy is used as is;
+
+and in both the backward pass reduce-scatters its gradient the moment it is
+complete (:func:`zerojax.collectives.make_param_use`) into a partitioned zero
+shard that the step differentiates against.
 
 A use inside ``lax.scan`` over a stacked parameter (a flax ``nn.scan`` layer stack)
 is pushed into the scan body: the scan iterates over the *shards* and each iteration
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from zerojax.collectives import gather_local, make_attach
+from zerojax.collectives import make_param_use
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call"}
 _REMAT = {"remat2", "checkpoint"}
@@ -46,7 +48,8 @@ _NOT_CHAINABLE = _INLINE | _REMAT | {
 class _Ref:
     """One stored parameter: its raw per-device arrays and the dim split over ``data``.
 
-    stage 3: ``raws = (shard,)``; stage 2: ``raws = (full, zero_shard)``.
+    ``raws = (param, zero_shard)``: ``param`` is the shard (stage 3) or the local
+    full copy (stage 2); ``zero_shard`` is what the gradient is taken against.
     """
 
     raws: tuple
@@ -69,13 +72,14 @@ class _Lazy:
 class _Ctx:
     stage: int
     axis: str
+    reduce_dtype: Any = None
     in_remat: bool = False
 
     def materialize_ref(self, ref: _Ref):
-        if self.stage == 3:
-            return gather_local(ref.raws[0], ref.dim, self.axis)
-        full, zero_shard = ref.raws
-        return make_attach(ref.dim, self.axis)(full, zero_shard)
+        param, zero_shard = ref.raws
+        use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
+                             grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype)
+        return use(param, zero_shard)
 
 
 def _value(lazy: _Lazy, mats: dict):
@@ -238,31 +242,31 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
     reg_pos = [i for i, (x, v) in enumerate(zip(ins, eqn.invars))
                if not isinstance(x, _Lazy) and not isinstance(v, jcore.Literal)]
 
-    def compute(shards, regulars):
-        shards = _after(shards, regulars)  # gather no earlier than the layer's input exists
-        mats = {id(r): ctx.materialize_ref(_Ref((s,), r.dim)) for r, s in zip(refs, shards)}
+    def compute(raws, regulars):
+        raws = _after(raws, regulars)  # gather no earlier than the layer's input exists
+        mats = {id(r): ctx.materialize_ref(_Ref(tuple(rw), r.dim)) for r, rw in zip(refs, raws)}
         vals = [_value(x, mats) if isinstance(x, _Lazy) else x for x in ins]
         for i, r in zip(reg_pos, regulars):
             vals[i] = r
         return _bind(eqn, vals)
 
     @jax.custom_vjp
-    def unit(shards, regulars):
-        return compute(shards, regulars)
+    def unit(raws, regulars):
+        return compute(raws, regulars)
 
-    def fwd(shards, regulars):
-        return compute(shards, regulars), (shards, regulars)
+    def fwd(raws, regulars):
+        return compute(raws, regulars), (raws, regulars)
 
     def bwd(res, ct):
-        shards, regulars = res
-        _, vjp = jax.vjp(compute, _after(shards, ct), regulars)
+        raws, regulars = res
+        _, vjp = jax.vjp(compute, _after(raws, ct), regulars)
         return vjp(ct)
 
     unit.defvjp(fwd, bwd)
-    return unit([r.raws[0] for r in refs], [ins[i] for i in reg_pos])
+    return unit([list(r.raws) for r in refs], [ins[i] for i in reg_pos])
 
 
-def _after(shards: list, ct) -> list:
+def _after(raws: list, ct) -> list:
     """``shards``, made data-dependent on ``ct`` (a layer's input, or its cotangent).
 
     ``shard + 0 * ct[0]`` equals ``shard`` (a NaN or inf in ``ct`` propagates, as it
@@ -275,19 +279,20 @@ def _after(shards: list, ct) -> list:
     leaves = [c for c in jax.tree.leaves(ct)
               if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
     if not leaves:
-        return shards
+        return raws
     probe = jnp.ravel(leaves[0])[0]
-    return [s + jnp.zeros((), s.dtype) * probe.astype(s.dtype) for s in shards]
+    return [[rw[0] + jnp.zeros((), rw[0].dtype) * probe.astype(rw[0].dtype), *rw[1:]]
+            for rw in raws]
 
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
-                      stage: int, axis: str) -> list:
+                      stage: int, axis: str, reduce_dtype=None) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
       closed_jaxpr: the loss traced on whole-shape params followed by ``other_args``.
-      param_args: per param leaf, the raw arrays: stage 3 ``(shard,)``, stage 2
-        ``(full, zero_shard)``; for replicated leaves ``(full,)``.
+      param_args: per param leaf, the raw arrays: ``(shard, zero_shard)`` (stage 3) or
+        ``(full, zero_shard)`` (stage 2); for replicated leaves ``(full,)``.
       other_args: the remaining (batch) arguments, per-device.
       layouts: per param leaf, its :class:`LeafLayout`.
     """
@@ -295,4 +300,5 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
     for raws, lay in zip(param_args, layouts):
         args.append(_Lazy((_Ref(tuple(raws), lay.dim),), None) if lay.sharded else raws[0])
     args.extend(other_args)
-    return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, _Ctx(stage, axis))
+    return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args,
+                      _Ctx(stage, axis, reduce_dtype))

@@ -1,11 +1,29 @@
-"""TrainState: the pytree a ZeRO step consumes and returns."""
+"""TrainState and the small states it carries."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+
+
+class MasterState(NamedTuple):
+    """Optimizer state with mixed precision: the master weights and the wrapped
+    optimizer's state, both laid out like the optimizer state (partitioned in
+    stages 1-3)."""
+
+    master: Any
+    inner: Any
+
+
+class LossScaleState(NamedTuple):
+    """Dynamic loss scale: the scale, finite steps since the last change, and the
+    overflows still tolerated before backing off."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    hysteresis: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -14,16 +32,20 @@ class TrainState:
     """Training state, laid out per stage (see :meth:`ZeroOptimizer.specs`).
 
     Attributes:
-      step: int32 scalar, the number of optimizer steps taken.
-      params: stages 0-2: whole parameters, replicated on every device;
-        stage 3: each device holds a 1/N shard of every partitioned leaf.
-      opt_state: the wrapped optax optimizer's state; stages 1-3 partition it over
-        the ``data`` axis.
+      step: int32 scalar, the number of optimizer steps taken (skipped steps excluded).
+      params: the parameters the model computes with (in ``param_dtype`` if set).
+        Stages 0-2: whole, replicated on every device; stage 3: each device holds a
+        1/N shard of every partitioned leaf.
+      opt_state: the wrapped optax optimizer's state (a :class:`MasterState` holding
+        the master weights too when ``param_dtype`` is set); stages 1-3 partition it
+        over the ``data`` axis.
+      loss_scale: a :class:`LossScaleState`, or None without loss scaling.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
+    loss_scale: LossScaleState | None = None
 
     def replace(self, **changes) -> "TrainState":
         return dataclasses.replace(self, **changes)

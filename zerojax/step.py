@@ -3,15 +3,19 @@
 One ``jax.jit``-compiled function ``step(state, batch) -> (state, metrics)``:
 
 1. a ``shard_map`` over the data axis computes each device's loss and gradient on
-   its slice of the batch and reduces the gradient with explicit collectives:
-   stage 0 all-reduces it; stage 1 reduce-scatters it after the backward pass;
-   stages 2 and 3 reduce-scatter each parameter's gradient as soon as it is
-   produced (:mod:`zerojax.schedule`), stage 3 also all-gathering each parameter
-   just before its first use;
+   its slice of the batch (``accum_steps`` micro-batches in a scan) and reduces the
+   gradient with explicit collectives: stage 0 all-reduces it; stage 1
+   reduce-scatters it once after the backward pass; stages 2 and 3 reduce-scatter
+   each parameter's gradient as soon as it is produced, into a partitioned
+   accumulator (:mod:`zerojax.schedule`), stage 3 also all-gathering each parameter
+   just before its use. The same body sums the squares of its gradient slice; one
+   scalar all-reduce gives the global norm, used for clipping and for detecting an
+   overflow anywhere in the gradient;
 2. the wrapped optax update runs on the partitioned gradients, optimizer state and
-   parameter shards (elementwise-local; global quantities such as a global norm
-   become scalar all-reduces over ``data``);
-3. stages 1 and 2 all-gather the updated shards back to whole parameters.
+   parameter shards (the fp32 master shards with mixed precision). With loss
+   scaling, a step whose gradient is not finite is skipped on every device;
+3. stages 1 and 2 all-gather the updated shards (cast to the compute dtype) back to
+   whole parameters.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax import collectives as C
 from zerojax.partition import is_layout, shardings
 from zerojax.schedule import apply_partitioned
-from zerojax.state import TrainState
+from zerojax.state import LossScaleState, MasterState, TrainState
 
 
 def _check_loss(out, has_aux: bool):
@@ -43,111 +47,208 @@ def _check_loss(out, has_aux: bool):
         raise ValueError(f"loss_fn must return a floating-point loss, got dtype {loss.dtype}.")
 
 
-def check_batch(batch: Any, n: int, axis: str) -> None:
-    """Every batch leaf must have a leading dimension divisible by the data degree."""
+def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
+    """Every batch leaf must be ``(batch, ...)`` (or ``(accum_steps, batch, ...)``) with
+    ``batch`` divisible by the data degree."""
+    bdim = 0 if accum_steps == 1 else 1
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        name = jax.tree_util.keystr(path)
         shape = getattr(x, "shape", None)
-        if shape is None or len(shape) == 0:
+        if shape is None or len(shape) <= bdim:
+            want = "a leading batch dimension" if bdim == 0 else (
+                f"leading dimensions (accum_steps={accum_steps}, batch)")
             raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has no leading batch dimension "
-                f"(got {x!r}); every batch leaf is split over the {axis!r} axis along dim 0."
+                f"batch leaf {name} has no {want} (got {x!r}); every batch leaf is split "
+                f"over the {axis!r} axis along dim {bdim}."
             )
-        if shape[0] % n:
+        if bdim and shape[0] != accum_steps:
             raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}: its leading "
-                f"dimension {shape[0]} does not divide by the {axis!r} axis size {n}; use a "
-                f"global batch size that is a multiple of {n}."
+                f"batch leaf {name} has shape {tuple(shape)}: with accum_steps={accum_steps} "
+                f"its leading dimension must be {accum_steps} (the micro-batches); reshape "
+                f"it to ({accum_steps}, batch // {accum_steps}, ...)."
+            )
+        if shape[bdim] % n:
+            raise ValueError(
+                f"batch leaf {name} has shape {tuple(shape)}: its batch dimension "
+                f"{shape[bdim]} does not divide by the {axis!r} axis size {n}; use a "
+                f"batch size that is a multiple of {n}."
             )
 
 
 def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
-    """``grad_fn(params, batch) -> (grads, loss, aux)`` as a ``shard_map`` over data."""
-    cfg, mesh, axis, n = opt.config, opt.mesh, opt.config.data_axis, opt.data_size
-    stage = cfg.stage
+    """``grad_fn(params, batch, scale, grad_dtypes) -> (grads, loss, aux, sum_sq)``.
 
-    def grad_fn(params, batch):
+    A ``shard_map`` over data. ``grads`` are reduced, unscaled, in ``grad_dtypes``
+    and laid out per stage; ``sum_sq`` is the squared global norm of ``grads``.
+    """
+    cfg, mesh, axis, n = opt.config, opt.mesh, opt.config.data_axis, opt.data_size
+    stage, k, reduce_dtype = cfg.stage, cfg.accum_steps, cfg.reduce_dtype
+
+    def to_reduce(x):
+        return x if reduce_dtype is None else x.astype(reduce_dtype)
+
+    def grad_fn(params, batch, scale, grad_dtypes):
         leaves, treedef = jax.tree.flatten(params)
         lays = treedef.flatten_up_to(opt.layouts(params))
         param_specs = tuple(lay.spec if stage == 3 else P() for lay in lays)
         grad_specs = tuple(lay.spec if stage > 0 else P() for lay in lays)
+        sharded = [i for i, lay in enumerate(lays) if lay.sharded]
+        replicated = [i for i, lay in enumerate(lays) if not lay.sharded]
+        # the loss each device differentiates: scaled, and averaged over devices and
+        # micro-batches (exact for power-of-two N and k)
+        factor = 1.0 / (n * k)
+        scaled = scale is not None
 
-        def body(param_leaves, local_batch):
-            full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
+        def body(param_leaves, local_batch, scale):
+            def differentiated(loss):
+                out = loss.astype(jnp.float32) * factor
+                return out * scale if scaled else out
+
+            micro_struct = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:] if k > 1 else x.shape, x.dtype),
+                local_batch)
+
             if stage in (0, 1):
-                def local_loss(p_leaves):
-                    out = loss_fn(jax.tree.unflatten(treedef, p_leaves), local_batch)
-                    _check_loss(out, has_aux)
-                    loss, aux = out if has_aux else (out, None)
-                    return loss / n, aux
+                acc_dtypes = [reduce_dtype or x.dtype for x in param_leaves]
 
-                (loss, aux), g = jax.value_and_grad(local_loss, has_aux=True)(list(param_leaves))
-                if stage == 0:
-                    g = [C.all_reduce_local(x, axis) for x in g]
-                else:
-                    g = [C.reduce_scatter_local(x, lay.dim, axis) if lay.sharded
-                         else C.all_reduce_local(x, axis) for x, lay in zip(g, lays)]
+                def micro_grads(mb):
+                    def f(p_leaves):
+                        out = loss_fn(jax.tree.unflatten(treedef, p_leaves), mb)
+                        _check_loss(out, has_aux)
+                        loss, aux = out if has_aux else (out, None)
+                        return differentiated(loss), (loss, aux)
+
+                    (_, (loss, aux)), g = jax.value_and_grad(f, has_aux=True)(list(param_leaves))
+                    return [x.astype(dt) for x, dt in zip(g, acc_dtypes)], loss, aux
+
+                acc_shapes = [lay.shape for lay in lays]
             else:
+                full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
                 closed, out_shape = jax.make_jaxpr(
                     lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
-                    return_shape=True)(full_structs, local_batch)
+                    return_shape=True)(full_structs, micro_struct)
                 _check_loss(out_shape, has_aux)
                 out_tree = jax.tree.structure(out_shape)
-                batch_leaves = jax.tree.leaves(local_batch)
-                sharded_idx = [i for i, lay in enumerate(lays) if lay.sharded]
-                rep_idx = [i for i, lay in enumerate(lays) if not lay.sharded]
+                acc_dtypes = [grad_dtypes[i] if lays[i].sharded
+                              else (reduce_dtype or lays[i].dtype) for i in range(len(lays))]
 
-                def local_loss(diff_sharded, diff_rep):
-                    raws: list[Any] = [None] * len(lays)
-                    for i, d in zip(sharded_idx, diff_sharded):
-                        raws[i] = (d,) if stage == 3 else (param_leaves[i], d)
-                    for i, d in zip(rep_idx, diff_rep):
-                        raws[i] = (d,)
-                    outs = apply_partitioned(closed, raws, batch_leaves, lays, stage, axis)
-                    out = jax.tree.unflatten(out_tree, outs)
-                    loss, aux = out if has_aux else (out, None)
-                    return loss / n, aux
+                def micro_grads(mb):
+                    def f(zero_shards, rep):
+                        raws: list[Any] = [None] * len(lays)
+                        for i, z in zip(sharded, zero_shards):
+                            raws[i] = (param_leaves[i], z)
+                        for i, r in zip(replicated, rep):
+                            raws[i] = (r,)
+                        outs = apply_partitioned(closed, raws, jax.tree.leaves(mb), lays, stage,
+                                                 axis, reduce_dtype)
+                        out = jax.tree.unflatten(out_tree, outs)
+                        loss, aux = out if has_aux else (out, None)
+                        return differentiated(loss), (loss, aux)
 
-                if stage == 3:
-                    diff_sharded = [param_leaves[i] for i in sharded_idx]
-                else:
-                    diff_sharded = [jnp.zeros(lays[i].shard_shape(n), lays[i].dtype)
-                                    for i in sharded_idx]
-                diff_rep = [param_leaves[i] for i in rep_idx]
-                (loss, aux), (g_sh, g_rep) = jax.value_and_grad(
-                    local_loss, argnums=(0, 1), has_aux=True)(diff_sharded, diff_rep)
-                g: list[Any] = [None] * len(lays)
-                for i, x in zip(sharded_idx, g_sh):
-                    g[i] = x
-                for i, x in zip(rep_idx, g_rep):
-                    g[i] = C.all_reduce_local(x, axis)
-            loss = jax.lax.psum(loss, axis)
+                    zeros = [jnp.zeros(lays[i].shard_shape(n), acc_dtypes[i]) for i in sharded]
+                    rep = [param_leaves[i] for i in replicated]
+                    (_, (loss, aux)), (g_sh, g_rep) = jax.value_and_grad(
+                        f, argnums=(0, 1), has_aux=True)(zeros, rep)
+                    g: list[Any] = [None] * len(lays)
+                    for i, x in zip(sharded, g_sh):
+                        g[i] = x
+                    for i, x in zip(replicated, g_rep):
+                        g[i] = x.astype(acc_dtypes[i])
+                    return g, loss, aux
+
+                acc_shapes = [lay.shard_shape(n) if lay.sharded else lay.shape for lay in lays]
+
+            if k == 1:
+                g, loss, aux = micro_grads(local_batch)
+            else:
+                def accumulate(carry, mb):
+                    g_acc, loss_acc = carry
+                    g, loss, aux = micro_grads(mb)
+                    return ([a + b for a, b in zip(g_acc, g)],
+                            loss_acc + loss.astype(jnp.float32)), aux
+
+                init = ([jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)],
+                        jnp.zeros((), jnp.float32))
+                (g, loss), auxs = jax.lax.scan(accumulate, init, local_batch)
+                loss = loss / k
+                aux = jax.tree.map(lambda a: a[-1], auxs)
+
+            # the one reduction of stages 0-1; replicated leaves of stages 2-3
+            if stage == 0:
+                g = [C.all_reduce_local(to_reduce(x), axis) for x in g]
+            elif stage == 1:
+                g = [C.reduce_scatter_local(to_reduce(x), lay.dim, axis) if lay.sharded
+                     else C.all_reduce_local(to_reduce(x), axis) for x, lay in zip(g, lays)]
+            else:
+                g = [C.all_reduce_local(to_reduce(x), axis) if not lays[i].sharded else x
+                     for i, x in enumerate(g)]
+            g = [x.astype(dt) for x, dt in zip(g, grad_dtypes)]
+            if scaled:
+                g = [x / scale.astype(x.dtype) for x in g]
+
+            def sq(xs):
+                return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs),
+                           jnp.zeros((), jnp.float32))
+
+            # partitioned slices summed over devices (one scalar all-reduce), plus the
+            # replicated leaves, identical everywhere
+            part_sq = sq([g[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
+            rep_sq = sq([g[i] for i in (replicated if stage > 0 else range(len(g)))])
+            sum_sq = (jax.lax.psum(part_sq, axis) if stage > 0 and sharded else 0.0) + rep_sq
+            loss = jax.lax.psum(loss.astype(jnp.float32), axis) / n
             aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
-            return tuple(g), loss, aux
+            return tuple(g), loss, aux, sum_sq
 
-        g, loss, aux = jax.shard_map(
-            body, mesh=mesh, in_specs=(param_specs, P(axis)),
-            out_specs=(grad_specs, P(), P(axis)), check_vma=False,
-        )(tuple(leaves), batch)
-        return jax.tree.unflatten(treedef, list(g)), loss, aux
+        batch_spec = P(axis) if k == 1 else P(None, axis)
+        scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
+        g, loss, aux, sum_sq = jax.shard_map(
+            body, mesh=mesh, in_specs=(param_specs, batch_spec, P()),
+            out_specs=(grad_specs, P(), P(axis), P()), check_vma=False,
+        )(tuple(leaves), batch, scale_arg)
+        return jax.tree.unflatten(treedef, list(g)), loss, aux, sum_sq
 
     return grad_fn
+
+
+def clip_by_global_norm(grads, norm, max_norm: float):
+    """``optax.clip_by_global_norm`` given the (already reduced) global norm."""
+    trigger = norm < max_norm
+    return jax.tree.map(
+        lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
+
+
+def next_loss_scale(ls: LossScaleState, finite, cfg) -> LossScaleState:
+    """DeepSpeed-style dynamic loss scale update (static scales never change)."""
+    if not cfg.dynamic_loss_scale:
+        return ls
+    good = jnp.where(finite, ls.good_steps + 1, 0)
+    grow = finite & (good >= cfg.loss_scale_growth_interval)
+    backoff = (~finite) & (ls.hysteresis <= 1)
+    scale = jnp.where(grow, ls.scale * cfg.loss_scale_growth_factor,
+                      jnp.where(backoff, jnp.maximum(ls.scale * cfg.loss_scale_backoff,
+                                                     cfg.loss_scale_min), ls.scale))
+    hysteresis = jnp.where(grow, cfg.loss_scale_hysteresis,
+                           jnp.where(finite, ls.hysteresis, jnp.maximum(ls.hysteresis - 1, 1)))
+    return LossScaleState(scale.astype(ls.scale.dtype), jnp.where(grow, 0, good).astype(jnp.int32),
+                          hysteresis.astype(jnp.int32))
 
 
 class TrainStep:
     """A compiled ZeRO train step: ``step(state, batch) -> (state, metrics)``.
 
-    Calls and ``lower`` check the batch first (leading dims divisible by the data
+    Calls and ``lower`` check the batch first (batch dimension divisible by the data
     degree); ``jitted`` is the underlying ``jax.jit`` function.
     """
 
-    def __init__(self, jitted, mesh, n: int, axis: str):
+    def __init__(self, jitted, mesh, n: int, axis: str, accum_steps: int):
         self.jitted = jitted
-        self._batch_sharding = NamedSharding(mesh, P(axis))
-        self._n, self._axis = n, axis
+        spec = P(axis) if accum_steps == 1 else P(None, axis)
+        self._batch_sharding = NamedSharding(mesh, spec)
+        self._n, self._axis, self._k = n, axis, accum_steps
 
     def place_batch(self, batch: Any) -> Any:
         """Check ``batch`` and split it over the data axis (a no-op if already placed)."""
-        check_batch(batch, self._n, self._axis)
+        check_batch(batch, self._n, self._axis, self._k)
         return jax.device_put(batch, self._batch_sharding)
 
     def __call__(self, state: TrainState, batch: Any):
@@ -160,37 +261,67 @@ class TrainStep:
 def build_train_step(loss_fn: Callable, opt, has_aux: bool) -> TrainStep:
     cfg, mesh, axis = opt.config, opt.mesh, opt.config.data_axis
     stage = cfg.stage
+    mixed = cfg.param_dtype is not None
     grad_fn = build_grad_fn(loss_fn, opt, has_aux)
     tx = opt.inner
 
     def step_fn(state: TrainState, batch):
         lay_tree = opt.layouts(state.params)
-        specs = opt.specs(state.params)
         part_sh = shardings(mesh, jax.tree.map(lambda lay: lay.spec, lay_tree, is_leaf=is_layout))
-        grads, loss, aux = grad_fn(state.params, batch)
-        if stage in (1, 2):
+        inner_state = state.opt_state.inner if mixed else state.opt_state
+        if mixed:
+            owned = state.opt_state.master
+        elif stage in (1, 2):
             owned = _slice_params(state.params, lay_tree, mesh, axis)
         else:
             owned = state.params
-        updates, opt_state = tx.update(grads, state.opt_state, owned)
-        new_owned = optax.apply_updates(owned, updates)
+        grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+
+        grads, loss, aux, sum_sq = grad_fn(state.params, batch, scale, grad_dtypes)
+        grad_norm = jnp.sqrt(sum_sq)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if cfg.max_grad_norm is not None:
+            grads = clip_by_global_norm(grads, grad_norm, cfg.max_grad_norm)
+            metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, cfg.max_grad_norm)
+
+        def update(operands):
+            owned, inner_state = operands
+            updates, new_inner = tx.update(grads, inner_state, owned)
+            return optax.apply_updates(owned, updates), new_inner
+
+        if state.loss_scale is None:
+            finite = jnp.asarray(True)
+            new_owned, new_inner = update((owned, inner_state))
+        else:
+            finite = jnp.isfinite(sum_sq)
+            new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops,
+                                                (owned, inner_state))
         if stage > 0:
             new_owned = jax.lax.with_sharding_constraint(new_owned, part_sh)
-        opt_state = jax.lax.with_sharding_constraint(
-            opt_state, shardings(mesh, specs.opt_state))
-        if stage in (1, 2):
-            new_params = C.gather_params(new_owned, lay_tree, mesh, axis)
-        else:
-            new_params = new_owned
-        new_params = jax.lax.with_sharding_constraint(
-            new_params, shardings(mesh, specs.params))
-        metrics = {"loss": loss}
+        opt_specs = opt.specs(state.params)
+        new_inner = jax.lax.with_sharding_constraint(
+            new_inner, shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state))
+        compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
+                   else new_owned)
+        new_params = (C.gather_params(compute, lay_tree, mesh, axis) if stage in (1, 2)
+                      else compute)
+        new_params = jax.lax.with_sharding_constraint(new_params,
+                                                      shardings(mesh, opt_specs.params))
+        new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
+        new_ls = None
+        if state.loss_scale is not None:
+            new_ls = next_loss_scale(state.loss_scale, finite, cfg)
+            metrics["loss_scale"] = state.loss_scale.scale
+            metrics["skipped"] = ~finite
         if has_aux:
             metrics["aux"] = aux
-        return TrainState(state.step + 1, new_params, opt_state), metrics
+        new_state = TrainState(state.step + finite.astype(jnp.int32), new_params,
+                               new_opt_state, new_ls)
+        return new_state, metrics
 
     jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
-    return TrainStep(jitted, mesh, opt.data_size, axis)
+    return TrainStep(jitted, mesh, opt.data_size, axis, cfg.accum_steps)
 
 
 def _slice_params(params, lay_tree, mesh, axis):
