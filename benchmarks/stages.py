@@ -1,0 +1,131 @@
+"""ZeRO stages 0-3 on one model, side by side: time, memory and traffic per step.
+
+Prints one markdown table (after a header line with Psi and the configuration):
+
+- step time: median over ``--steps`` timed steps after ``--warmup`` untimed ones
+  (``block_until_ready`` on each), relative to stage 0. The stages take turns step
+  by step, so drift in the machine's load falls on all of them alike;
+- peak per-device memory of the compiled step (``compiled.memory_analysis()``:
+  arguments + outputs - donated + temporaries), in MiB and relative to stage 0;
+- model-state bytes per device, measured from the placed arrays (params + optimizer
+  state on one device) and divided by the paper's formula for fp32 Adam: params 4 B,
+  optimizer state 8 B per parameter (gradients left out: they live only inside the
+  step, so they belong to the peak column);
+- communication volume per step and device in units of Psi, read from the
+  collectives of the optimized HLO (all-reduce counts twice, as in the paper).
+
+    python benchmarks/stages.py                  # ScannedMLP 512 x 8, batch 16, 8 devices
+    python benchmarks/stages.py --model mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+IN_FEATURES = 16
+STAGES = (0, 1, 2, 3)
+PARAM_BYTES, OPTIMIZER_BYTES = 4, 8  # fp32 params; Adam's mu and nu in fp32
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="scanned", choices=["mlp", "scanned"])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--devices", type=int, default=8,
+                        help="simulated CPU devices (ignored if XLA_FLAGS already sets "
+                             f"{DEVICE_COUNT_FLAG})")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per stage")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per stage")
+    args = parser.parse_args(argv)
+    for name in ("width", "layers", "batch", "devices", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={args.devices}".strip()
+
+    import jax  # only now: XLA reads XLA_FLAGS when jax starts its CPU backend
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis import compiled_memory, device_bytes
+    from zerojax.models import MLP, ScannedMLP, mse_loss
+
+    mesh = zerojax.make_mesh(data=-1)
+    n = mesh.shape["data"]
+    if args.batch % n:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {n} data devices.")
+
+    model = (ScannedMLP if args.model == "scanned" else MLP)(
+        features=args.width, layers=args.layers)
+    k_params, k_x, k_y = jax.random.split(jax.random.key(0), 3)
+    params = model.init(k_params, jnp.zeros((1, IN_FEATURES)))["params"]
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    loss_fn = mse_loss(model)
+    batch = (jax.random.normal(k_x, (args.batch, IN_FEATURES)),
+             jax.random.normal(k_y, (args.batch, 1)))
+
+    runs = {}
+    for stage in STAGES:
+        opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage)
+        state = opt.init_state(params)
+        step = opt.train_step(loss_fn)
+        placed = step.place_batch(batch)
+        compiled = step.lower(state, placed).compile()
+        runs[stage] = {
+            "step": step, "state": state, "batch": placed, "times": [],
+            "state_bytes": device_bytes(state.params) + device_bytes(state.opt_state),
+            "peak": compiled_memory(compiled).peak,
+            "comm": zerojax.comm_volume(compiled).in_units_of(psi),
+        }
+
+    # Stages take turns, one step each, so slow phases of the machine hit all alike.
+    for i in range(args.warmup + args.steps):
+        for run in runs.values():
+            start = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batch"])
+            jax.block_until_ready((run["state"], metrics))
+            if i >= args.warmup:
+                run["times"].append(time.perf_counter() - start)
+
+    base = runs[0]
+    base_time = statistics.median(base["times"])
+    print(f"{args.model} MLP, width {args.width}, {args.layers} layers: Psi = {psi:,} "
+          f"parameters; batch {args.batch}; data axis over {n} {jax.devices()[0].platform} "
+          f"devices; adam fp32; median of {args.steps} steps after {args.warmup} warm-up; "
+          f"jax {jax.__version__}")
+    print()
+    print("| stage | step time (ms) | time vs 0 | peak / device (MiB) | peak vs 0 "
+          "| model state / device (MiB) | measured / formula "
+          "| all-gather (Ψ) | reduce-scatter (Ψ) | all-reduce (Ψ) | total (Ψ) |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for stage, run in runs.items():
+        t = statistics.median(run["times"])
+        formula = zerojax.estimate_memory(psi, n, stage, param_bytes=PARAM_BYTES,
+                                          grad_bytes=0, optimizer_bytes=OPTIMIZER_BYTES).total
+        c = run["comm"]
+        print(f"| {stage} | {1e3 * t:.1f} | {t / base_time:.2f} "
+              f"| {run['peak'] / 2**20:.2f} | {run['peak'] / base['peak']:.2f} "
+              f"| {run['state_bytes'] / 2**20:.2f} | {run['state_bytes'] / formula:.4f} "
+              f"| {c['all_gather']:.3f} | {c['reduce_scatter']:.3f} "
+              f"| {c['all_reduce']:.3f} | {c['total']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
