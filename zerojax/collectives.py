@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from zerojax.partition import LeafLayout, is_layout
@@ -39,7 +40,119 @@ def gather_local(shard: jax.Array, dim: int, axis: str) -> jax.Array:
     return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
 
 
-def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None):
+# -- constant-size buckets (ZeRO-R "CB") --------------------------------------------
+# A bucket is a list of (leaf j, start, stop) column ranges. For reduce-scatter and
+# all-gather a leaf is viewed as an (N, m) matrix whose row i is device i's shard
+# (the split dim moved to the front), so the columns of several leaves can be
+# concatenated into one (N, cols) buffer and reduced or gathered in one collective;
+# a leaf larger than a bucket is split over several. The buffer never exceeds
+# ``bucket_size`` elements, however large the model.
+
+
+def plan_buckets(sizes: list[int], capacity: int) -> list[list[tuple[int, int, int]]]:
+    """Pack ``sizes`` (in order) into buckets of at most ``capacity`` units each."""
+    capacity = max(int(capacity), 1)
+    buckets: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    used = 0
+    for j, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(size - start, capacity - used)
+            cur.append((j, start, start + take))
+            used, start = used + take, start + take
+            if used == capacity:
+                buckets.append(cur)
+                cur, used = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _by_dtype(xs: list) -> dict:
+    groups: dict = {}
+    for j, x in enumerate(xs):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(j)
+    return groups
+
+
+def _run_buckets(cols: list, idx: list[int], capacity: int, collective) -> dict:
+    """Apply ``collective`` to each bucket of the column blocks ``cols[j]`` (j in
+    ``idx``); returns, per leaf, the list of its result pieces in order."""
+    pieces: dict = {j: [] for j in idx}
+    prev = None
+    for bucket in plan_buckets([cols[j].shape[1] for j in idx], capacity):
+        blocks = [cols[idx[b]][:, start:stop] for b, start, stop in bucket]
+        buf = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, 1)
+        if prev is not None:
+            # Each bucket waits for the one before: XLA's combiners would otherwise
+            # fuse the independent collectives back into one model-sized buffer.
+            buf = buf + jnp.zeros((), buf.dtype) * prev[0, 0]
+        out = prev = collective(buf)
+        offset = 0
+        for b, start, stop in bucket:
+            pieces[idx[b]].append(out[:, offset:offset + stop - start])
+            offset += stop - start
+    return pieces
+
+
+def _cat(parts: list):
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def reduce_scatter_buckets(xs: list, dims: list[int], axis: str, bucket_size: int | None
+                           ) -> list:
+    """:func:`reduce_scatter_local` of each ``xs[j]`` along ``dims[j]``, fused into
+    buffers of at most ``bucket_size`` elements (None: one collective per leaf)."""
+    if bucket_size is None:
+        return [reduce_scatter_local(x, d, axis) for x, d in zip(xs, dims)]
+    n = jax.lax.axis_size(axis)
+    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(xs, dims)]
+    rows = [m.reshape(n, -1) for m in moved]
+    out: list = [None] * len(xs)
+    for idx in _by_dtype(xs).values():
+        pieces = _run_buckets(rows, idx, bucket_size // n, lambda buf: jax.lax.psum_scatter(
+            buf, axis, scatter_dimension=0, tiled=True))
+        for j in idx:
+            shard_shape = (moved[j].shape[0] // n, *moved[j].shape[1:])
+            out[j] = jnp.moveaxis(_cat(pieces[j]).reshape(shard_shape), 0, dims[j])
+    return out
+
+
+def gather_buckets(shards: list, dims: list[int], axis: str, bucket_size: int | None) -> list:
+    """:func:`gather_local` of each ``shards[j]`` along ``dims[j]``, fused into buffers
+    of at most ``bucket_size`` elements (None: one collective per leaf)."""
+    if bucket_size is None:
+        return [gather_local(s, d, axis) for s, d in zip(shards, dims)]
+    n = jax.lax.axis_size(axis)
+    moved = [jnp.moveaxis(s, d, 0) for s, d in zip(shards, dims)]
+    rows = [m.reshape(1, -1) for m in moved]
+    out: list = [None] * len(shards)
+    for idx in _by_dtype(shards).values():
+        pieces = _run_buckets(rows, idx, bucket_size // n, lambda buf: jax.lax.all_gather(
+            buf, axis, axis=0, tiled=True))
+        for j in idx:
+            full_shape = (moved[j].shape[0] * n, *moved[j].shape[1:])
+            out[j] = jnp.moveaxis(_cat(pieces[j]).reshape(full_shape), 0, dims[j])
+    return out
+
+
+def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None) -> list:
+    """:func:`all_reduce_local` of each ``xs[j]``, fused into buffers of at most
+    ``bucket_size`` elements (None: one collective per leaf)."""
+    if bucket_size is None:
+        return [all_reduce_local(x, axis) for x in xs]
+    rows = [x.reshape(1, -1) for x in xs]
+    out: list = [None] * len(xs)
+    for idx in _by_dtype(xs).values():
+        pieces = _run_buckets(rows, idx, bucket_size, lambda buf: jax.lax.psum(buf, axis))
+        for j in idx:
+            out[j] = _cat(pieces[j]).reshape(xs[j].shape)
+    return out
+
+
+def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,
+                   bucket_size: int | None = None):
     """``use(param, zero_shard) -> whole parameter``, whose gradient goes, reduce-scattered,
     to ``zero_shard``.
 
@@ -50,13 +163,14 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     ``zero_shard``: a zero array of the shard's shape and of ``grad_dtype`` (the
     dtype gradients are accumulated in) that the step differentiates with respect to. So no full-size gradient
     outlives its layer, and the reduction's dtype is chosen here rather than by
-    autodiff.
+    autodiff. With ``bucket_size``, a parameter larger than a bucket is gathered and
+    reduced in bucket-sized pieces.
     """
 
     @jax.custom_vjp
     def use(param, zero_shard):
         del zero_shard
-        return gather_local(param, dim, axis) if gather else param
+        return gather_buckets([param], [dim], axis, bucket_size)[0] if gather else param
 
     def fwd(param, zero_shard):
         return use(param, zero_shard), None
@@ -64,22 +178,29 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     def bwd(_, ct):
         if reduce_dtype is not None:
             ct = ct.astype(reduce_dtype)
-        return None, reduce_scatter_local(ct, dim, axis).astype(grad_dtype)
+        return None, reduce_scatter_buckets([ct], [dim], axis, bucket_size)[0].astype(grad_dtype)
 
     use.defvjp(fwd, bwd)
     return use
 
 
-def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str) -> Any:
+def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
+                  bucket_size: int | None = None) -> Any:
     """All-gather every partitioned leaf of ``tree`` (global arrays laid out by
-    ``layout_tree``); the result is replicated on every device."""
+    ``layout_tree``), in buckets of at most ``bucket_size`` elements; the result is
+    replicated on every device."""
     leaves, treedef = jax.tree.flatten(tree)
     lays = treedef.flatten_up_to(layout_tree)
     in_specs = tuple(lay.spec for lay in lays)
+    sharded = [i for i, lay in enumerate(lays) if lay.sharded]
 
     def body(*shards):
-        return tuple(gather_local(s, lay.dim, axis) if lay.sharded else s
-                     for s, lay in zip(shards, lays))
+        out = list(shards)
+        gathered = gather_buckets([shards[i] for i in sharded], [lays[i].dim for i in sharded],
+                                  axis, bucket_size)
+        for i, g in zip(sharded, gathered):
+            out[i] = g
+        return tuple(out)
 
     out = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                         out_specs=tuple(P() for _ in lays), check_vma=False)(*leaves)
@@ -97,5 +218,6 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 __all__ = [
     "all_reduce_local", "reduce_scatter_local", "gather_local", "make_param_use",
+    "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",
     "gather_params", "slice_local", "is_layout",
 ]

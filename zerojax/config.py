@@ -64,6 +64,12 @@ class ZeroConfig:
         (as DeepSpeed's): after ``growth_interval`` finite steps in a row the scale is
         multiplied by ``growth_factor``; an overflow multiplies it by ``backoff`` (not
         below ``min``) once ``hysteresis`` overflows have happened since the last growth.
+      bucket_size: ZeRO-R constant-size buffers: gradient reduce-scatters and
+        all-reduces and parameter all-gathers are fused into (or, for a larger leaf,
+        split over) collectives of at most this many elements, so no communication
+        buffer grows with the model. Stages 0-1 fuse whole gradient trees; stages 2-3
+        reduce each parameter's gradient when it is produced and split only leaves
+        larger than a bucket. None: one collective per leaf (XLA may still combine).
       min_shard_size: leaves with fewer elements than this stay replicated on every
         device (their gradients are all-reduced). Partitioning tiny leaves saves
         nothing and costs a collective each.
@@ -87,6 +93,7 @@ class ZeroConfig:
     loss_scale_backoff: float = 0.5
     loss_scale_hysteresis: int = 2
     loss_scale_min: float = 1.0
+    bucket_size: int | None = None
     min_shard_size: int = 128
     data_axis: str = "data"
     donate: bool = True
@@ -131,6 +138,8 @@ class ZeroConfig:
                       "finite steps before the scale grows")
         _positive_int("loss_scale_hysteresis", self.loss_scale_hysteresis,
                       "overflows tolerated before the scale backs off")
+        if self.bucket_size is not None:
+            _positive_int("bucket_size", self.bucket_size, "elements per collective buffer")
         if not isinstance(self.min_shard_size, int) or self.min_shard_size < 0:
             raise ValueError(
                 f"min_shard_size={self.min_shard_size!r} must be a non-negative int "

@@ -53,6 +53,12 @@ class ZeroOptimizer:
         self.config = config
         self.mesh = auto_mesh(mesh, config.data_axis)
         self.data_size = int(self.mesh.shape[config.data_axis])
+        if config.bucket_size is not None and config.bucket_size < self.data_size:
+            raise ValueError(
+                f"bucket_size={config.bucket_size} is smaller than the {config.data_axis!r} "
+                f"axis size {self.data_size}: a bucket holds at least one element per "
+                f"device; use bucket_size >= {self.data_size}."
+            )
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.config.stage}, "
@@ -141,8 +147,8 @@ class ZeroOptimizer:
             partitioned = cfg.stage == 3
         if not partitioned:
             return src
-        return jax.jit(lambda p: C.gather_params(p, self.layouts(p), self.mesh,
-                                                 cfg.data_axis))(src)
+        return jax.jit(lambda p: C.gather_params(p, self.layouts(p), self.mesh, cfg.data_axis,
+                                                 cfg.bucket_size))(src)
 
     # -- optax interface ------------------------------------------------------------
     @property

@@ -73,12 +73,14 @@ class _Ctx:
     stage: int
     axis: str
     reduce_dtype: Any = None
+    bucket_size: int | None = None
     in_remat: bool = False
 
     def materialize_ref(self, ref: _Ref):
         param, zero_shard = ref.raws
         use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
-                             grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype)
+                             grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
+                             bucket_size=self.bucket_size)
         return use(param, zero_shard)
 
 
@@ -286,7 +288,8 @@ def _after(raws: list, ct) -> list:
 
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
-                      stage: int, axis: str, reduce_dtype=None) -> list:
+                      stage: int, axis: str, reduce_dtype=None,
+                      bucket_size: int | None = None) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -301,4 +304,4 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
         args.append(_Lazy((_Ref(tuple(raws), lay.dim),), None) if lay.sharded else raws[0])
     args.extend(other_args)
     return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args,
-                      _Ctx(stage, axis, reduce_dtype))
+                      _Ctx(stage, axis, reduce_dtype, bucket_size))

@@ -140,7 +140,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                         for i, r in zip(replicated, rep):
                             raws[i] = (r,)
                         outs = apply_partitioned(closed, raws, jax.tree.leaves(mb), lays, stage,
-                                                 axis, reduce_dtype)
+                                                 axis, reduce_dtype, cfg.bucket_size)
                         out = jax.tree.unflatten(out_tree, outs)
                         loss, aux = out if has_aux else (out, None)
                         return differentiated(loss), (loss, aux)
@@ -174,14 +174,19 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                 aux = jax.tree.map(lambda a: a[-1], auxs)
 
             # the one reduction of stages 0-1; replicated leaves of stages 2-3
+            bucket = cfg.bucket_size
             if stage == 0:
-                g = [C.all_reduce_local(to_reduce(x), axis) for x in g]
-            elif stage == 1:
-                g = [C.reduce_scatter_local(to_reduce(x), lay.dim, axis) if lay.sharded
-                     else C.all_reduce_local(to_reduce(x), axis) for x, lay in zip(g, lays)]
+                g = C.all_reduce_buckets([to_reduce(x) for x in g], axis, bucket)
             else:
-                g = [C.all_reduce_local(to_reduce(x), axis) if not lays[i].sharded else x
-                     for i, x in enumerate(g)]
+                g = list(g)
+                rep = C.all_reduce_buckets([to_reduce(g[i]) for i in replicated], axis, bucket)
+                if stage == 1:
+                    part = C.reduce_scatter_buckets([to_reduce(g[i]) for i in sharded],
+                                                    [lays[i].dim for i in sharded], axis, bucket)
+                    for i, x in zip(sharded, part):
+                        g[i] = x
+                for i, x in zip(replicated, rep):
+                    g[i] = x
             g = [x.astype(dt) for x, dt in zip(g, grad_dtypes)]
             if scaled:
                 g = [x / scale.astype(x.dtype) for x in g]
@@ -304,8 +309,8 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool) -> TrainStep:
             new_inner, shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state))
         compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
                    else new_owned)
-        new_params = (C.gather_params(compute, lay_tree, mesh, axis) if stage in (1, 2)
-                      else compute)
+        new_params = (C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
+                      if stage in (1, 2) else compute)
         new_params = jax.lax.with_sharding_constraint(new_params,
                                                       shardings(mesh, opt_specs.params))
         new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
