@@ -70,6 +70,11 @@ class ZeroConfig:
         buffer grows with the model. Stages 0-1 fuse whole gradient trees; stages 2-3
         reduce each parameter's gradient when it is produced and split only leaves
         larger than a bucket. None: one collective per leaf (XLA may still combine).
+      prefetch: stage 3: let each layer's all-gather start while the layer before it
+        computes (its gather waits for the previous layer's input instead of its own),
+        so at most about two layers' gathered weights are live. Applies to layers
+        written out; inside a scanned layer stack the loop body gathers its own layer
+        (XLA's collective pipeliner on GPU can overlap it across iterations).
       min_shard_size: leaves with fewer elements than this stay replicated on every
         device (their gradients are all-reduced). Partitioning tiny leaves saves
         nothing and costs a collective each.
@@ -94,6 +99,7 @@ class ZeroConfig:
     loss_scale_hysteresis: int = 2
     loss_scale_min: float = 1.0
     bucket_size: int | None = None
+    prefetch: bool = True
     min_shard_size: int = 128
     data_axis: str = "data"
     donate: bool = True

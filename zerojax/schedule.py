@@ -74,7 +74,9 @@ class _Ctx:
     axis: str
     reduce_dtype: Any = None
     bucket_size: int | None = None
+    prefetch: bool = False
     in_remat: bool = False
+    chain: Any = dataclasses.field(default_factory=lambda: _Chain())
 
     def materialize_ref(self, ref: _Ref):
         param, zero_shard = ref.raws
@@ -193,7 +195,7 @@ def _chain(eqn, ins) -> _Lazy:
 def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
     refs = _unique_refs(ins)
     regular_pos = [i for i, x in enumerate(ins) if not isinstance(x, _Lazy)]
-    inner_ctx = dataclasses.replace(ctx, in_remat=True)
+    inner_ctx = dataclasses.replace(ctx, in_remat=True, chain=_Chain())
     jaxpr = eqn.params["jaxpr"]
 
     def fn(raws, regulars):
@@ -222,14 +224,14 @@ def _eval_scan(eqn, ins, scope: _Scope) -> list:
     xs_pos = list(range(nc + nk, len(ins)))
     xs = [ins[i].refs[0].raws if i in pushed else ins[i] for i in xs_pos]
     body = p["jaxpr"]
-    ctx = scope.ctx
+    body_ctx = dataclasses.replace(scope.ctx, chain=_Chain())  # a new trace
 
     def step(carry_in, xs_in):
         vals = list(consts) + list(carry_in)
         for i, x in zip(xs_pos, xs_in):
             vals.append(_Lazy((_Ref(tuple(x), ins[i].refs[0].dim - 1),), None)
                         if i in pushed else x)
-        outs = eval_jaxpr(body.jaxpr, body.consts, vals, ctx)
+        outs = eval_jaxpr(body.jaxpr, body.consts, vals, body_ctx)
         return outs[:nk], outs[nk:]
 
     carry_out, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"],
@@ -237,15 +239,29 @@ def _eval_scan(eqn, ins, scope: _Scope) -> list:
     return list(carry_out) + list(ys)
 
 
+class _Chain:
+    """The probe of the last stage-3 unit's input in this trace (for prefetching)."""
+
+    probe: Any = None
+
+
 def _unit(eqn, ins, ctx: _Ctx) -> list:
     """Stage 3, outside any checkpoint: gather + the equation as one custom_vjp whose
-    backward gathers the shards again (after the cotangent has arrived)."""
+    backward gathers the shards again (after the cotangent has arrived).
+
+    The forward gather waits for the unit's own input, or with ``prefetch`` for the
+    previous unit's input, so XLA may issue it while that unit computes (at most two
+    units' gathered weights are live)."""
     refs = _unique_refs(ins)
     reg_pos = [i for i, (x, v) in enumerate(zip(ins, eqn.invars))
                if not isinstance(x, _Lazy) and not isinstance(v, jcore.Literal)]
+    regulars = [ins[i] for i in reg_pos]
+    own = _probe(regulars)
+    dep = ctx.chain.probe if ctx.prefetch and ctx.chain.probe is not None else own
+    if own is not None:
+        ctx.chain.probe = own
 
     def compute(raws, regulars):
-        raws = _after(raws, regulars)  # gather no earlier than the layer's input exists
         mats = {id(r): ctx.materialize_ref(_Ref(tuple(rw), r.dim)) for r, rw in zip(refs, raws)}
         vals = [_value(x, mats) if isinstance(x, _Lazy) else x for x in ins]
         for i, r in zip(reg_pos, regulars):
@@ -253,43 +269,48 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
         return _bind(eqn, vals)
 
     @jax.custom_vjp
-    def unit(raws, regulars):
-        return compute(raws, regulars)
+    def unit(raws, regulars, dep):
+        return compute(_after(raws, dep), regulars)
 
-    def fwd(raws, regulars):
-        return compute(raws, regulars), (raws, regulars)
+    def fwd(raws, regulars, dep):
+        return compute(_after(raws, dep), regulars), (raws, regulars)
 
     def bwd(res, ct):
         raws, regulars = res
-        _, vjp = jax.vjp(compute, _after(raws, ct), regulars)
-        return vjp(ct)
+        _, vjp = jax.vjp(compute, _after(raws, _probe(ct)), regulars)
+        return (*vjp(ct), None)
 
     unit.defvjp(fwd, bwd)
-    return unit([list(r.raws) for r in refs], [ins[i] for i in reg_pos])
+    return unit([list(r.raws) for r in refs], regulars, dep)
 
 
-def _after(raws: list, ct) -> list:
-    """``shards``, made data-dependent on ``ct`` (a layer's input, or its cotangent).
+def _probe(tree):
+    """One element of the first non-empty floating-point leaf of ``tree`` (or None)."""
+    leaves = [c for c in jax.tree.leaves(tree)
+              if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
+    return jnp.ravel(leaves[0])[0] if leaves else None
 
-    ``shard + 0 * ct[0]`` equals ``shard`` (a NaN or inf in ``ct`` propagates, as it
+
+def _after(raws: list, probe) -> list:
+    """``raws`` with each shard made data-dependent on the scalar ``probe`` (an element
+    of a layer's input, or of its cotangent).
+
+    ``shard + 0 * probe`` equals ``shard`` (a NaN or inf in ``probe`` propagates, as it
     would anyway), but XLA cannot prove it, so a gather of the result can neither be
     merged with another gather of the same shard by common-subexpression elimination
-    nor scheduled before ``ct`` exists: the forward gather waits for the layer's
+    nor scheduled before ``probe`` exists: the forward gather waits for the layer's
     input, the backward one for the layer's cotangent. An optimization barrier does
     not do this on every backend (the CPU compiler expands barriers before CSE).
     """
-    leaves = [c for c in jax.tree.leaves(ct)
-              if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
-    if not leaves:
+    if probe is None:
         return raws
-    probe = jnp.ravel(leaves[0])[0]
     return [[rw[0] + jnp.zeros((), rw[0].dtype) * probe.astype(rw[0].dtype), *rw[1:]]
             for rw in raws]
 
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
                       stage: int, axis: str, reduce_dtype=None,
-                      bucket_size: int | None = None) -> list:
+                      bucket_size: int | None = None, prefetch: bool = False) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -304,4 +325,4 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
         args.append(_Lazy((_Ref(tuple(raws), lay.dim),), None) if lay.sharded else raws[0])
     args.extend(other_args)
     return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args,
-                      _Ctx(stage, axis, reduce_dtype, bucket_size))
+                      _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch))

@@ -140,7 +140,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                         for i, r in zip(replicated, rep):
                             raws[i] = (r,)
                         outs = apply_partitioned(closed, raws, jax.tree.leaves(mb), lays, stage,
-                                                 axis, reduce_dtype, cfg.bucket_size)
+                                                 axis, reduce_dtype, cfg.bucket_size,
+                                                 cfg.prefetch)
                         out = jax.tree.unflatten(out_tree, outs)
                         loss, aux = out if has_aux else (out, None)
                         return differentiated(loss), (loss, aux)
