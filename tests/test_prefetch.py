@@ -1,0 +1,116 @@
+"""Stage-3 prefetch: the next layer's gather may start before the current layer's
+compute, with at most about two layers' gathered weights live."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zerojax
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+from zerojax.analysis import compiled_memory
+from zerojax.models import MLP, mse_loss
+
+WIDTH = 384
+LAYER_BYTES = WIDTH * WIDTH * 4
+
+
+def _temp(layers, prefetch):
+    model = MLP(features=WIDTH, layers=layers)
+    x = jnp.ones((16, WIDTH))
+    params = model.init(jax.random.key(0), x)["params"]
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3, prefetch=prefetch)
+    state = opt.init_state(params)
+    return compiled_memory(opt.train_step(mse_loss(model)).lower(state, (x, x[:, :1])).compile()).temp
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gathered_weights_stay_bounded_as_depth_grows(prefetch):
+    shallow, deep = _temp(4, prefetch), _temp(12, prefetch)
+    assert deep < 3 * LAYER_BYTES, (deep, LAYER_BYTES)  # about two layers, not twelve
+    assert deep < 1.25 * shallow, (shallow, deep)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_does_not_change_the_result(prefetch):
+    tx = optax.adam(1e-2)
+    opt = zerojax.zero(tx, zerojax.make_mesh(data=8), stage=3, prefetch=prefetch,
+                       min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    batches = regression_batches(10)
+    for b in batches:
+        state, _ = step(state, b)
+    ref = reference_run(tx, awkward_params(), awkward_loss, batches)
+    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+
+
+def test_prefetched_gather_does_not_wait_for_the_previous_layer():
+    """With prefetch the second layer's gather depends on the first layer's input only;
+    without it, on the first layer's output (read from the traced step)."""
+    model = MLP(features=64, layers=2, out=64)
+    x = jnp.ones((16, 64))
+    params = model.init(jax.random.key(0), x)["params"]
+    deps = {}
+    for prefetch in (True, False):
+        opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3,
+                           prefetch=prefetch, min_shard_size=16)
+        state = opt.init_state(params)
+        jaxpr = jax.make_jaxpr(opt.train_step(mse_loss(model)).jitted)(
+            state, (x, x)).jaxpr
+        deps[prefetch] = _second_gather_depends_on_first_tanh(jaxpr)
+    assert deps == {True: False, False: True}
+
+
+def _second_gather_depends_on_first_tanh(jaxpr) -> bool:
+    """Among the forward all_gathers of the inner shard_map (kernel 0, bias 0, kernel 1,
+    ...), does the third (layer 1's kernel) depend on the first tanh (layer 0's output)?"""
+    body = _find(jaxpr, "shard_map")
+    producers, order = {}, []
+    _index(body, producers, order)
+    gathers = [e for e in order if e.primitive.name == "all_gather"]
+    first_tanh = next(e for e in order if e.primitive.name == "tanh")
+
+    def depends(eqn, target, seen):
+        if eqn is target:
+            return True
+        if id(eqn) in seen:
+            return False
+        seen.add(id(eqn))
+        return any(depends(producers[v], target, seen) for v in eqn.invars
+                   if not isinstance(v, jax.extend.core.Literal) and v in producers)
+
+    return depends(gathers[2], first_tanh, set())
+
+
+def _find(jaxpr, name):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return eqn.params["jaxpr"]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = _find(sub, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _index(jaxpr, producers, order):
+    """Flatten the forward part: eqns in order, inlining custom_vjp/jit calls."""
+    for eqn in jaxpr.eqns:
+        subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+        if eqn.primitive.name in ("custom_vjp_call", "custom_vjp_call_jaxpr", "jit", "pjit") and subs:
+            inner = subs[0]
+            inner_order = []
+            _index(inner, producers, inner_order)
+            order.extend(inner_order)
+            # connect the call's inputs/outputs through the inner jaxpr
+            for outer, inner_v in zip(eqn.invars, inner.invars):
+                if not isinstance(outer, jax.extend.core.Literal) and outer in producers:
+                    producers[inner_v] = producers[outer]
+            for outer, inner_v in zip(eqn.outvars, inner.outvars):
+                if inner_v in producers:
+                    producers[outer] = producers[inner_v]
+            continue
+        for v in eqn.outvars:
+            producers[v] = eqn
+        order.append(eqn)
