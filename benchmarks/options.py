@@ -1,0 +1,186 @@
+"""ZeRO options measured: bf16 mixed precision, stage-3 prefetch, constant-size buckets.
+
+Prints, from one run, two markdown tables:
+
+1. bf16 mixed precision (``param_dtype=jnp.bfloat16``, Adam), stages 0-3 on the MLP
+   with layers written out: model-state bytes per device measured from the placed
+   arrays (``state.params``: the bf16 compute copy; ``state.opt_state``: the fp32
+   master weights and Adam's mu and nu), against the paper's mixed-precision formula
+   (2-byte params, 12-byte optimizer state; gradients left out: they are transient and
+   show in the peak instead), and the peak per-device memory of the compiled step.
+2. step time of the options, fp32 Adam on the same MLP: stage 3 with prefetch on/off
+   and buckets of None / 2**16 / 2**14 elements, and stage 1 (where buckets matter
+   most: it reduces whole gradient trees) with the same buckets. Per configuration:
+   median step time over ``--steps`` timed steps after ``--warmup`` untimed ones
+   (``block_until_ready`` on each; the configurations take turns step by step, so
+   drift in the machine's load falls on all of them alike) relative to the first row
+   of its stage, collective instructions in the compiled step (tensors of >= 2
+   elements), the largest of their buffers in elements (the gathered result of an
+   all-gather, the input of a reduce-scatter / all-reduce), the communication volume
+   in units of Psi, and XLA's temporary memory of the compiled step.
+
+    python benchmarks/options.py                 # MLP 512 x 8, batch 16, 8 devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+IN_FEATURES = 16
+STAGES = (0, 1, 2, 3)
+PARAM_BYTES, OPTIMIZER_BYTES = 2, 12  # bf16 params; fp32 master + Adam's mu and nu
+MiB = 2**20
+# (stage, prefetch, bucket_size) of the step-time table; the first row of each stage
+# is its baseline.
+TIMED = (
+    (3, True, None),
+    (3, False, None),
+    (3, True, 2**16),
+    (3, True, 2**14),
+    (1, True, None),
+    (1, True, 2**16),
+    (1, True, 2**14),
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--devices", type=int, default=8,
+                        help="simulated CPU devices (ignored if XLA_FLAGS already sets "
+                             f"{DEVICE_COUNT_FLAG})")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps per configuration")
+    args = parser.parse_args(argv)
+    for name in ("width", "layers", "batch", "devices", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    return args
+
+
+def bucket_label(bucket) -> str:
+    if bucket is None:
+        return "None"
+    exp = bucket.bit_length() - 1
+    return f"2**{exp}" if bucket == 2**exp else f"{bucket:,}"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={args.devices}".strip()
+
+    import jax  # only now: XLA reads XLA_FLAGS when jax starts its CPU backend
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis import collective_counts, compiled_memory, device_bytes
+    from zerojax.models import MLP, mse_loss
+
+    mesh = zerojax.make_mesh(data=-1)
+    n = mesh.shape["data"]
+    if args.batch % n:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {n} data devices.")
+
+    model = MLP(features=args.width, layers=args.layers)
+    k_params, k_x, k_y = jax.random.split(jax.random.key(0), 3)
+    params = model.init(k_params, jnp.zeros((1, IN_FEATURES)))["params"]
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    loss_fn = mse_loss(model)
+    batch = (jax.random.normal(k_x, (args.batch, IN_FEATURES)),
+             jax.random.normal(k_y, (args.batch, 1)))
+    platform = jax.devices()[0].platform
+
+    # -- 1. bf16 mixed precision: model state and peak per stage ---------------------
+    mixed = {}
+    for stage in STAGES:
+        opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage, param_dtype=jnp.bfloat16)
+        state = opt.init_state(params)
+        step = opt.train_step(loss_fn)
+        placed = step.place_batch(batch)
+        compiled = step.lower(state, placed).compile()
+        mixed[stage] = {
+            "state_bytes": device_bytes(state.params) + device_bytes(state.opt_state),
+            "peak": compiled_memory(compiled).peak,
+        }
+        del state
+
+    print(f"bf16 mixed precision, N={n}: MLP (layers written out), width {args.width}, "
+          f"{args.layers} layers, Psi = {psi:,} parameters; batch {args.batch}; "
+          f"{n} {platform} devices; adam, param_dtype=bfloat16 (fp32 master weights in "
+          f"the optimizer state); formula = 2 Psi params + 12 Psi optimizer state, "
+          f"partitioned per stage; jax {jax.__version__}")
+    print()
+    print("| stage | Ψ | model state / device (MiB) | formula (MiB) | measured / formula "
+          "| peak / device (MiB) | peak vs 0 |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for stage, run in mixed.items():
+        formula = zerojax.estimate_memory(psi, n, stage, param_bytes=PARAM_BYTES,
+                                          grad_bytes=0, optimizer_bytes=OPTIMIZER_BYTES).total
+        print(f"| {stage} | {psi:,} | {run['state_bytes'] / MiB:.2f} | {formula / MiB:.2f} "
+              f"| {run['state_bytes'] / formula:.4f} | {run['peak'] / MiB:.2f} "
+              f"| {run['peak'] / mixed[0]['peak']:.2f} |")
+    print()
+
+    # -- 2. step time of prefetch and bucket options --------------------------------
+    runs = []
+    for stage, prefetch, bucket in TIMED:
+        opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage, prefetch=prefetch,
+                           bucket_size=bucket)
+        state = opt.init_state(params)
+        step = opt.train_step(loss_fn)
+        placed = step.place_batch(batch)
+        compiled = step.lower(state, placed).compile()
+        comm = zerojax.comm_volume(compiled, min_elements=2)
+        runs.append({
+            "stage": stage, "prefetch": prefetch, "bucket": bucket,
+            "step": step, "state": state, "batch": placed, "times": [],
+            "collectives": sum(collective_counts(compiled, min_elements=2).values()),
+            "largest": max((op.elements for op in comm.ops), default=0),
+            "comm": comm.total / psi,
+            "temp": compiled_memory(compiled).temp,
+        })
+
+    # The configurations take turns, one step each, so slow phases hit all alike.
+    for i in range(args.warmup + args.steps):
+        for run in runs:
+            start = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batch"])
+            jax.block_until_ready((run["state"], metrics))
+            if i >= args.warmup:
+                run["times"].append(time.perf_counter() - start)
+
+    print(f"step time: MLP (layers written out), width {args.width}, {args.layers} layers, "
+          f"Psi = {psi:,}; batch {args.batch}; {n} {platform} devices; adam fp32; median of "
+          f"{args.steps} steps after {args.warmup} warm-up, the {len(runs)} configurations "
+          f"taking turns; collectives of >= 2 elements; jax {jax.__version__}")
+    print()
+    print("| stage | prefetch | bucket_size | step time (ms) | time vs stage's first row "
+          "| collectives | largest buffer (elements) | total comm (Ψ) | temp / device (MiB) |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
+    base = {}
+    for run in runs:
+        t = statistics.median(run["times"])
+        base.setdefault(run["stage"], t)
+        prefetch = ("on" if run["prefetch"] else "off") if run["stage"] == 3 else "n/a"
+        print(f"| {run['stage']} | {prefetch} | {bucket_label(run['bucket'])} "
+              f"| {1e3 * t:.1f} | {t / base[run['stage']]:.2f} | {run['collectives']} "
+              f"| {run['largest']:,} | {run['comm']:.3f} | {run['temp'] / MiB:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
