@@ -81,6 +81,9 @@ def _run_buckets(cols: list, idx: list[int], capacity: int, collective) -> dict:
     ``idx``); returns, per leaf, the list of its result pieces in order."""
     pieces: dict = {j: [] for j in idx}
     prev = None
+    # Leaves in reverse order: the backward pass produces the last layers' gradients
+    # first, so the first buckets can be reduced while earlier layers still compute.
+    idx = idx[::-1]
     for bucket in plan_buckets([cols[j].shape[1] for j in idx], capacity):
         blocks = [cols[idx[b]][:, start:stop] for b, start, stop in bucket]
         buf = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, 1)

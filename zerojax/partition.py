@@ -6,9 +6,11 @@ checkpoint, analysis) consumes the :class:`LeafLayout` / ``PartitionSpec`` trees
 Rule for one leaf of shape ``s`` on a data axis of size N:
   * fewer than ``min_shard_size`` elements, a scalar, or no dimension divisible by N:
     replicated (``dim=None``);
-  * otherwise the largest dimension divisible by N (ties: the later dimension, so a
-    stacked ``(layers, d_in, d_out)`` leaf of a scanned model is split inside each
-    layer, never along the layer axis when another choice exists).
+  * otherwise the largest dimension divisible by N (ties: the earlier dimension, so
+    shards are contiguous row blocks and gathers write whole rows; measured on CPU, an
+    all-gather along a (512, 512) kernel's last dimension took 2.3x as long as along
+    its first). A stacked ``(layers, d_in, d_out)`` leaf of a scanned model is thus
+    split inside each layer (``d_in``) whenever ``d_in > layers``.
 
 The rule depends only on the leaf's shape, so an optimizer-state leaf with the
 parameter's shape (Adam's ``mu``, ``nu``) gets exactly the parameter's layout and the
@@ -59,7 +61,7 @@ def choose_dim(shape: tuple[int, ...], n: int, min_shard_size: int) -> int | Non
         return None
     best = None
     for d, size in enumerate(shape):
-        if size % n == 0 and (best is None or size >= shape[best]):
+        if size % n == 0 and (best is None or size > shape[best]):
             best = d
     return best
 
