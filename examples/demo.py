@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="global batch size (a multiple of the device count)")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
     parser.add_argument("--lr", type=float, default=None,
-                        help="learning rate (default: %s)" % ", ".join(
-                            f"{k} {v:g}" for k, v in sorted(DEFAULT_LR.items())))
+                        help="learning rate (default: {})".format(", ".join(
+                            f"{k} {v:g}" for k, v in sorted(DEFAULT_LR.items()))))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("devices", "steps", "width", "layers", "batch"):
@@ -84,6 +84,7 @@ def make_task(args):
     """The student model, its initial params, its loss and a batch-of-step function."""
     import jax
     import jax.numpy as jnp
+
     from zerojax.models import MLP, ScannedMLP, mse_loss
 
     model_cls = ScannedMLP if args.model == "scanned" else MLP
@@ -119,6 +120,7 @@ def make_optimizer(name: str, lr: float):
 def run_stage(stage: int, args, mesh, params, loss_fn, batch_at) -> dict:
     """Train from ``params`` with ZeRO ``stage``; return its final loss and measurements."""
     import jax
+
     import zerojax
     from zerojax.analysis import compiled_memory, device_bytes
 
@@ -164,6 +166,7 @@ def print_summary(results, args, psi: int, n: int) -> bool:
     """Print the table over stages; return whether all stages reached the same loss."""
     import jax
     import numpy as np
+
     import zerojax
 
     k = OPTIMIZER_BYTES[args.optimizer]
@@ -229,6 +232,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     simulate_devices(args.devices)
     import jax  # only now: XLA reads XLA_FLAGS when jax starts its CPU backend
+
     import zerojax
 
     mesh = zerojax.make_mesh(data=-1)

@@ -2,17 +2,16 @@
 
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import zerojax
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 import zerojax
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 from zerojax.analysis import collective_counts
 from zerojax.collectives import plan_buckets
 from zerojax.models import ScannedMLP, mse_loss
@@ -35,7 +35,7 @@ def test_bucketed_training_matches_single_device(stage):
     assert max_rel_err(ref, opt.full_params(state)) < 3e-4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(stage, layers, bucket_size):
     model = ScannedMLP(features=256, layers=layers)
     x = jnp.ones((16, 256))

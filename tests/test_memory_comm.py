@@ -20,7 +20,7 @@ def _batch():
     return x, jnp.sin(x[:, :1])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(model_name, stage):
     model = {"mlp": MLP, "scanned": ScannedMLP}[model_name](features=WIDTH, layers=LAYERS)
     x, y = _batch()

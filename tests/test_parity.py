@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 import zerojax
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 STEPS = 20
 
@@ -31,7 +31,7 @@ OPTIMIZERS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name):
     tx = OPTIMIZERS[name][0]()
     return reference_run(tx, awkward_params(), awkward_loss, regression_batches(STEPS))

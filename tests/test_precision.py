@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 import zerojax
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 from zerojax.analysis import collective_counts, device_bytes
 from zerojax.models import MLP, mse_loss
 
@@ -56,7 +56,7 @@ def _mixed_reference(params, loss_fn, batches, tx, dtype):
     return master
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bf16_and_fp32_runs(stage):
     mesh = zerojax.make_mesh(data=N)
     batches = regression_batches(50)

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 import zerojax
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 from zerojax.analysis import compiled_memory
 from zerojax.models import MLP, mse_loss
 
@@ -21,7 +21,8 @@ def _temp(layers, prefetch):
     params = model.init(jax.random.key(0), x)["params"]
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3, prefetch=prefetch)
     state = opt.init_state(params)
-    return compiled_memory(opt.train_step(mse_loss(model)).lower(state, (x, x[:, :1])).compile()).temp
+    compiled = opt.train_step(mse_loss(model)).lower(state, (x, x[:, :1])).compile()
+    return compiled_memory(compiled).temp
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -98,7 +99,8 @@ def _index(jaxpr, producers, order):
     """Flatten the forward part: eqns in order, inlining custom_vjp/jit calls."""
     for eqn in jaxpr.eqns:
         subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-        if eqn.primitive.name in ("custom_vjp_call", "custom_vjp_call_jaxpr", "jit", "pjit") and subs:
+        calls = ("custom_vjp_call", "custom_vjp_call_jaxpr", "jit", "pjit")
+        if eqn.primitive.name in calls and subs:
             inner = subs[0]
             inner_order = []
             _index(inner, producers, inner_order)

@@ -164,10 +164,10 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     backward pass the cotangent is reduce-scattered the moment it is complete, in
     ``reduce_dtype`` (default: the cotangent's own dtype), and handed to
     ``zero_shard``: a zero array of the shard's shape and of ``grad_dtype`` (the
-    dtype gradients are accumulated in) that the step differentiates with respect to. So no full-size gradient
-    outlives its layer, and the reduction's dtype is chosen here rather than by
-    autodiff. With ``bucket_size``, a parameter larger than a bucket is gathered and
-    reduced in bucket-sized pieces.
+    dtype gradients are accumulated in) that the step differentiates with respect
+    to. So no full-size gradient outlives its layer, and the reduction's dtype is
+    chosen here rather than by autodiff. With ``bucket_size``, a parameter larger
+    than a bucket is gathered and reduced in bucket-sized pieces.
     """
 
     @jax.custom_vjp

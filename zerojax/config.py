@@ -159,7 +159,7 @@ class ZeroConfig:
         return self.loss_scale == "dynamic"
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "ZeroConfig":
+    def from_kwargs(cls, **kwargs) -> ZeroConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C
-from zerojax import partition as part
+from zerojax import collectives as C, partition as part
 from zerojax.config import ZeroConfig
 from zerojax.mesh import auto_mesh
 from zerojax.state import LossScaleState, MasterState, TrainState

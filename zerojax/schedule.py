@@ -28,7 +28,8 @@ the gathered weight is consumed in the same unit as its activation input.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

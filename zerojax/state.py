@@ -47,5 +47,5 @@ class TrainState:
     opt_state: Any
     loss_scale: LossScaleState | None = None
 
-    def replace(self, **changes) -> "TrainState":
+    def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)

@@ -20,7 +20,8 @@ One ``jax.jit``-compiled function ``step(state, batch) -> (state, metrics)``:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
