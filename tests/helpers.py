@@ -67,3 +67,20 @@ def max_rel_err(ref, got) -> float:
                            / max(np.linalg.norm(np.asarray(a, np.float64)), 1e-30)),
         ref, got)
     return max(jax.tree.leaves(errs))
+
+
+def zero_vs_reference(tx, steps=10, data=8, reference_tx=None, **options) -> float:
+    """Train the awkward model ``steps`` steps with ``zerojax.zero(tx, **options)`` and
+    with plain single-device optax (``reference_tx``, default ``tx``); the max per-leaf
+    relative error of the final params."""
+    import zerojax
+
+    mesh = zerojax.make_mesh(data=data, devices=jax.devices()[:data])
+    opt = zerojax.zero(tx, mesh, **{"min_shard_size": 16, **options})
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    batches = regression_batches(steps)
+    for b in batches:
+        state, _ = step(state, b)
+    ref = reference_run(reference_tx or tx, awkward_params(), awkward_loss, batches)
+    return max_rel_err(ref, opt.full_params(state))

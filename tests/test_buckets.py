@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+from helpers import (
+    zero_vs_reference,
+)
 
 import zerojax
 from zerojax.analysis import collective_counts
@@ -23,16 +25,7 @@ def test_plan_buckets_packs_in_order_and_splits_large_leaves():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bucketed_training_matches_single_device(stage):
     # 64-element buckets: every leaf is split over several buckets and buckets mix leaves
-    tx = optax.adam(1e-2)
-    opt = zerojax.zero(tx, zerojax.make_mesh(data=8), stage=stage, bucket_size=64,
-                       min_shard_size=16)
-    state = opt.init_state(awkward_params())
-    step = opt.train_step(awkward_loss)
-    batches = regression_batches(10)
-    for b in batches:
-        state, _ = step(state, b)
-    ref = reference_run(tx, awkward_params(), awkward_loss, batches)
-    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+    assert zero_vs_reference(optax.adam(1e-2), stage=stage, bucket_size=64) < 3e-4
 
 
 @functools.cache

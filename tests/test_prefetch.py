@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+from helpers import (
+    zero_vs_reference,
+)
 
 import zerojax
 from zerojax.analysis import compiled_memory
@@ -34,16 +36,7 @@ def test_gathered_weights_stay_bounded_as_depth_grows(prefetch):
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_prefetch_does_not_change_the_result(prefetch):
-    tx = optax.adam(1e-2)
-    opt = zerojax.zero(tx, zerojax.make_mesh(data=8), stage=3, prefetch=prefetch,
-                       min_shard_size=16)
-    state = opt.init_state(awkward_params())
-    step = opt.train_step(awkward_loss)
-    batches = regression_batches(10)
-    for b in batches:
-        state, _ = step(state, b)
-    ref = reference_run(tx, awkward_params(), awkward_loss, batches)
-    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+    assert zero_vs_reference(optax.adam(1e-2), stage=3, prefetch=prefetch) < 3e-4
 
 
 def test_prefetched_gather_does_not_wait_for_the_previous_layer():
