@@ -1,0 +1,227 @@
+"""A reference GPT-2-style decoder with Megatron tensor-parallel layout as metadata.
+
+``GPT`` is a pre-LayerNorm causal decoder: token embedding plus learned position
+embedding, ``layers`` blocks (causal multi-head self-attention, then a GELU MLP,
+each with a residual), a final LayerNorm and logits through the tied token
+embedding (``embed.attend``). The blocks are stacked the way MaxText stacks them:
+``nn.scan`` over an ``nn.remat``'d block, so the parameters of all layers are
+stacked along a leading layer axis. Each block tags its input with
+``checkpoint_name(x, "layer_input")`` so activation-checkpoint policies can name it.
+
+The Megatron-LM layout (Shoeybi et al., arXiv:1909.08053) is carried as *sharding
+metadata only* (``nn.with_partitioning``); the model code has no collectives:
+
+==========================  ======================  ==============================
+parameter                   spec (per layer)        Megatron role
+==========================  ======================  ==============================
+token embedding             ("model", None)         split over the vocabulary
+position embedding          (None, None)            replicated
+attention QKV kernel/bias   (None, "model") / ("model",)  column-parallel
+attention out kernel/bias   ("model", None) / (None,)     row-parallel
+MLP in kernel/bias          (None, "model") / ("model",)  column-parallel
+MLP out kernel/bias         ("model", None) / (None,)     row-parallel
+LayerNorm scale/bias        (None,)                 replicated
+==========================  ======================  ==============================
+
+Scanned parameters get ``None`` for their leading layer axis (``metadata_params``
+of ``nn.scan``), e.g. the QKV kernel is ``P(None, None, "model")``.
+
+The fused QKV projection orders its ``3 * hidden`` outputs as ``(heads, 3,
+head_dim)``, so a contiguous split of that dimension over ``model`` gives each
+shard whole heads with their own q, k and v (as Megatron does), not all of q on
+one shard.
+
+Helpers: :func:`gpt_params` (plain initialised params, boxes removed),
+:func:`gpt_param_specs` (the ``PartitionSpec`` tree read from the metadata) and
+:func:`lm_loss` (mean next-token cross-entropy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+_INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape and options of :class:`GPT`.
+
+    vocab: vocabulary size. seq: maximum sequence length (size of the position
+    embedding). layers: number of decoder blocks. hidden: model width. heads:
+    attention heads (``hidden % heads == 0``). mlp_ratio: MLP width is
+    ``mlp_ratio * hidden``. dtype: compute dtype (parameters are always float32;
+    LayerNorm statistics, softmax and the loss run in float32). remat: rematerialise
+    each block in the backward pass (``nn.remat`` under the ``nn.scan``).
+    """
+
+    vocab: int = 256
+    seq: int = 128
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    mlp_ratio: int = 4
+    dtype: Any = jnp.float32
+    remat: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"GPTConfig.{name} must be an int, got {value!r} "
+                                 f"({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {value}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
+                f"so each head gets hidden // heads dims; pick hidden as a multiple of heads")
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError as e:
+            raise ValueError(f"GPTConfig.dtype must be a floating dtype, got {self.dtype!r}") from e
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"GPTConfig.dtype must be a floating dtype (float32, bfloat16, "
+                             f"float16), got {dtype}")
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"GPTConfig.remat must be a bool, got {self.remat!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.mlp_ratio * self.hidden
+
+
+def _init(names: tuple, init=None):
+    return nn.with_partitioning(init or nn.initializers.normal(_INIT_STD), names)
+
+
+def _zeros(names: tuple):
+    return nn.with_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _layer_norm(config: GPTConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32, param_dtype=jnp.float32,
+                        scale_init=nn.with_partitioning(nn.initializers.ones_init(), (None,)),
+                        bias_init=_zeros((None,)), name=name)
+
+
+def _dense(config: GPTConfig, features: int, kernel: tuple, bias: tuple, name: str,
+           std: float = _INIT_STD) -> nn.Dense:
+    return nn.Dense(features, dtype=config.dtype, param_dtype=jnp.float32,
+                    kernel_init=_init(kernel, nn.initializers.normal(std)),
+                    bias_init=_zeros(bias), name=name)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm decoder block; ``(x, _) -> (x, None)`` for ``nn.scan``."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x, _):
+        cfg = self.config
+        x = checkpoint_name(x, "layer_input")
+        b, t, _h = x.shape
+        # GPT-2 scales the residual-output projections by 1/sqrt(2 * layers).
+        out_std = _INIT_STD / (2 * cfg.layers) ** 0.5
+
+        # Causal self-attention. QKV outputs ordered (heads, 3, head_dim): column-parallel.
+        h = _layer_norm(cfg, "ln_1")(x).astype(cfg.dtype)
+        qkv = _dense(cfg, 3 * cfg.hidden, (None, "model"), ("model",), "qkv")(h)
+        qkv = qkv.reshape(b, t, cfg.heads, 3, cfg.head_dim)
+        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]  # (b, t, heads, hd)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.hidden)
+        x = x + _dense(cfg, cfg.hidden, ("model", None), (None,), "attn_out", out_std)(att)
+
+        # MLP: column-parallel in, row-parallel out.
+        h = _layer_norm(cfg, "ln_2")(x).astype(cfg.dtype)
+        h = _dense(cfg, cfg.mlp_hidden, (None, "model"), ("model",), "mlp_in")(h)
+        h = nn.gelu(h)
+        x = x + _dense(cfg, cfg.hidden, ("model", None), (None,), "mlp_out", out_std)(h)
+        return x, None
+
+
+class GPT(nn.Module):
+    """GPT-2-style decoder. ``GPT(config)(tokens)`` with int ``tokens`` of shape
+    ``(batch, t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"GPT expects int tokens of shape (batch, t), got {tokens.shape}")
+        t = tokens.shape[1]
+        if t > cfg.seq:
+            raise ValueError(f"GPT got sequences of length {t} > config.seq = {cfg.seq}")
+        embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
+                         embedding_init=_init(("model", None)), name="embed")
+        pos = self.param("pos_embed", _init((None, None)), (cfg.seq, cfg.hidden), jnp.float32)
+        x = embed(tokens) + pos[:t].astype(cfg.dtype)
+
+        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=cfg.layers, metadata_params={nn.PARTITION_NAME: None})
+        x, _ = stack(cfg, name="blocks")(x, None)
+
+        x = _layer_norm(cfg, "ln_f")(x).astype(cfg.dtype)
+        return embed.attend(x).astype(jnp.float32)
+
+
+def _dummy_tokens(model: GPT) -> jax.Array:
+    return jnp.zeros((1, model.config.seq), jnp.int32)
+
+
+def gpt_params(model: GPT, rng: jax.Array | int = 0) -> Any:
+    """Initialised ``params`` of ``model`` as a plain pytree of arrays (the
+    ``nn.Partitioned`` boxes removed), ready for ``zerojax.zero(...).init_state``."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    variables = model.init(rng, _dummy_tokens(model))
+    return nn.meta.unbox(variables["params"])
+
+
+def gpt_param_specs(model: GPT, rng: jax.Array | int = 0) -> Any:
+    """The ``PartitionSpec`` tree of ``model``'s params read from their sharding
+    metadata (no arrays are materialised). Same tree structure as :func:`gpt_params`."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    variables = jax.eval_shape(model.init, rng, _dummy_tokens(model))
+    return nn.get_partition_spec(variables["params"])
+
+
+def lm_loss(model: GPT):
+    """``loss_fn(params, tokens)``: mean next-token cross-entropy, a float32 scalar.
+
+    ``tokens`` is an int array of shape ``(batch, t + 1)`` with ``1 <= t <= seq``,
+    normally ``(batch, seq + 1)``: the model reads ``tokens[:, :-1]`` and predicts
+    ``tokens[:, 1:]``; the mean is over all ``batch * t`` predictions.
+    """
+
+    def loss_fn(params: Any, tokens) -> jnp.ndarray:
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not 2 <= tokens.shape[1] <= model.config.seq + 1:
+            raise ValueError(f"lm_loss expects tokens of shape (batch, t + 1) with "
+                             f"1 <= t <= seq = {model.config.seq}, got {tokens.shape}")
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return jnp.mean(losses, dtype=jnp.float32)
+
+    return loss_fn
