@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax.core import meta as flax_meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C, partition as part
@@ -53,6 +54,7 @@ class ZeroOptimizer:
         self.config = config
         self.mesh = auto_mesh(mesh, config.data_axis)
         self.data_size = int(self.mesh.shape[config.data_axis])
+        self._model_specs = None  # (treedef, PartitionSpec tree) from init_state
         if config.bucket_size is not None and config.bucket_size < self.data_size:
             raise ValueError(
                 f"bucket_size={config.bucket_size} is smaller than the {config.data_axis!r} "
@@ -65,10 +67,48 @@ class ZeroOptimizer:
                 f"{self.config.data_axis}={self.data_size}, mesh={dict(self.mesh.shape)})")
 
     # -- layout ---------------------------------------------------------------------
+    def _split_model_specs(self, params: Any, model_specs: Any = None):
+        """``(plain params, model specs or None)``: flax partitioning boxes
+        (``nn.with_partitioning``) are read and removed; else ``model_specs`` given
+        here, or remembered from :meth:`init_state` for a tree of the same structure."""
+        if any(isinstance(x, flax_meta.AxisMetadata) for x in jax.tree.leaves(
+                params, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))):
+            if model_specs is None:
+                model_specs = flax_meta.get_partition_spec(params)
+            params = flax_meta.unbox(params)
+        if model_specs is None and self._model_specs is not None:
+            treedef, specs = self._model_specs
+            if jax.tree.structure(params) == treedef:
+                model_specs = specs
+        if model_specs is not None:
+            self._check_model_specs(params, model_specs)
+        return params, model_specs
+
+    def _check_model_specs(self, params: Any, model_specs: Any) -> None:
+        names = set(self.mesh.axis_names)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        try:
+            specs = treedef.flatten_up_to(model_specs)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "model_specs must be a tree of PartitionSpecs with the structure of params "
+                f"(got {jax.tree.structure(model_specs)}): {e}") from None
+        for (path, _), spec in zip(leaves, specs):
+            for entry in tuple(spec or ()):
+                for name in (entry if isinstance(entry, tuple) else (entry,)):
+                    if name is not None and name not in names:
+                        raise ValueError(
+                            f"params leaf {jax.tree_util.keystr(path)} is split over mesh axis "
+                            f"{name!r} ({spec}), but the mesh has axes {self.mesh.axis_names}; "
+                            "build it with zerojax.make_mesh(data=..., model=...)."
+                        )
+
     def layouts(self, params: Any) -> Any:
-        """A :class:`~zerojax.partition.LeafLayout` per leaf of ``params``."""
+        """A :class:`~zerojax.partition.LeafLayout` per leaf of ``params`` (model splits
+        from flax partitioning metadata, or as given to :meth:`init_state`)."""
+        params, model_specs = self._split_model_specs(params)
         return part.layouts(params, self.data_size, self.config.min_shard_size,
-                            self.config.data_axis)
+                            self.config.data_axis, model_specs)
 
     def specs(self, params: Any) -> part.StageSpecs:
         """PartitionSpec trees of the params, gradients and optimizer state of this stage.
@@ -77,6 +117,7 @@ class ZeroOptimizer:
         ``master`` (the fp32 master weights) is laid out like the optimizer state.
         """
         lay = self.layouts(params)
+        params = self._split_model_specs(params)[0]
         cfg = self.config
         structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         opt_shapes = jax.eval_shape(self.inner.init, structs)
@@ -85,17 +126,25 @@ class ZeroOptimizer:
         return part.StageSpecs(
             params=part.stage_param_specs(lay, cfg.stage),
             grads=part.stage_grad_specs(lay, cfg.stage),
-            opt_state=part.opt_state_specs(opt_shapes, self.data_size, cfg.min_shard_size,
-                                           cfg.stage, cfg.data_axis),
+            opt_state=part.opt_state_specs(opt_shapes, lay, self.data_size,
+                                           cfg.min_shard_size, cfg.stage, cfg.data_axis),
         )
 
     # -- state ----------------------------------------------------------------------
-    def init_state(self, params: Any) -> TrainState:
+    def init_state(self, params: Any, model_specs: Any = None) -> TrainState:
         """Place ``params`` and create the optimizer state, laid out for this stage.
 
+        ``params`` may carry flax partitioning metadata (``nn.with_partitioning``, e.g.
+        the Megatron layout of :mod:`zerojax.models.gpt`): leaves split over ``model``
+        keep that split and get their ZeRO split over ``data`` on another dimension.
+        ``model_specs`` (a PartitionSpec tree) gives the same for plain params. The
+        state holds plain arrays; the model splits are remembered for the step.
         The caller's ``params`` are copied, never donated: they stay usable.
         """
+        params, model_specs = self._split_model_specs(params, model_specs)
         _check_params(params)
+        if model_specs is not None:
+            self._model_specs = (jax.tree.structure(params), model_specs)
         cfg = self.config
         specs = self.specs(params)
         param_sh = part.shardings(self.mesh, specs.params)

@@ -29,25 +29,52 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """Layout of one leaf: its global shape and dtype and the dim split over ``data``."""
+    """Layout of one leaf: its global shape and dtype, the dim split over ``data``,
+    and the model-parallel split it already has (``model``: one mesh axis name or
+    None per dimension, from the model's sharding metadata)."""
 
     shape: tuple[int, ...]
     dtype: Any
     dim: int | None  # dimension split over the data axis; None = replicated
     axis: str = "data"
+    model: tuple = ()  # per-dim model-parallel axes ("model" or None); () = none
 
     @property
     def sharded(self) -> bool:
         return self.dim is not None
 
+    def _entries(self, with_data: bool, with_model: bool) -> P:
+        model = self.model or (None,) * len(self.shape)
+        out = [m if with_model else None for m in model]
+        if with_data and self.dim is not None:
+            out[self.dim] = self.axis
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
     @property
     def spec(self) -> P:
-        """The PartitionSpec of the partitioned form (optimizer state; stage>=2 grads)."""
-        if self.dim is None:
-            return P()
-        return P(*([None] * self.dim + [self.axis]))
+        """PartitionSpec of the partitioned form (optimizer state; stage>=2 grads):
+        the data split and the model split together."""
+        return self._entries(True, True)
+
+    @property
+    def data_spec(self) -> P:
+        """Only the data split (the ``in_specs`` of a shard_map manual over ``data``)."""
+        return self._entries(True, False)
+
+    @property
+    def model_spec(self) -> P:
+        """Only the model split: the layout of the leaf where it is whole over ``data``."""
+        return self._entries(False, True)
+
+    @property
+    def model_axes(self) -> frozenset:
+        return frozenset(a for m in self.model if m is not None
+                         for a in (m if isinstance(m, tuple) else (m,)))
 
     def shard_shape(self, n: int) -> tuple[int, ...]:
+        """Shape of this device's data shard (still whole over the model axis)."""
         if self.dim is None:
             return self.shape
         s = list(self.shape)
@@ -55,25 +82,66 @@ class LeafLayout:
         return tuple(s)
 
 
-def choose_dim(shape: tuple[int, ...], n: int, min_shard_size: int) -> int | None:
-    """The dimension of ``shape`` to split ``n`` ways, or None to replicate."""
+def choose_dim(shape: tuple[int, ...], n: int, min_shard_size: int,
+               taken: tuple = ()) -> int | None:
+    """The dimension of ``shape`` to split ``n`` ways, or None to replicate.
+
+    Dimensions marked in ``taken`` (already split over the model axis) are skipped.
+    """
     if len(shape) == 0 or math.prod(shape) < max(min_shard_size, 1):
         return None
     best = None
     for d, size in enumerate(shape):
+        if taken and taken[d] is not None:
+            continue
         if size % n == 0 and (best is None or size > shape[best]):
             best = d
     return best
 
 
-def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data") -> LeafLayout:
+def _model_entries(spec: Any, ndim: int, path: str) -> tuple:
+    if spec is None:
+        return ()
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    if len(entries) != ndim:
+        raise ValueError(
+            f"model sharding {spec} of params leaf {path} has more entries than its "
+            f"{ndim} dimensions; fix the model's partitioning metadata."
+        )
+    if all(e is None for e in entries):
+        return ()
+    return entries
+
+
+def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data",
+                model_spec: Any = None, path: str = "") -> LeafLayout:
     shape = tuple(int(s) for s in x.shape)
-    return LeafLayout(shape, x.dtype, choose_dim(shape, n, min_shard_size), axis)
+    model = _model_entries(model_spec, len(shape), path)
+    for m in model:
+        names = m if isinstance(m, tuple) else (m,)
+        if axis in names:
+            raise ValueError(
+                f"params leaf {path} is already split over {axis!r} by its sharding metadata "
+                f"({model_spec}); ZeRO decides the {axis!r} split: annotate only model axes."
+            )
+    return LeafLayout(shape, x.dtype, choose_dim(shape, n, min_shard_size, model), axis, model)
 
 
-def layouts(tree: Any, n: int, min_shard_size: int, axis: str = "data") -> Any:
-    """A tree of :class:`LeafLayout`, one per array leaf of ``tree``."""
-    return jax.tree.map(lambda x: leaf_layout(x, n, min_shard_size, axis), tree)
+def layouts(tree: Any, n: int, min_shard_size: int, axis: str = "data",
+            model_specs: Any = None) -> Any:
+    """A tree of :class:`LeafLayout`, one per array leaf of ``tree``.
+
+    ``model_specs``: None, or a tree of PartitionSpecs with the same structure giving
+    each leaf's model-parallel split (Megatron layout).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if model_specs is None:
+        specs = [None] * len(leaves)
+    else:
+        specs = treedef.flatten_up_to(model_specs)
+    return jax.tree.unflatten(treedef, [
+        leaf_layout(x, n, min_shard_size, axis, spec, jax.tree_util.keystr(path))
+        for (path, x), spec in zip(leaves, specs)])
 
 
 def is_layout(x: Any) -> bool:
@@ -86,7 +154,8 @@ def partitioned_specs(layout_tree: Any) -> Any:
 
 
 def replicated_specs(layout_tree: Any) -> Any:
-    return jax.tree.map(lambda lay: P(), layout_tree, is_leaf=is_layout)
+    """PartitionSpecs of each leaf whole over ``data`` (its model split kept)."""
+    return jax.tree.map(lambda lay: lay.model_spec, layout_tree, is_leaf=is_layout)
 
 
 def shardings(mesh, spec_tree: Any) -> Any:
@@ -116,14 +185,27 @@ def stage_grad_specs(layout_tree: Any, stage: int) -> Any:
     return replicated_specs(layout_tree) if stage == 0 else partitioned_specs(layout_tree)
 
 
-def opt_state_specs(opt_state_shapes: Any, n: int, min_shard_size: int, stage: int,
-                    axis: str = "data") -> Any:
-    """PartitionSpecs of an optimizer state (stage 0: all replicated).
+def opt_state_specs(opt_state_shapes: Any, param_layouts: Any, n: int, min_shard_size: int,
+                    stage: int, axis: str = "data") -> Any:
+    """PartitionSpecs of an optimizer state.
 
-    Each leaf gets the layout the rule gives its shape; scalars (step counts) and
-    small leaves stay replicated.
+    A leaf whose key path ends with a parameter's path and has that parameter's shape
+    (Adam's ``mu['dense']['kernel']``, the master weights) gets the parameter's
+    layout, model split included; any other leaf gets the shape rule (scalars such as
+    step counts and small leaves stay replicated). Stage 0 keeps only model splits.
     """
-    if stage == 0:
-        return jax.tree.map(lambda _: P(), opt_state_shapes)
-    return jax.tree.map(lambda x: leaf_layout(x, n, min_shard_size, axis).spec,
-                        opt_state_shapes)
+    by_path = {}
+    for path, lay in jax.tree_util.tree_flatten_with_path(param_layouts, is_leaf=is_layout)[0]:
+        by_path[tuple(path)] = lay
+
+    def spec_of(path, x):
+        shape = tuple(int(s) for s in x.shape)
+        for k in range(len(path)):
+            lay = by_path.get(tuple(path[k:]))
+            if lay is not None and lay.shape == shape:
+                return lay.spec if stage > 0 else lay.model_spec
+        if stage == 0:
+            return P()
+        return leaf_layout(x, n, min_shard_size, axis).spec
+
+    return jax.tree_util.tree_map_with_path(spec_of, opt_state_shapes)

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import make_param_use
 
@@ -55,6 +56,7 @@ class _Ref:
 
     raws: tuple
     dim: int
+    model: tuple = ()  # per-dim model-parallel axes of the whole value (Megatron split)
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,7 +85,7 @@ class _Ctx:
         param, zero_shard = ref.raws
         use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
                              grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
-                             bucket_size=self.bucket_size)
+                             bucket_size=self.bucket_size, model_spec=P(*ref.model))
         return use(param, zero_shard)
 
 
@@ -128,7 +130,7 @@ class _Scope:
 
 def _rebuild(values, refs, new_raws):
     """Copies of the lazies in ``values`` whose refs hold ``new_raws`` (same order as refs)."""
-    mapping = {id(r): _Ref(tuple(raws), r.dim) for r, raws in zip(refs, new_raws)}
+    mapping = {id(r): _Ref(tuple(raws), r.dim, r.model) for r, raws in zip(refs, new_raws)}
     return [_Lazy(tuple(mapping[id(r)] for r in v.refs), v.fn) if isinstance(v, _Lazy) else v
             for v in values]
 
@@ -230,8 +232,9 @@ def _eval_scan(eqn, ins, scope: _Scope) -> list:
     def step(carry_in, xs_in):
         vals = list(consts) + list(carry_in)
         for i, x in zip(xs_pos, xs_in):
-            vals.append(_Lazy((_Ref(tuple(x), ins[i].refs[0].dim - 1),), None)
-                        if i in pushed else x)
+            ref = ins[i].refs[0] if i in pushed else None
+            vals.append(_Lazy((_Ref(tuple(x), ref.dim - 1, ref.model[1:]),), None)
+                        if ref is not None else x)
         outs = eval_jaxpr(body.jaxpr, body.consts, vals, body_ctx)
         return outs[:nk], outs[nk:]
 
@@ -263,7 +266,8 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
         ctx.chain.probe = own
 
     def compute(raws, regulars):
-        mats = {id(r): ctx.materialize_ref(_Ref(tuple(rw), r.dim)) for r, rw in zip(refs, raws)}
+        mats = {id(r): ctx.materialize_ref(_Ref(tuple(rw), r.dim, r.model))
+                for r, rw in zip(refs, raws)}
         vals = [_value(x, mats) if isinstance(x, _Lazy) else x for x in ins]
         for i, r in zip(reg_pos, regulars):
             vals[i] = r
@@ -323,7 +327,8 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
     """
     args: list[Any] = []
     for raws, lay in zip(param_args, layouts):
-        args.append(_Lazy((_Ref(tuple(raws), lay.dim),), None) if lay.sharded else raws[0])
+        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model),), None) if lay.sharded
+                    else raws[0])
     args.extend(other_args)
     return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args,
                       _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch))

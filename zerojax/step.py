@@ -91,8 +91,10 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
     def grad_fn(params, batch, scale, grad_dtypes):
         leaves, treedef = jax.tree.flatten(params)
         lays = treedef.flatten_up_to(opt.layouts(params))
-        param_specs = tuple(lay.spec if stage == 3 else P() for lay in lays)
-        grad_specs = tuple(lay.spec if stage > 0 else P() for lay in lays)
+        # manual over data only: model splits stay with the compiler (in_specs and
+        # out_specs name the data split alone)
+        param_specs = tuple(lay.data_spec if stage == 3 else P() for lay in lays)
+        grad_specs = tuple(lay.data_spec if stage > 0 else P() for lay in lays)
         sharded = [i for i, lay in enumerate(lays) if lay.sharded]
         replicated = [i for i, lay in enumerate(lays) if not lay.sharded]
         # the loss each device differentiates: scaled, and averaged over devices and
@@ -177,18 +179,22 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
 
             # the one reduction of stages 0-1; replicated leaves of stages 2-3
             bucket = cfg.bucket_size
-            if stage == 0:
-                g = C.all_reduce_buckets([to_reduce(x) for x in g], axis, bucket)
-            else:
-                g = list(g)
-                rep = C.all_reduce_buckets([to_reduce(g[i]) for i in replicated], axis, bucket)
-                if stage == 1:
-                    part = C.reduce_scatter_buckets([to_reduce(g[i]) for i in sharded],
-                                                    [lays[i].dim for i in sharded], axis, bucket)
-                    for i, x in zip(sharded, part):
-                        g[i] = x
-                for i, x in zip(replicated, rep):
+            g = list(g)
+            reduced = list(range(len(g))) if stage == 0 else replicated
+            specs = tuple(lays[i].model_spec for i in reduced)
+            out = C.model_local(
+                lambda *xs: tuple(C.all_reduce_buckets(list(xs), axis, bucket)), specs, specs,
+            )(*[to_reduce(g[i]) for i in reduced])
+            if stage == 1:
+                specs = tuple(lays[i].model_spec for i in sharded)
+                part = C.model_local(
+                    lambda *xs: tuple(C.reduce_scatter_buckets(
+                        list(xs), [lays[i].dim for i in sharded], axis, bucket)), specs, specs,
+                )(*[to_reduce(g[i]) for i in sharded])
+                for i, x in zip(sharded, part):
                     g[i] = x
+            for i, x in zip(reduced, out):
+                g[i] = x
             g = [x.astype(dt) for x, dt in zip(g, grad_dtypes)]
             if scaled:
                 g = [x / scale.astype(x.dtype) for x in g]
@@ -207,10 +213,12 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
             return tuple(g), loss, aux, sum_sq
 
         batch_spec = P(axis) if k == 1 else P(None, axis)
+        # Axes of size > 1 other than data (the model axis) stay with the compiler.
+        manual = {a for a in mesh.axis_names if a == axis or mesh.shape[a] == 1}
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
             body, mesh=mesh, in_specs=(param_specs, batch_spec, P()),
-            out_specs=(grad_specs, P(), P(axis), P()), check_vma=False,
+            out_specs=(grad_specs, P(), P(axis), P()), axis_names=manual, check_vma=False,
         )(tuple(leaves), batch, scale_arg)
         return jax.tree.unflatten(treedef, list(g)), loss, aux, sum_sq
 
@@ -337,7 +345,7 @@ def _slice_params(params, lay_tree, mesh, axis):
     lays = treedef.flatten_up_to(lay_tree)
     out = jax.shard_map(
         lambda *xs: tuple(C.slice_local(x, lay, axis) for x, lay in zip(xs, lays)),
-        mesh=mesh, in_specs=tuple(P() for _ in lays),
+        mesh=mesh, in_specs=tuple(lay.model_spec for lay in lays),
         out_specs=tuple(lay.spec for lay in lays), check_vma=False,
     )(*leaves)
     return jax.tree.unflatten(treedef, list(out))
