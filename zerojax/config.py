@@ -12,6 +12,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.activations import REMAT_POLICIES
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -75,6 +77,12 @@ class ZeroConfig:
         so at most about two layers' gathered weights are live. Applies to layers
         written out; inside a scanned layer stack the loop body gathers its own layer
         (XLA's collective pipeliner on GPU can overlap it across iterations).
+      remat_policy: activation checkpointing of the model's checkpointed layers
+        (``nn.remat``), rewritten in the traced loss: None (the model's own), "none",
+        "full", "layer_inputs" or "partitioned" (ZeRO-R Pa: layer inputs kept split
+        over the ``model`` axis).
+        See :mod:`zerojax.activations`; the model names its layer inputs with
+        ``checkpoint_name(x, "layer_input")``.
       min_shard_size: leaves with fewer elements than this stay replicated on every
         device (their gradients are all-reduced). Partitioning tiny leaves saves
         nothing and costs a collective each.
@@ -100,6 +108,7 @@ class ZeroConfig:
     loss_scale_min: float = 1.0
     bucket_size: int | None = None
     prefetch: bool = True
+    remat_policy: str | None = None
     min_shard_size: int = 128
     data_axis: str = "data"
     donate: bool = True
@@ -146,6 +155,11 @@ class ZeroConfig:
                       "overflows tolerated before the scale backs off")
         if self.bucket_size is not None:
             _positive_int("bucket_size", self.bucket_size, "elements per collective buffer")
+        if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES} (or None "
+                "to keep the model's own checkpointing)."
+            )
         if not isinstance(self.min_shard_size, int) or self.min_shard_size < 0:
             raise ValueError(
                 f"min_shard_size={self.min_shard_size!r} must be a non-negative int "

@@ -36,6 +36,12 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
+from zerojax.activations import (
+    checkpoint_policy,
+    gather_activation,
+    layer_input_positions,
+    partition_activation,
+)
 from zerojax.collectives import make_param_use
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call"}
@@ -78,6 +84,9 @@ class _Ctx:
     reduce_dtype: Any = None
     bucket_size: int | None = None
     prefetch: bool = False
+    remat_policy: str | None = None
+    model_axis: str | None = None  # the tensor-parallel mesh axis (for Pa)
+    model_size: int = 1
     in_remat: bool = False
     chain: Any = dataclasses.field(default_factory=lambda: _Chain())
 
@@ -152,6 +161,8 @@ def eval_jaxpr(jaxpr, consts, args, ctx: _Ctx) -> list:
         ins = [read(v) for v in eqn.invars]
         if any(isinstance(x, _Lazy) for x in ins):
             outs = _eval_lazy_eqn(eqn, ins, scope)
+        elif ctx.remat_policy is not None and eqn.primitive.name in _REMAT | _INLINE | {"scan"}:
+            outs = _eval_lazy_eqn(eqn, ins, scope)  # reach the checkpoints inside
         else:
             outs = _bind(eqn, ins)
         for v, o in zip(eqn.outvars, outs):
@@ -196,10 +207,16 @@ def _chain(eqn, ins) -> _Lazy:
 
 
 def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
+    """A checkpointed region, rebuilt around the lazy parameters it uses, with the
+    ``remat_policy`` of :mod:`zerojax.activations` applied (None: the model's own)."""
     refs = _unique_refs(ins)
     regular_pos = [i for i, x in enumerate(ins) if not isinstance(x, _Lazy)]
-    inner_ctx = dataclasses.replace(ctx, in_remat=True, chain=_Chain())
     jaxpr = eqn.params["jaxpr"]
+    policy_name = ctx.remat_policy
+    if policy_name == "none":  # no rematerialisation: evaluate the region in place
+        return eval_jaxpr(jaxpr, (), ins, ctx)
+    inner_ctx = dataclasses.replace(ctx, in_remat=True, chain=_Chain())
+    regulars = [ins[i] for i in regular_pos]
 
     def fn(raws, regulars):
         vals = _rebuild(ins, refs, raws)
@@ -207,8 +224,44 @@ def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
             vals[i] = r
         return eval_jaxpr(jaxpr, (), vals, inner_ctx)
 
-    ckpt = jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-    return ckpt([r.raws for r in refs], [ins[i] for i in regular_pos])
+    split = layer_input_positions(jaxpr) if policy_name == "partitioned" else set()
+    split = [j for j, i in enumerate(regular_pos) if i in split]
+    if split:
+        return _partitioned_checkpoint(fn, [list(r.raws) for r in refs], regulars, split, ctx)
+    policy = (eqn.params["policy"] if policy_name is None
+              else checkpoint_policy(policy_name))
+    ckpt = jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"], policy=policy)
+    return ckpt([r.raws for r in refs], regulars)
+
+
+def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx) -> list:
+    """ZeRO-R Pa: ``fn`` rematerialised, keeping only the split copy of its layer inputs
+    (``regulars[j]`` for j in ``split``) and the parameters' raw shards.
+
+    The forward pass uses the whole layer input it has; the backward pass all-gathers
+    the kept slices over ``model`` (one all-gather per layer), then recomputes ``fn``
+    and differentiates it. A ``custom_vjp`` rather than ``jax.checkpoint``, whose
+    saved residuals are always its inputs (the whole layer input)."""
+    m_axis, m = ctx.model_axis, ctx.model_size
+
+    @jax.custom_vjp
+    def layer(raws, regulars):
+        return fn(raws, regulars)
+
+    def fwd(raws, regulars):
+        kept = [partition_activation(r, m_axis, m) if j in split else r
+                for j, r in enumerate(regulars)]
+        return fn(raws, regulars), (raws, kept)
+
+    def bwd(res, ct):
+        raws, kept = res
+        whole = [gather_activation(r, m_axis, m) if j in split else r
+                 for j, r in enumerate(kept)]
+        _, vjp = jax.vjp(fn, _after(raws, _probe(ct)), whole)
+        return vjp(ct)
+
+    layer.defvjp(fwd, bwd)
+    return layer(raws, regulars)
 
 
 def _eval_scan(eqn, ins, scope: _Scope) -> list:
@@ -315,7 +368,9 @@ def _after(raws: list, probe) -> list:
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
                       stage: int, axis: str, reduce_dtype=None,
-                      bucket_size: int | None = None, prefetch: bool = False) -> list:
+                      bucket_size: int | None = None, prefetch: bool = False,
+                      remat_policy: str | None = None, model_axis: str | None = None,
+                      model_size: int = 1) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -331,4 +386,5 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                     else raws[0])
     args.extend(other_args)
     return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args,
-                      _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch))
+                      _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy,
+                           model_axis, model_size))

@@ -20,6 +20,7 @@ One ``jax.jit``-compiled function ``step(state, batch) -> (state, metrics)``:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
     """
     cfg, mesh, axis, n = opt.config, opt.mesh, opt.config.data_axis, opt.data_size
     stage, k, reduce_dtype = cfg.stage, cfg.accum_steps, cfg.reduce_dtype
+    model_axis = next((a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1), None)
+    model_size = int(mesh.shape[model_axis]) if model_axis else 1
 
     def to_reduce(x):
         return x if reduce_dtype is None else x.astype(reduce_dtype)
@@ -111,13 +114,32 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                 lambda x: jax.ShapeDtypeStruct(x.shape[1:] if k > 1 else x.shape, x.dtype),
                 local_batch)
 
+            traced = stage >= 2 or cfg.remat_policy is not None
+            if traced:  # the loss as a jaxpr, re-evaluated by zerojax.schedule
+                full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
+                closed, out_shape = jax.make_jaxpr(
+                    lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
+                    return_shape=True)(full_structs, micro_struct)
+                _check_loss(out_shape, has_aux)
+                out_tree = jax.tree.structure(out_shape)
+
+            def evaluate(raws, mb, layouts):
+                outs = apply_partitioned(
+                    closed, raws, jax.tree.leaves(mb), layouts, stage, axis, reduce_dtype,
+                    cfg.bucket_size, cfg.prefetch, cfg.remat_policy, model_axis, model_size)
+                return jax.tree.unflatten(out_tree, outs)
+
             if stage in (0, 1):
                 acc_dtypes = [reduce_dtype or x.dtype for x in param_leaves]
+                whole = [dataclasses.replace(lay, dim=None) for lay in lays]
 
                 def micro_grads(mb):
                     def f(p_leaves):
-                        out = loss_fn(jax.tree.unflatten(treedef, p_leaves), mb)
-                        _check_loss(out, has_aux)
+                        if traced:
+                            out = evaluate([(p,) for p in p_leaves], mb, whole)
+                        else:
+                            out = loss_fn(jax.tree.unflatten(treedef, p_leaves), mb)
+                            _check_loss(out, has_aux)
                         loss, aux = out if has_aux else (out, None)
                         return differentiated(loss), (loss, aux)
 
@@ -126,12 +148,6 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
 
                 acc_shapes = [lay.shape for lay in lays]
             else:
-                full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
-                closed, out_shape = jax.make_jaxpr(
-                    lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
-                    return_shape=True)(full_structs, micro_struct)
-                _check_loss(out_shape, has_aux)
-                out_tree = jax.tree.structure(out_shape)
                 acc_dtypes = [grad_dtypes[i] if lays[i].sharded
                               else (reduce_dtype or lays[i].dtype) for i in range(len(lays))]
 
@@ -142,10 +158,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                             raws[i] = (param_leaves[i], z)
                         for i, r in zip(replicated, rep):
                             raws[i] = (r,)
-                        outs = apply_partitioned(closed, raws, jax.tree.leaves(mb), lays, stage,
-                                                 axis, reduce_dtype, cfg.bucket_size,
-                                                 cfg.prefetch)
-                        out = jax.tree.unflatten(out_tree, outs)
+                        out = evaluate(raws, mb, lays)
                         loss, aux = out if has_aux else (out, None)
                         return differentiated(loss), (loss, aux)
 
