@@ -21,12 +21,11 @@ Prints one markdown table (after a header line with Psi and the configuration):
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-IN_FEATURES = 16
+from _common import add_run_flags, check_counts, mlp_problem, use_simulated_devices
+
 STAGES = (0, 1, 2, 3)
 PARAM_BYTES, OPTIMIZER_BYTES = 4, 8  # fp32 params; Adam's mu and nu in fp32
 
@@ -39,47 +38,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--devices", type=int, default=8,
-                        help="simulated CPU devices (ignored if XLA_FLAGS already sets "
-                             f"{DEVICE_COUNT_FLAG})")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per stage")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per stage")
+    add_run_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
-    for name in ("width", "layers", "batch", "devices", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be positive")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    check_counts(parser, args, ("width", "layers", "batch", "devices", "steps"))
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if DEVICE_COUNT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={args.devices}".strip()
+    use_simulated_devices(args.devices)
 
     import jax  # only now: XLA reads XLA_FLAGS when jax starts its CPU backend
-    import jax.numpy as jnp
     import optax
 
     import zerojax
     from zerojax.analysis import compiled_memory, device_bytes
-    from zerojax.models import MLP, ScannedMLP, mse_loss
 
-    mesh = zerojax.make_mesh(data=-1)
+    mesh, params, psi, loss_fn, batch = mlp_problem(
+        args.model == "scanned", args.width, args.layers, args.batch)
     n = mesh.shape["data"]
-    if args.batch % n:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {n} data devices.")
-
-    model = (ScannedMLP if args.model == "scanned" else MLP)(
-        features=args.width, layers=args.layers)
-    k_params, k_x, k_y = jax.random.split(jax.random.key(0), 3)
-    params = model.init(k_params, jnp.zeros((1, IN_FEATURES)))["params"]
-    psi = sum(x.size for x in jax.tree.leaves(params))
-    loss_fn = mse_loss(model)
-    batch = (jax.random.normal(k_x, (args.batch, IN_FEATURES)),
-             jax.random.normal(k_y, (args.batch, 1)))
 
     runs = {}
     for stage in STAGES:

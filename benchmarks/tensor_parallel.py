@@ -35,11 +35,11 @@ Per configuration:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from _common import DEVICE_COUNT_FLAG, add_run_flags, check_counts, use_simulated_devices
+
 STAGES = (0, 1, 2, 3)
 POLICIES = ("full", "partitioned")  # without / with Pa
 PARAM_BYTES, OPTIMIZER_BYTES = 4, 8  # fp32 params; Adam's mu and nu in fp32
@@ -59,20 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="global batch (sequences); a multiple of data x model")
     parser.add_argument("--data", type=int, default=4, help="data-parallel degree")
     parser.add_argument("--model", type=int, default=2, help="tensor-parallel degree M")
-    parser.add_argument("--devices", type=int, default=8,
-                        help="simulated CPU devices (ignored if XLA_FLAGS already sets "
-                             f"{DEVICE_COUNT_FLAG}); data x model of them are used")
-    parser.add_argument("--steps", type=int, default=8,
-                        help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed steps per configuration")
+    add_run_flags(parser, steps=8, warmup=1, devices_note="; data x model of them are used")
     args = parser.parse_args(argv)
-    for name in ("vocab", "seq", "layers", "hidden", "heads", "batch", "data", "model",
-                 "devices", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be positive")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    check_counts(parser, args, ("vocab", "seq", "layers", "hidden", "heads", "batch", "data",
+                                "model", "devices", "steps"))
     if args.model < 2:
         parser.error("--model must be >= 2: Pa splits over the model axis")
     if args.data == args.model:
@@ -89,9 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if DEVICE_COUNT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={args.devices}".strip()
+    use_simulated_devices(args.devices)
 
     import jax  # only now: XLA reads XLA_FLAGS when jax starts its CPU backend
     import numpy as np

@@ -1,0 +1,64 @@
+"""Pieces the benchmark scripts share: run flags, simulated devices, the MLP problem.
+
+jax is imported only inside the functions, after :func:`use_simulated_devices` has set
+XLA_FLAGS (XLA reads it when jax starts its CPU backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+IN_FEATURES = 16
+
+
+def add_run_flags(parser: argparse.ArgumentParser, *, steps: int, warmup: int,
+                  devices_note: str = "") -> None:
+    """``--devices``, ``--steps`` and ``--warmup``."""
+    parser.add_argument("--devices", type=int, default=8,
+                        help="simulated CPU devices (ignored if XLA_FLAGS already sets "
+                             f"{DEVICE_COUNT_FLAG}){devices_note}")
+    parser.add_argument("--steps", type=int, default=steps,
+                        help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=warmup,
+                        help="untimed steps per configuration")
+
+
+def check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 positive: tuple[str, ...]) -> None:
+    """Reject non-positive counts and a negative ``--warmup``."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+
+
+def use_simulated_devices(n: int) -> None:
+    """Ask XLA for ``n`` CPU devices unless XLA_FLAGS already sets a count."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
+
+
+def mlp_problem(scanned: bool, width: int, layers: int, batch_size: int):
+    """``(mesh, params, psi, loss_fn, batch)`` for an (optionally scanned) MLP on a
+    random regression batch, with all devices on ``data``."""
+    import jax
+    import jax.numpy as jnp
+
+    import zerojax
+    from zerojax.models import MLP, ScannedMLP, mse_loss
+
+    mesh = zerojax.make_mesh(data=-1)
+    n = mesh.shape["data"]
+    if batch_size % n:
+        raise SystemExit(f"--batch {batch_size} must be a multiple of the {n} data devices.")
+    model = (ScannedMLP if scanned else MLP)(features=width, layers=layers)
+    k_params, k_x, k_y = jax.random.split(jax.random.key(0), 3)
+    params = model.init(k_params, jnp.zeros((1, IN_FEATURES)))["params"]
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    batch = (jax.random.normal(k_x, (batch_size, IN_FEATURES)),
+             jax.random.normal(k_y, (batch_size, 1)))
+    return mesh, params, psi, mse_loss(model), batch
