@@ -335,38 +335,38 @@ def _parse_instruction(statement: str) -> _Instruction:
     )
 
 
-def _matching_close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at ``start`` (quotes respected)."""
-    depth = 0
-    in_string = False
+def _outside_quotes(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """``(index, char, bracket depth after it)`` for each character of ``text`` from
+    ``start`` that is outside a quoted string."""
+    depth, in_string = 0, False
     for i in range(start, len(text)):
         char = text[i]
         if in_string:
             in_string = char != '"' or text[i - 1] == "\\"
-        elif char == '"':
+            continue
+        if char == '"':
             in_string = True
-        elif char in _OPEN:
+            continue
+        if char in _OPEN:
             depth += 1
         elif char in _CLOSE:
             depth -= 1
-            if depth == 0:
-                return i
+        yield i, char, depth
+
+
+def _matching_close(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``start`` (quotes respected)."""
+    for i, char, depth in _outside_quotes(text, start):
+        if char in _CLOSE and depth == 0:
+            return i
     raise ValueError(f"Unbalanced brackets in HLO text: {text[start : start + 120]!r}")
 
 
 def _split_top(text: str) -> list[str]:
     """Split at commas outside brackets and quotes."""
-    parts, depth, start, in_string = [], 0, 0, False
-    for i, char in enumerate(text):
-        if in_string:
-            in_string = char != '"' or text[i - 1] == "\\"
-        elif char == '"':
-            in_string = True
-        elif char in _OPEN:
-            depth += 1
-        elif char in _CLOSE:
-            depth -= 1
-        elif char == "," and depth == 0:
+    parts, start = [], 0
+    for i, char, depth in _outside_quotes(text):
+        if char == "," and depth == 0:
             parts.append(text[start:i].strip())
             start = i + 1
     parts.append(text[start:].strip())
