@@ -134,6 +134,13 @@ def _scan_step(carry, _):
     return shard, None
 
 
+def _assert_gather_scatter_reduce(volume, trips):
+    """One all-gather, reduce-scatter and all-reduce of PSI elements per trip."""
+    assert volume.all_gather == trips * PSI
+    assert volume.reduce_scatter == trips * PSI
+    assert volume.all_reduce == trips * 2 * PSI
+
+
 def test_collectives_in_scan_are_multiplied_by_trip_count():
     compiled = _compile(
         lambda x: jax.lax.scan(_scan_step, x, None, length=8)[0],
@@ -143,9 +150,7 @@ def test_collectives_in_scan_are_multiplied_by_trip_count():
         jnp.ones((8, 1024)),
     )
     volume = comm_volume(compiled)
-    assert volume.all_gather == 8 * PSI
-    assert volume.reduce_scatter == 8 * PSI
-    assert volume.all_reduce == 8 * 2 * PSI
+    _assert_gather_scatter_reduce(volume, trips=8)
     assert {op.trips for op in volume.ops} == {8}
     assert volume.counts() == {
         "all_gather": 8,
@@ -167,10 +172,7 @@ def test_nested_scans_multiply():
         P("data"),
         jnp.ones((8, 1024)),
     )
-    volume = comm_volume(compiled)
-    assert volume.all_gather == 12 * PSI
-    assert volume.reduce_scatter == 12 * PSI
-    assert volume.all_reduce == 12 * 2 * PSI
+    _assert_gather_scatter_reduce(comm_volume(compiled), trips=12)
 
 
 def test_two_axis_mesh_splits_by_group_size():
