@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax.partition import LeafLayout, is_layout
+from zerojax.partition import LeafLayout
 
 
 def model_local(fn, in_specs: tuple, out_specs: Any):
@@ -253,5 +253,5 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 __all__ = [
     "model_local", "all_reduce_local", "reduce_scatter_local", "gather_local", "make_param_use",
     "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",
-    "gather_params", "slice_local", "is_layout",
+    "gather_params", "slice_local",
 ]

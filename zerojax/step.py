@@ -30,7 +30,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C
-from zerojax.partition import is_layout, shardings
+from zerojax.partition import partitioned_specs, shardings
 from zerojax.schedule import apply_partitioned
 from zerojax.state import LossScaleState, MasterState, TrainState
 
@@ -295,7 +295,7 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool) -> TrainStep:
 
     def step_fn(state: TrainState, batch):
         lay_tree = opt.layouts(state.params)
-        part_sh = shardings(mesh, jax.tree.map(lambda lay: lay.spec, lay_tree, is_leaf=is_layout))
+        part_sh = shardings(mesh, partitioned_specs(lay_tree))
         inner_state = state.opt_state.inner if mixed else state.opt_state
         if mixed:
             owned = state.opt_state.master
