@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 IN_FEATURES = 16
@@ -62,3 +63,25 @@ def mlp_problem(scanned: bool, width: int, layers: int, batch_size: int):
     batch = (jax.random.normal(k_x, (batch_size, IN_FEATURES)),
              jax.random.normal(k_y, (batch_size, 1)))
     return mesh, params, psi, mse_loss(model), batch
+
+
+def add_mlp_flags(parser: argparse.ArgumentParser) -> None:
+    """``--width``, ``--layers`` and ``--batch`` of the MLP problem."""
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+
+
+def time_interleaved(runs, warmup: int, steps: int) -> None:
+    """Step every run (a dict with ``step``, ``state``, ``batch``, ``times``) in turn,
+    one step each, so slow phases of the machine hit all alike; appends the wall
+    time of each step after the first ``warmup`` rounds to ``run["times"]``."""
+    import jax
+
+    for i in range(warmup + steps):
+        for run in runs:
+            start = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batch"])
+            jax.block_until_ready((run["state"], metrics))
+            if i >= warmup:
+                run["times"].append(time.perf_counter() - start)

@@ -26,9 +26,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from _common import add_run_flags, check_counts, mlp_problem, use_simulated_devices
+from _common import (
+    add_mlp_flags,
+    add_run_flags,
+    check_counts,
+    mlp_problem,
+    time_interleaved,
+    use_simulated_devices,
+)
 
 STAGES = (0, 1, 2, 3)
 PARAM_BYTES, OPTIMIZER_BYTES = 2, 12  # bf16 params; fp32 master + Adam's mu and nu
@@ -50,9 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
+    add_mlp_flags(parser)
     add_run_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
     check_counts(parser, args, ("width", "layers", "batch", "devices", "steps"))
@@ -133,13 +137,7 @@ def main(argv=None) -> None:
         })
 
     # The configurations take turns, one step each, so slow phases hit all alike.
-    for i in range(args.warmup + args.steps):
-        for run in runs:
-            start = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
-            jax.block_until_ready((run["state"], metrics))
-            if i >= args.warmup:
-                run["times"].append(time.perf_counter() - start)
+    time_interleaved(runs, args.warmup, args.steps)
 
     print(f"step time: MLP (layers written out), width {args.width}, {args.layers} layers, "
           f"Psi = {psi:,}; batch {args.batch}; {n} {platform} devices; adam fp32; median of "

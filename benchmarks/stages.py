@@ -22,9 +22,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from _common import add_run_flags, check_counts, mlp_problem, use_simulated_devices
+from _common import (
+    add_mlp_flags,
+    add_run_flags,
+    check_counts,
+    mlp_problem,
+    time_interleaved,
+    use_simulated_devices,
+)
 
 STAGES = (0, 1, 2, 3)
 PARAM_BYTES, OPTIMIZER_BYTES = 4, 8  # fp32 params; Adam's mu and nu in fp32
@@ -35,9 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="scanned", choices=["mlp", "scanned"])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
+    add_mlp_flags(parser)
     add_run_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
     check_counts(parser, args, ("width", "layers", "batch", "devices", "steps"))
@@ -73,13 +77,7 @@ def main(argv=None) -> None:
         }
 
     # Stages take turns, one step each, so slow phases of the machine hit all alike.
-    for i in range(args.warmup + args.steps):
-        for run in runs.values():
-            start = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
-            jax.block_until_ready((run["state"], metrics))
-            if i >= args.warmup:
-                run["times"].append(time.perf_counter() - start)
+    time_interleaved(runs.values(), args.warmup, args.steps)
 
     base = runs[0]
     base_time = statistics.median(base["times"])

@@ -36,9 +36,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from _common import DEVICE_COUNT_FLAG, add_run_flags, check_counts, use_simulated_devices
+from _common import (
+    DEVICE_COUNT_FLAG,
+    add_run_flags,
+    check_counts,
+    time_interleaved,
+    use_simulated_devices,
+)
 
 STAGES = (0, 1, 2, 3)
 POLICIES = ("full", "partitioned")  # without / with Pa
@@ -123,13 +128,7 @@ def main(argv=None) -> None:
             }
 
     # All configurations take turns, one step each, so slow phases hit all alike.
-    for i in range(args.warmup + args.steps):
-        for run in runs.values():
-            start = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
-            jax.block_until_ready((run["state"], metrics))
-            if i >= args.warmup:
-                run["times"].append(time.perf_counter() - start)
+    time_interleaved(runs.values(), args.warmup, args.steps)
 
     base = runs[0, "full"]
     base_time = statistics.median(base["times"])
