@@ -155,6 +155,9 @@ class ZeroConfig:
                       "overflows tolerated before the scale backs off")
         if self.bucket_size is not None:
             _positive_int("bucket_size", self.bucket_size, "elements per collective buffer")
+        for name in ("prefetch", "donate", "has_aux"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES} (or None "
