@@ -11,7 +11,7 @@ import pytest
 from helpers import max_rel_err, reference_run
 
 import zerojax
-from zerojax.analysis import compiled_memory
+from zerojax.analysis import compiled_memory, saved_checkpoints
 from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
@@ -37,7 +37,8 @@ def _opt_state(model, stage, policy):
 
 @pytest.mark.parametrize("stage,policy", [
     (0, "partitioned"), (1, "partitioned"), (2, "partitioned"), (3, "partitioned"),
-    (2, "none"), (3, "full"), (1, "layer_inputs")])
+    (2, "none"), (3, "full"), (1, "layer_inputs"), (0, "partitioned_host"),
+    (3, "partitioned_host")])
 def test_policies_train_like_single_device(stage, policy):
     model = GPT(GPTConfig(**TINY))
     opt, state = _opt_state(model, stage, policy)
@@ -73,6 +74,53 @@ def test_partitioned_checkpoints_are_one_over_model_degree(stage):
     assert drop >= saved / MODEL / 3, (drop, saved)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_pa_host_keeps_the_split_checkpoints_in_host_memory(stage):
+    """Pa+cpu: the checkpoints the layer loop hands to the backward loop are in host
+    memory (device-side bytes: 0), and the compiled program still holds them split
+    1/M per device. XLA:CPU ignores memory spaces, so placement is read from the
+    traced program and from the step lowered for a GPU (cross-lowered here)."""
+    model = GPT(GPTConfig(vocab=64, seq=16, layers=4, hidden=32, heads=4))
+    local = BATCH // DATA
+    whole = (4, local, 16, 32)  # (layers, batch/data, seq, hidden) as traced
+    by_space = {}
+    for policy in ("full", "partitioned", "partitioned_host"):
+        opt, state = _opt_state(model, stage, policy)
+        ckpts = saved_checkpoints(opt.train_step(lm_loss(model)), state, _batches(1)[0])
+        assert [c.shape for c in ckpts] == [whole], (policy, ckpts)
+        by_space[policy] = {s: sum(c.nbytes for c in ckpts if c.memory_space == s)
+                            for s in ("device", "host")}
+    saved = 4 * local * 16 * 32 * 4
+    assert by_space["full"] == by_space["partitioned"] == {"device": saved, "host": 0}
+    assert by_space["partitioned_host"] == {"device": 0, "host": saved}
+
+    # lowered for a GPU: each layer's kept slice (batch/data/model, seq, hidden), one
+    # per device, goes to pinned_host in the forward loop and comes back to the device
+    # before Pa's all-gather in the backward loop; nothing else moves
+    step = opt.train_step(lm_loss(model))
+    text = step.jitted.trace(state, step.place_batch(_batches(1)[0])).lower(
+        lowering_platforms=("cuda",)).as_text()
+    moves = re.findall(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = "
+                       r"\"(\w+)\".*?: \((tensor<[^>]*>)\)", text)
+    part = f"tensor<{local // MODEL}x16x32xf32>"
+    assert sorted(moves) == [("device", part), ("pinned_host", part)], moves
+
+
+def test_host_offload_without_a_model_axis_moves_the_whole_checkpoint():
+    """On a data-only mesh there is nothing to split: Pa+cpu offloads the layer
+    inputs whole, and training matches single-device training."""
+    model = GPT(GPTConfig(**TINY))
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=2,
+                       remat_policy="partitioned_host")
+    state = opt.init_state(gpt_params(model, 0))
+    step = opt.train_step(lm_loss(model))
+    ckpts = saved_checkpoints(step, state, _batches(1)[0])
+    assert [(c.shape, c.memory_space) for c in ckpts] == [((2, 2, 16, 32), "host")]
+    for b in _batches(3):
+        state, _ = step(state, b)
+    assert max_rel_err(_reference(), opt.full_params(state)) < 3e-4
+
+
 @functools.cache
 def _model_axis(stage, policy, layers):
     return zerojax.comm_volume(_compiled(stage, policy, layers=layers, seq=16, hidden=32)
@@ -97,6 +145,20 @@ def test_no_remat_keeps_more_than_full_remat():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match=r"remat_policy='offload'.*'partitioned'"):
         zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), remat_policy="offload")
+
+
+@pytest.mark.parametrize("policy", ["partitioned", "partitioned_host"])
+def test_pa_on_a_model_without_named_layer_inputs_is_an_error(policy):
+    from zerojax.models import MLP, mse_loss
+
+    model = MLP(features=16, layers=2)
+    x = np.ones((16, 8), np.float32)
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=4, model=2),
+                       remat_policy=policy)
+    step = opt.train_step(mse_loss(model))
+    with pytest.raises(ValueError, match=r"found no rematerialised layer.*'layer_input'"):
+        step(opt.init_state(params), (x, np.ones((16, 1), np.float32)))
 
 
 def test_layer_input_name_is_what_pa_looks_for():

@@ -12,13 +12,20 @@ A flax model marks the input of each layer with
 ``"partitioned"``   Pa: the layer input kept for the backward pass is stored split
                     1/M over the ``model`` axis (M = model degree, along its first
                     dimension divisible by M, the batch) and all-gathered right
-                    before the layer is recomputed.
+                    before the layer is recomputed;
+``"partitioned_host"`` Pa+cpu: as ``"partitioned"``, with each kept slice moved to
+                    host memory (``pinned_host``) in the forward pass and brought
+                    back to the device right before its all-gather. With no model
+                    axis the whole layer input is offloaded.
 
 None keeps the model's own policies. Checked on the CPU backend (jax 0.10.2,
 simulated devices): the split checkpoints and the all-gather before the
-recomputation, read from the compiled program. Pa+cpu (host offload of the split
-checkpoints) is not implemented yet: moving the checkpoint's input to
-``pinned_host`` makes the checkpoint's cotangent a host array, which JAX rejects.
+recomputation, read from the compiled program. For Pa+cpu, XLA:CPU ignores memory
+spaces (the moves lower to nothing), so what was checked here is training parity,
+the ``host`` memory space of the stacked checkpoints in the traced step
+(:func:`zerojax.analysis.saved_checkpoints`) and, in the step lowered for CUDA, the
+``annotate_device_placement`` to ``pinned_host`` and back that XLA's host offloader
+acts on; the device-memory saving has not been measured on a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 LAYER_INPUT = "layer_input"
-REMAT_POLICIES = ("none", "full", "layer_inputs", "partitioned")
+REMAT_POLICIES = ("none", "full", "layer_inputs", "partitioned", "partitioned_host")
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
 
 
 def checkpoint_policy(name: str):
@@ -63,30 +72,39 @@ def _spec(x: jax.Array, model_axis: str, m: int):
     return d, P(*spec)
 
 
-def partition_activation(x: jax.Array, model_axis: str | None, m: int):
+def partition_activation(x: jax.Array, model_axis: str | None, m: int, host: bool = False):
     """``x`` (whole on every model rank) stored split 1/m over ``model_axis``: each rank
-    keeps its slice (no communication)."""
+    keeps its slice (no communication); with ``host``, the slice is moved to host
+    memory (``pinned_host``)."""
     if model_axis is None or m == 1:
-        return x
+        return jax.device_put(x, HOST) if host else x
     d, spec = _spec(x, model_axis, m)
     if d is None:
-        return x
+        return jax.device_put(x, HOST) if host else x
 
     def keep_slice(full):
         size = full.shape[d] // m
-        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(model_axis) * size, size, d)
+        part = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(model_axis) * size, size, d)
+        return jax.device_put(part, HOST) if host else part
 
     return jax.shard_map(keep_slice, in_specs=P(), out_specs=spec, axis_names={model_axis},
                          check_vma=False)(x)
 
 
-def gather_activation(x: jax.Array, model_axis: str | None, m: int):
-    """A partitioned checkpoint made whole over ``model`` again: one all-gather."""
+def gather_activation(x: jax.Array, model_axis: str | None, m: int, host: bool = False):
+    """A partitioned checkpoint made whole over ``model`` again: one all-gather (after
+    bringing the slice back from host memory, with ``host``)."""
     if model_axis is None or m == 1:
-        return x
+        return jax.device_put(x, DEVICE) if host else x
     d, spec = _spec(x, model_axis, m)
     if d is None:
-        return x
-    return jax.shard_map(lambda s: jax.lax.all_gather(s, model_axis, axis=d, tiled=True),
+        return jax.device_put(x, DEVICE) if host else x
+
+    def gather(part):
+        if host:
+            part = jax.device_put(part, DEVICE)
+        return jax.lax.all_gather(part, model_axis, axis=d, tiled=True)
+
+    return jax.shard_map(gather,
                          in_specs=spec, out_specs=P(), axis_names={model_axis},
                          check_vma=False)(x)

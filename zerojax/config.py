@@ -79,8 +79,9 @@ class ZeroConfig:
         (XLA's collective pipeliner on GPU can overlap it across iterations).
       remat_policy: activation checkpointing of the model's checkpointed layers
         (``nn.remat``), rewritten in the traced loss: None (the model's own), "none",
-        "full", "layer_inputs" or "partitioned" (ZeRO-R Pa: layer inputs kept split
-        over the ``model`` axis).
+        "full", "layer_inputs", "partitioned" (ZeRO-R Pa: layer inputs kept split
+        over the ``model`` axis) or "partitioned_host" (Pa+cpu: those slices kept in
+        host memory, ``pinned_host``, until the backward pass).
         See :mod:`zerojax.activations`; the model names its layer inputs with
         ``checkpoint_name(x, "layer_input")``.
       min_shard_size: leaves with fewer elements than this stay replicated on every

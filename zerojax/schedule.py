@@ -37,6 +37,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from zerojax.activations import (
+    LAYER_INPUT,
     checkpoint_policy,
     gather_activation,
     layer_input_positions,
@@ -89,6 +90,7 @@ class _Ctx:
     model_size: int = 1
     in_remat: bool = False
     chain: Any = dataclasses.field(default_factory=lambda: _Chain())
+    split_regions: list = dataclasses.field(default_factory=list)  # Pa regions found
 
     def materialize_ref(self, ref: _Ref):
         param, zero_shard = ref.raws
@@ -224,17 +226,21 @@ def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
             vals[i] = r
         return eval_jaxpr(jaxpr, (), vals, inner_ctx)
 
-    split = layer_input_positions(jaxpr) if policy_name == "partitioned" else set()
+    pa = policy_name in ("partitioned", "partitioned_host")
+    split = layer_input_positions(jaxpr) if pa else set()
     split = [j for j, i in enumerate(regular_pos) if i in split]
     if split:
-        return _partitioned_checkpoint(fn, [list(r.raws) for r in refs], regulars, split, ctx)
+        ctx.split_regions.append(len(split))
+        return _partitioned_checkpoint(fn, [list(r.raws) for r in refs], regulars, split, ctx,
+                                       host=policy_name == "partitioned_host")
     policy = (eqn.params["policy"] if policy_name is None
               else checkpoint_policy(policy_name))
     ckpt = jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"], policy=policy)
     return ckpt([r.raws for r in refs], regulars)
 
 
-def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx) -> list:
+def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx,
+                            host: bool = False) -> list:
     """ZeRO-R Pa: ``fn`` rematerialised, keeping only the split copy of its layer inputs
     (``regulars[j]`` for j in ``split``) and the parameters' raw shards.
 
@@ -249,13 +255,13 @@ def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx) -> 
         return fn(raws, regulars)
 
     def fwd(raws, regulars):
-        kept = [partition_activation(r, m_axis, m) if j in split else r
+        kept = [partition_activation(r, m_axis, m, host) if j in split else r
                 for j, r in enumerate(regulars)]
         return fn(raws, regulars), (raws, kept)
 
     def bwd(res, ct):
         raws, kept = res
-        whole = [gather_activation(r, m_axis, m) if j in split else r
+        whole = [gather_activation(r, m_axis, m, host) if j in split else r
                  for j, r in enumerate(kept)]
         _, vjp = jax.vjp(fn, _after(raws, _probe(ct)), whole)
         return vjp(ct)
@@ -385,6 +391,14 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
         args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model),), None) if lay.sharded
                     else raws[0])
     args.extend(other_args)
-    return eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args,
-                      _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy,
-                           model_axis, model_size))
+    ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
+               model_size)
+    outs = eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, ctx)
+    if remat_policy in ("partitioned", "partitioned_host") and not ctx.split_regions:
+        raise ValueError(
+            f"remat_policy={remat_policy!r} found no rematerialised layer whose input is "
+            f"named {LAYER_INPUT!r} in the loss, so it would partition nothing. Wrap each "
+            f"layer in nn.remat (or jax.checkpoint) and mark its input with "
+            f"jax.ad_checkpoint.checkpoint_name(x, {LAYER_INPUT!r}) as zerojax.models.GPT "
+            f"does, or use remat_policy='full'.")
+    return outs

@@ -8,15 +8,18 @@ from zerojax.analysis.memory import (
     device_bytes,
     estimate_memory,
 )
+from zerojax.analysis.residuals import SavedCheckpoint, saved_checkpoints
 
 __all__ = [
     "CollectiveOp",
     "CommVolume",
     "CompiledMemory",
     "MemoryEstimate",
+    "SavedCheckpoint",
     "collective_counts",
     "comm_volume",
     "compiled_memory",
     "device_bytes",
     "estimate_memory",
+    "saved_checkpoints",
 ]
