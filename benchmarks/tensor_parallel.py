@@ -3,8 +3,9 @@
 Prints one markdown table (after a header line with Psi and the configuration) for the
 reference GPT (``zerojax.models.GPT``) on a ``data x model`` mesh (default 4 x 2), one
 row per ZeRO stage and remat policy: ``"full"`` (save nothing inside a layer, keep
-its inputs whole on every model rank) and ``"partitioned"`` (ZeRO-R Pa: the kept layer
-inputs split 1/M over the model axis, all-gathered before each layer's recomputation).
+its inputs whole on every model rank), ``"partitioned"`` (ZeRO-R Pa: the kept layer
+inputs split 1/M over the model axis, all-gathered before each layer's recomputation)
+and ``"partitioned_host"`` (Pa+cpu: those slices kept in host memory).
 Per configuration:
 
 - model state per device, measured from the placed arrays (params + optimizer state
@@ -17,6 +18,11 @@ Per configuration:
 - peak per-device memory of the compiled step (``compiled.memory_analysis()``:
   arguments + outputs - donated + temporaries), in MiB and relative to stage 0
   without Pa, and XLA's temporaries alone (where activations live);
+- the layer checkpoints the forward loop keeps for the backward loop, per device, by
+  memory space (``zerojax.analysis.saved_checkpoints``: shapes and memory spaces from
+  the traced step, divided by M where the compiled HLO holds the model-split buffer).
+  XLA:CPU ignores memory spaces, so Pa+cpu's peak and temporaries here equal Pa's:
+  on this backend the host column is where the offload shows, not the peak;
 - data-axis traffic per device and step (collectives over groups of ``data``
   devices), all-gather / reduce-scatter / all-reduce and total, in units of Psi (all
   parameters, not Psi/M: each model rank reduces only its own blocks, so stage 0
@@ -46,7 +52,8 @@ from _common import (
 )
 
 STAGES = (0, 1, 2, 3)
-POLICIES = ("full", "partitioned")  # without / with Pa
+POLICIES = ("full", "partitioned", "partitioned_host")  # without Pa / Pa / Pa+cpu
+LABELS = {"partitioned": "Pa", "partitioned_host": "Pa+cpu"}
 PARAM_BYTES, OPTIMIZER_BYTES = 4, 8  # fp32 params; Adam's mu and nu in fp32
 MiB = 2**20
 
@@ -91,7 +98,7 @@ def main(argv=None) -> None:
     import optax
 
     import zerojax
-    from zerojax.analysis import compiled_memory, device_bytes
+    from zerojax.analysis import compiled_memory, device_bytes, saved_checkpoints
     from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
 
     n, m = args.data, args.model
@@ -120,10 +127,17 @@ def main(argv=None) -> None:
             other_groups |= set(by_group) - {n, m}
             empty = zerojax.analysis.CommVolume.from_ops(())
             memory = compiled_memory(compiled)
+            ckpt = {"device": 0, "host": 0}
+            hlo = compiled.as_text()
+            for c in saved_checkpoints(step, state, placed):
+                # traced shape: per data shard; the compiled buffer shows a model split
+                split = (c.shape[0], c.shape[1] // m, *c.shape[2:])
+                per_device = c.nbytes // m if _hlo_shape(c.dtype, split) in hlo else c.nbytes
+                ckpt[c.memory_space] += per_device
             runs[stage, policy] = {
                 "step": step, "state": state, "batch": placed, "times": [],
                 "state_bytes": device_bytes((state.params, state.opt_state)),
-                "peak": memory.peak, "temp": memory.temp,
+                "peak": memory.peak, "temp": memory.temp, "ckpt": ckpt,
                 "data": by_group.get(n, empty), "model": by_group.get(m, empty),
             }
 
@@ -142,21 +156,24 @@ def main(argv=None) -> None:
     print()
     print("| stage | remat | model state / device (MiB) | measured / (formula / M) "
           "| peak / device (MiB) | peak vs 0 | temp / device (MiB) "
+          "| layer checkpoints / device: device / host (MiB) "
           "| data axis AG / RS / AR (Ψ) | data axis total (Ψ) "
           "| model axis all-reduce (elements) | model axis all-gather (elements) "
           "| step time (ms) | time vs 0 |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for (stage, policy), run in runs.items():
         t = statistics.median(run["times"])
         formula = zerojax.estimate_memory(psi, n, stage, param_bytes=PARAM_BYTES,
                                           grad_bytes=0, optimizer_bytes=OPTIMIZER_BYTES,
                                           mp=m).total
         d = run["data"].in_units_of(psi)
-        label = "partitioned (Pa)" if policy == "partitioned" else policy
+        label = f"{policy} ({LABELS[policy]})" if policy in LABELS else policy
+        ckpt = run["ckpt"]
         print(f"| {stage} | {label} | {run['state_bytes'] / MiB:.2f} "
               f"| {run['state_bytes'] / formula:.4f} "
               f"| {run['peak'] / MiB:.2f} | {run['peak'] / base['peak']:.2f} "
               f"| {run['temp'] / MiB:.2f} "
+              f"| {ckpt['device'] / MiB:.2f} / {ckpt['host'] / MiB:.2f} "
               f"| {d['all_gather']:.3f} / {d['reduce_scatter']:.3f} / {d['all_reduce']:.3f} "
               f"| {d['total']:.3f} "
               f"| {run['model'].all_reduce:,} | {run['model'].all_gather:,} "
@@ -167,6 +184,15 @@ def main(argv=None) -> None:
         print()
         print(f"(not in the table: model-axis {sorted(others)}; collectives over groups "
               f"of {sorted(other_groups)} devices)")
+
+
+def _hlo_shape(dtype, shape) -> str:
+    """How the compiled HLO text writes an array type, e.g. ``f32[8,2,64,64]``."""
+    import numpy as np
+
+    kind = {"f": "f", "i": "s", "u": "u", "b": "pred"}[np.dtype(dtype).kind]
+    bits = "" if kind == "pred" else str(8 * np.dtype(dtype).itemsize)
+    return f"{kind}{bits}[{','.join(map(str, shape))}]"
 
 
 if __name__ == "__main__":

@@ -127,12 +127,14 @@ def _model_axis(stage, policy, layers):
                                ).by_group_size()[MODEL]
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_pa_adds_one_activation_all_gather_per_layer(stage):
+@pytest.mark.parametrize("stage,policy", [(0, "partitioned"), (3, "partitioned"),
+                                          (3, "partitioned_host")])
+def test_pa_adds_one_activation_all_gather_per_layer(stage, policy):
     """Per layer on `model`: Megatron's all-reduces (2 forward, 2 backward, 1 recomputed)
-    and Pa's one all-gather of the layer input before the recomputation."""
+    and Pa's one all-gather of the layer input before the recomputation (Pa+cpu: the
+    same, after the slice is back from the host)."""
     activation = BATCH // DATA * 16 * 32
-    two, four = _model_axis(stage, "partitioned", 2), _model_axis(stage, "partitioned", 4)
+    two, four = _model_axis(stage, policy, 2), _model_axis(stage, policy, 4)
     assert four.all_gather - two.all_gather == 2 * activation
     assert four.all_reduce - two.all_reduce == 2 * 5 * 2 * activation
 
