@@ -207,7 +207,7 @@ def test_accum_batch_shape_is_checked(mesh):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_global_norm_is_the_single_device_norm(mesh, stage):
     b = regression_batches(1)[0]
-    ref_norm = float(optax.global_norm(jax.grad(awkward_loss)(awkward_params(), b)))
+    ref_norm = float(optax.tree.norm(jax.grad(awkward_loss)(awkward_params(), b)))
     opt = zerojax.zero(optax.sgd(0.1), mesh, stage=stage, max_grad_norm=0.05,
                        min_shard_size=16)
     state = opt.init_state(awkward_params())
