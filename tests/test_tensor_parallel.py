@@ -88,16 +88,19 @@ def _model_axis_volume(stage, layers, remat):
 
 
 @pytest.mark.parametrize("stage,remat,per_layer", [
-    (0, False, 4), (1, False, 4), (2, False, 4), (0, True, 5), (3, True, 5)])
+    (0, False, 4), (1, False, 4), (2, False, 4), (3, False, 4), (0, True, 5), (3, True, 5)])
 def test_model_axis_collectives_are_megatrons(stage, remat, per_layer):
     """Per layer, on `model`: two all-reduces of the activations forward (attention out,
     MLP out) and two backward (the input gradients of QKV and MLP-in), as in Megatron.
     With remat the backward pass recomputes the attention-out one (the MLP-out one
     feeds nothing the backward needs). Nothing else per layer crosses the model axis.
     Read from the HLO of 2- and 4-layer models: the difference is two layers' worth.
-    (Volumes, not instruction counts: XLA may combine two all-reduces into one.)"""
+    (Volumes, not instruction counts: XLA may combine two all-reduces into one.)
+    No stage gathers anything over `model`: ZeRO's collectives run on each device's
+    model block, and stage 3's dependency probes read one local element."""
     activation = 16 // DATA * TINY["seq"] * TINY["hidden"]  # elements of one all-reduce
     two, four = _model_axis_volume(stage, 2, remat), _model_axis_volume(stage, 4, remat)
     assert four.all_reduce - two.all_reduce == 2 * per_layer * 2 * activation, (two, four)
     for kind in ("all_gather", "reduce_scatter", "all_to_all", "collective_permute"):
         assert getattr(four, kind) == getattr(two, kind), (kind, two, four)
+    assert four.all_gather == 0, four

@@ -349,10 +349,15 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
 
 
 def _probe(tree):
-    """One element of the first non-empty floating-point leaf of ``tree`` (or None)."""
+    """One element of the first non-empty floating-point leaf of ``tree`` (or None).
+
+    Indexed, not ``ravel(x)[0]``: flattening an activation split over ``model``
+    (Megatron's column-parallel outputs) made the compiler all-gather it over
+    ``model`` first; the indexed element is read where it lives (measured, jax 0.10.2
+    CPU: ``tests/test_tensor_parallel.py``)."""
     leaves = [c for c in jax.tree.leaves(tree)
               if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
-    return jnp.ravel(leaves[0])[0] if leaves else None
+    return leaves[0][(0,) * leaves[0].ndim] if leaves else None
 
 
 def _after(raws: list, probe) -> list:
