@@ -97,10 +97,16 @@ def test_model_axis_collectives_are_megatrons(stage, remat, per_layer):
     Read from the HLO of 2- and 4-layer models: the difference is two layers' worth.
     (Volumes, not instruction counts: XLA may combine two all-reduces into one.)
     No stage gathers anything over `model`: ZeRO's collectives run on each device's
-    model block, and stage 3's dependency probes read one local element."""
+    model block. Stage 3 with layers outside any checkpoint makes each layer's
+    gathers wait on one element of the layer's input (``schedule._probe``); where
+    that input is split over `model`, the element reaches the other rank as a scalar
+    all-reduce (XLA folds it into an activation all-reduce): a few elements per
+    layer at most, never a whole activation."""
     activation = 16 // DATA * TINY["seq"] * TINY["hidden"]  # elements of one all-reduce
     two, four = _model_axis_volume(stage, 2, remat), _model_axis_volume(stage, 4, remat)
-    assert four.all_reduce - two.all_reduce == 2 * per_layer * 2 * activation, (two, four)
+    extra = four.all_reduce - two.all_reduce - 2 * per_layer * 2 * activation
+    probes = 2 * 2 * 4 if stage == 3 and not remat else 0  # 2 layers, 2x counted, <= 4
+    assert 0 <= extra <= probes, (extra, two, four)
     for kind in ("all_gather", "reduce_scatter", "all_to_all", "collective_permute"):
         assert getattr(four, kind) == getattr(two, kind), (kind, two, four)
     assert four.all_gather == 0, four
