@@ -63,8 +63,10 @@ def _split_dim(shape: tuple, m: int) -> int | None:
     return None
 
 
-def _spec(x: jax.Array, model_axis: str, m: int):
-    d = _split_dim(x.shape, m)
+def _spec(x: jax.Array, model_axis: str | None, m: int):
+    """The split dimension and PartitionSpec of ``x`` over ``model_axis`` (None, None:
+    no model axis, or no dimension divisible by ``m``)."""
+    d = None if model_axis is None or m == 1 else _split_dim(x.shape, m)
     if d is None:
         return None, None
     spec = [None] * x.ndim
@@ -76,16 +78,14 @@ def partition_activation(x: jax.Array, model_axis: str | None, m: int, host: boo
     """``x`` (whole on every model rank) stored split 1/m over ``model_axis``: each rank
     keeps its slice (no communication); with ``host``, the slice is moved to host
     memory (``pinned_host``)."""
-    if model_axis is None or m == 1:
-        return jax.device_put(x, HOST) if host else x
     d, spec = _spec(x, model_axis, m)
     if d is None:
-        return jax.device_put(x, HOST) if host else x
+        return _move(x, HOST, host)
 
     def keep_slice(full):
         size = full.shape[d] // m
         part = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(model_axis) * size, size, d)
-        return jax.device_put(part, HOST) if host else part
+        return _move(part, HOST, host)
 
     return jax.shard_map(keep_slice, in_specs=P(), out_specs=spec, axis_names={model_axis},
                          check_vma=False)(x)
@@ -94,17 +94,18 @@ def partition_activation(x: jax.Array, model_axis: str | None, m: int, host: boo
 def gather_activation(x: jax.Array, model_axis: str | None, m: int, host: bool = False):
     """A partitioned checkpoint made whole over ``model`` again: one all-gather (after
     bringing the slice back from host memory, with ``host``)."""
-    if model_axis is None or m == 1:
-        return jax.device_put(x, DEVICE) if host else x
     d, spec = _spec(x, model_axis, m)
     if d is None:
-        return jax.device_put(x, DEVICE) if host else x
+        return _move(x, DEVICE, host)
 
     def gather(part):
-        if host:
-            part = jax.device_put(part, DEVICE)
-        return jax.lax.all_gather(part, model_axis, axis=d, tiled=True)
+        return jax.lax.all_gather(_move(part, DEVICE, host), model_axis, axis=d, tiled=True)
 
-    return jax.shard_map(gather,
-                         in_specs=spec, out_specs=P(), axis_names={model_axis},
+    return jax.shard_map(gather, in_specs=spec, out_specs=P(), axis_names={model_axis},
                          check_vma=False)(x)
+
+
+def _move(x: jax.Array, space, host: bool) -> jax.Array:
+    """``x`` in memory ``space`` (inside ``jit``: a placement XLA acts on) if ``host``
+    offloading is on, else ``x``."""
+    return jax.device_put(x, space) if host else x
