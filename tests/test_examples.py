@@ -1,7 +1,8 @@
-"""The notebook and the demo run as shipped."""
+"""The notebook and the examples run as shipped."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -30,3 +31,24 @@ def test_demo_runs_one_stage():
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "stage 3" in out.stdout
+
+
+def test_gpt_tensor_parallel_trains_with_host_checkpoints():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gpt_tensor_parallel.py"), "--steps", "8",
+         "--layers", "2", "--remat", "partitioned_host", "--stage", "3"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "data=4 x model=2" in text and "stage 3" in text
+    first, last = map(float, re.search(r"^loss ([\d.]+) -> ([\d.]+)$", text, re.M).groups())
+    steps = [float(x) for x in re.findall(r"^ +step +\d+ +loss ([\d.]+)$", text, re.M)]
+    assert steps[0] == first and steps[-1] == last
+    assert last < 0.9 * first, (first, last)
+    # Pa+cpu: the layer checkpoints are all in host memory, none on the device
+    device, host = map(float, re.search(
+        r"^layer checkpoints +device ([\d.]+) MiB, host ([\d.]+) MiB$", text, re.M).groups())
+    assert device == 0 and host > 0, (device, host)
+    # stage 3 moves about 3 Psi / M over the data axis
+    data_psi = float(re.search(r"^data-axis traffic +([\d.]+) Psi", text, re.M).group(1))
+    assert 1.4 < data_psi < 1.7, data_psi
