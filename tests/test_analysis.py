@@ -21,6 +21,7 @@ from zerojax.analysis import (
     compiled_memory,
     device_bytes,
     estimate_memory,
+    saved_checkpoints,
 )
 
 if jax.device_count() < 8:
@@ -429,3 +430,43 @@ def test_compiled_memory_fields():
     donated = compiled_memory(jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile())
     assert donated.alias == donated.output == 262144
     assert donated.peak == 262144 + donated.temp
+
+
+def _scanned_loss(ws, x, offload=False):
+    """Three tanh layers in a scan; each iteration's input saved (to host if offload)."""
+
+    @jax.custom_vjp
+    def layer(w, h):
+        return jnp.tanh(h @ w)
+
+    def fwd(w, h):
+        return layer(w, h), (w, jax.device_put(h, jax.memory.Space.Host) if offload else h)
+
+    def bwd(res, ct):
+        w, h = res
+        h = jax.device_put(h, jax.memory.Space.Device) if offload else h
+        return jax.vjp(lambda w, h: jnp.tanh(h @ w), w, h)[1](ct)
+
+    layer.defvjp(fwd, bwd)
+    return jnp.sum(jax.lax.scan(lambda h, w: (layer(w, h), None), x, ws)[0])
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_saved_checkpoints_lists_what_the_forward_loop_stacks(offload):
+    ws, x = jnp.ones((3, 8, 8)) * 0.1, jnp.ones((4, 8))
+    grad = jax.grad(lambda ws, x: _scanned_loss(ws, x, offload))
+    ckpts = saved_checkpoints(grad, ws, x)
+    space = "host" if offload else "device"
+    # the layer inputs, stacked over the 3 iterations (the weights are the loop's own
+    # input and are not stacked again)
+    assert [(c.shape, c.memory_space) for c in ckpts] == [((3, 4, 8), space)]
+    assert ckpts[0].nbytes == 3 * 4 * 8 * 4
+    # a traced jaxpr gives the same answer; the forward pass alone stacks nothing
+    assert saved_checkpoints(jax.make_jaxpr(grad)(ws, x)) == ckpts
+    assert saved_checkpoints(lambda ws, x: _scanned_loss(ws, x, offload), ws, x) == []
+
+
+def test_saved_checkpoints_of_a_jaxpr_takes_no_arguments():
+    closed = jax.make_jaxpr(lambda x: x * 2)(1.0)
+    with pytest.raises(TypeError, match="no further arguments"):
+        saved_checkpoints(closed, 1.0)
