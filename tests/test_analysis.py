@@ -470,3 +470,20 @@ def test_saved_checkpoints_of_a_jaxpr_takes_no_arguments():
     closed = jax.make_jaxpr(lambda x: x * 2)(1.0)
     with pytest.raises(TypeError, match="no further arguments"):
         saved_checkpoints(closed, 1.0)
+
+
+def test_saved_checkpoints_sees_jax_own_offload_policy():
+    """JAX's own offloading remat policy in a scan: its stacked checkpoints are
+    host-resident, as Pa+cpu's are (both lower to the same annotate + stack)."""
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
+        offload_src="device", offload_dst="pinned_host")
+
+    def body(h, w):
+        return jnp.tanh(jax.ad_checkpoint.checkpoint_name(h, "h") @ w), None
+
+    def loss(ws, x):
+        return jnp.sum(jax.lax.scan(jax.checkpoint(body, policy=policy), x, ws)[0])
+
+    ckpts = saved_checkpoints(jax.grad(loss), jnp.ones((3, 8, 8)), jnp.ones((4, 8)))
+    assert [(c.shape, c.memory_space) for c in ckpts] == [((3, 4, 8), "host")]
