@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.analysis import (
@@ -480,7 +481,7 @@ def test_saved_checkpoints_sees_jax_own_offload_policy():
         offload_src="device", offload_dst="pinned_host")
 
     def body(h, w):
-        return jnp.tanh(jax.ad_checkpoint.checkpoint_name(h, "h") @ w), None
+        return jnp.tanh(checkpoint_name(h, "h") @ w), None
 
     def loss(ws, x):
         return jnp.sum(jax.lax.scan(jax.checkpoint(body, policy=policy), x, ws)[0])
