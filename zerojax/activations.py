@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 LAYER_INPUT = "layer_input"
 REMAT_POLICIES = ("none", "full", "layer_inputs", "partitioned", "partitioned_host")
+PA_POLICIES = ("partitioned", "partitioned_host")  # the ones that split layer inputs
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 

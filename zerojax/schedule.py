@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.activations import (
     LAYER_INPUT,
+    PA_POLICIES,
     checkpoint_policy,
     gather_activation,
     layer_input_positions,
@@ -226,8 +227,7 @@ def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
             vals[i] = r
         return eval_jaxpr(jaxpr, (), vals, inner_ctx)
 
-    pa = policy_name in ("partitioned", "partitioned_host")
-    split = layer_input_positions(jaxpr) if pa else set()
+    split = layer_input_positions(jaxpr) if policy_name in PA_POLICIES else set()
     split = [j for j, i in enumerate(regular_pos) if i in split]
     if split:
         ctx.split_regions.append(len(split))
@@ -399,7 +399,7 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
                model_size)
     outs = eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, ctx)
-    if remat_policy in ("partitioned", "partitioned_host") and not ctx.split_regions:
+    if remat_policy in PA_POLICIES and not ctx.split_regions:
         raise ValueError(
             f"remat_policy={remat_policy!r} found no rematerialised layer whose input is "
             f"named {LAYER_INPUT!r} in the loss, so it would partition nothing. Wrap each "
