@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from zerojax.step import TrainStep
+
 __all__ = ["SavedCheckpoint", "saved_checkpoints"]
 
 
@@ -40,15 +42,6 @@ class SavedCheckpoint:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
-def _subjaxprs(eqn) -> Iterator[jcore.Jaxpr]:
-    for value in eqn.params.values():
-        for x in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(x, jcore.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, jcore.Jaxpr):
-                yield x
-
-
 def _space(aval) -> str:
     space = getattr(aval, "memory_space", None)
     return "host" if space == jax.memory.Space.Host else "device"
@@ -67,7 +60,7 @@ def _walk(jaxpr: jcore.Jaxpr) -> Iterator[SavedCheckpoint]:
                                           _space(v.aval))
             for v in eqn.outvars[p["num_carry"]:]:
                 stacked[v] = None
-        for sub in _subjaxprs(eqn):
+        for sub in jcore.jaxprs_in_params(eqn.params):
             yield from _walk(sub)
 
 
@@ -89,8 +82,10 @@ def saved_checkpoints(fn, *args) -> list[SavedCheckpoint]:
             raise TypeError("saved_checkpoints(closed_jaxpr) takes no further arguments.")
         closed = fn
     else:
-        place = getattr(fn, "place_batch", None)
-        if place is not None and len(args) == 2:  # a TrainStep: (state, batch)
-            fn, args = fn.jitted, (args[0], place(args[1]))
+        if isinstance(fn, TrainStep):
+            if len(args) != 2:
+                raise TypeError(f"saved_checkpoints(train_step, state, batch) takes the state "
+                                f"and a batch, got {len(args)} arguments.")
+            fn, args = fn.jitted, (args[0], fn.place_batch(args[1]))
         closed = jax.make_jaxpr(fn)(*args)
     return list(_walk(closed.jaxpr))
