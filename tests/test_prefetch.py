@@ -60,21 +60,11 @@ def _second_gather_depends_on_first_tanh(jaxpr) -> bool:
     """Among the forward all_gathers of the inner shard_map (kernel 0, bias 0, kernel 1,
     ...), does the third (layer 1's kernel) depend on the first tanh (layer 0's output)?"""
     body = _find(jaxpr, "shard_map")
-    producers, order = {}, []
-    _index(body, producers, order)
-    gathers = [e for e in order if e.primitive.name == "all_gather"]
-    first_tanh = next(e for e in order if e.primitive.name == "tanh")
-
-    def depends(eqn, target, seen):
-        if eqn is target:
-            return True
-        if id(eqn) in seen:
-            return False
-        seen.add(id(eqn))
-        return any(depends(producers[v], target, seen) for v in eqn.invars
-                   if not isinstance(v, jax.extend.core.Literal) and v in producers)
-
-    return depends(gathers[2], first_tanh, set())
+    order = []  # (name, frozenset of upstream node ids), eqns inlined in program order
+    _index(body, [frozenset()] * len(body.invars), order)
+    gathers = [deps for name, deps, _ in order if name == "all_gather"]
+    first_tanh = next(node for name, _, node in order if name == "tanh")
+    return first_tanh in gathers[2]
 
 
 def _find(jaxpr, name):
@@ -88,24 +78,26 @@ def _find(jaxpr, name):
     return None
 
 
-def _index(jaxpr, producers, order):
-    """Flatten the forward part: eqns in order, inlining custom_vjp/jit calls."""
+def _index(jaxpr, in_deps, order):
+    """Interpret ``jaxpr`` symbolically: each value's set of upstream eqn nodes.
+    custom_vjp and jit calls are inlined (a fresh environment per call, since traced
+    calls can share one inner jaxpr). Returns the outputs' dependency sets."""
+    env = dict(zip(jaxpr.invars, in_deps))
+
+    def read(v):
+        return frozenset() if isinstance(v, jax.extend.core.Literal) else env.get(v, frozenset())
+
     for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
         subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
         calls = ("custom_vjp_call", "custom_vjp_call_jaxpr", "jit", "pjit")
         if eqn.primitive.name in calls and subs:
-            inner = subs[0]
-            inner_order = []
-            _index(inner, producers, inner_order)
-            order.extend(inner_order)
-            # connect the call's inputs/outputs through the inner jaxpr
-            for outer, inner_v in zip(eqn.invars, inner.invars):
-                if not isinstance(outer, jax.extend.core.Literal) and outer in producers:
-                    producers[inner_v] = producers[outer]
-            for outer, inner_v in zip(eqn.outvars, inner.outvars):
-                if inner_v in producers:
-                    producers[outer] = producers[inner_v]
-            continue
-        for v in eqn.outvars:
-            producers[v] = eqn
-        order.append(eqn)
+            outs = _index(subs[0], ins, order)
+        else:
+            node = len(order)
+            deps = frozenset().union(*ins) if ins else frozenset()
+            order.append((eqn.primitive.name, deps, node))
+            outs = [deps | {node}] * len(eqn.outvars)
+        for v, d in zip(eqn.outvars, outs):
+            env[v] = d
+    return [read(v) for v in jaxpr.outvars]

@@ -42,6 +42,22 @@ def model_local(fn, in_specs: tuple, out_specs: Any):
                          check_vma=False)
 
 
+def after(x: jax.Array, probe) -> jax.Array:
+    """``x``, bit for bit, made data-dependent on the scalar ``probe``.
+
+    Orders a collective after ``probe`` exists (and keeps XLA from merging it with
+    another collective of the same operand) without changing any value: the added
+    term is ``where(isfinite(p), |p| * 0, 0)``, which is +0 for every ``p`` (inf and
+    NaN included), and ``x - (+0)`` is ``x`` for every ``x`` (-0, inf and NaN
+    included). XLA cannot fold it (``|p| * 0`` is not 0 for a non-finite ``p``), so
+    the dependence survives compilation. Not ``x + 0 * p``: that is NaN when ``p`` is
+    inf (an attention score masked with ``-inf``) and turns -0 into +0.
+    """
+    p = jnp.real(probe) if jnp.iscomplexobj(probe) else probe
+    zero = jnp.where(jnp.isfinite(p), jnp.abs(p) * jnp.zeros((), p.dtype), jnp.zeros((), p.dtype))
+    return x - zero.astype(x.dtype)
+
+
 def all_reduce_local(x: jax.Array, axis: str) -> jax.Array:
     """Sum ``x`` over ``axis``; every device gets the whole sum (stage 0 gradients)."""
     return jax.lax.psum(x, axis)
@@ -111,7 +127,7 @@ def _run_buckets(cols: list, idx: list[int], capacity: int, collective) -> dict:
         if prev is not None:
             # Each bucket waits for the one before: XLA's combiners would otherwise
             # fuse the independent collectives back into one model-sized buffer.
-            buf = buf + jnp.zeros((), buf.dtype) * prev[0, 0]
+            buf = after(buf, prev[0, 0])
         out = prev = collective(buf)
         offset = 0
         for b, start, stop in bucket:
@@ -251,7 +267,7 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 
 __all__ = [
-    "model_local", "all_reduce_local", "reduce_scatter_local", "gather_local", "make_param_use",
+    "model_local", "after", "all_reduce_local", "reduce_scatter_local", "gather_local", "make_param_use",
     "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",
     "gather_params", "slice_local",
 ]

@@ -18,7 +18,7 @@ gathers its own layer. A use inside ``jax.checkpoint`` (``nn.remat``) is pushed 
 the checkpointed function, so the backward pass gathers again instead of keeping the
 gathered weights as residuals. A stage-3 use outside any checkpoint runs as a small
 ``custom_vjp`` unit (gather + the equation) whose backward gathers the shard again,
-made data-dependent on the incoming cotangent (:func:`_after`) so XLA can neither
+made data-dependent on the incoming cotangent (:func:`_after`, exact for every value) so XLA can neither
 merge the two gathers nor hoist the second one into the forward pass (PITFALLS.md).
 
 Param-only equations (a cast, a transpose, a reshape of a parameter) stay lazy, so
@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
@@ -44,7 +45,7 @@ from zerojax.activations import (
     layer_input_positions,
     partition_activation,
 )
-from zerojax.collectives import make_param_use
+from zerojax.collectives import after, make_param_use
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call"}
 _REMAT = {"remat2", "checkpoint"}
@@ -255,18 +256,20 @@ def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx,
         return fn(raws, regulars)
 
     def fwd(raws, regulars):
+        raws, regulars, active = _split_perturbed(raws, regulars)
         kept = [partition_activation(r, m_axis, m, host) if j in split else r
                 for j, r in enumerate(regulars)]
-        return fn(raws, regulars), (raws, kept)
+        return fn(raws, regulars), (raws, _tag(kept, active))
 
     def bwd(res, ct):
-        raws, kept = res
+        raws, tagged = res
+        kept, active = _untag(tagged)
         whole = [gather_activation(r, m_axis, m, host) if j in split else r
                  for j, r in enumerate(kept)]
-        _, vjp = jax.vjp(fn, _after(raws, _probe(ct)), whole)
-        return vjp(ct)
+        ct = _instantiate(ct)
+        return _vjp_active(fn, _after(raws, _probe(ct)), whole, active, ct)
 
-    layer.defvjp(fwd, bwd)
+    layer.defvjp(fwd, bwd, symbolic_zeros=True)
     return layer(raws, regulars)
 
 
@@ -337,15 +340,75 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
         return compute(_after(raws, dep), regulars)
 
     def fwd(raws, regulars, dep):
-        return compute(_after(raws, dep), regulars), (raws, regulars)
+        raws, regulars, active = _split_perturbed(raws, regulars)
+        dep = dep.value if dep is not None else None
+        return compute(_after(raws, dep), regulars), (raws, _tag(regulars, active))
 
     def bwd(res, ct):
-        raws, regulars = res
-        _, vjp = jax.vjp(compute, _after(raws, _probe(ct)), regulars)
-        return (*vjp(ct), None)
+        raws, tagged = res
+        regulars, active = _untag(tagged)
+        ct = _instantiate(ct)
+        return (*_vjp_active(compute, _after(raws, _probe(ct)), regulars, active, ct), None)
 
-    unit.defvjp(fwd, bwd)
+    unit.defvjp(fwd, bwd, symbolic_zeros=True)
     return unit([list(r.raws) for r in refs], regulars, dep)
+
+
+# -- differentiate only what the user's program differentiates ---------------------
+# The custom_vjp rules above get symbolic zeros: ``fwd`` learns which inputs carry a
+# tangent in the surrounding differentiation and ``bwd`` differentiates only those.
+# An input behind ``stop_gradient`` or a value computed without the parameters (a
+# ``while_loop``'s carry, a mask) is evaluated again, never transposed: reverse mode
+# of a ``while_loop`` does not exist, and one device never asks for it.
+
+
+def _split_perturbed(raws, regulars):
+    """Values of ``CustomVJPPrimal`` inputs, and which regulars are perturbed."""
+    def value(x):
+        return x.value
+
+    is_primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
+    raws = jax.tree.map(value, raws, is_leaf=is_primal)
+    active = [any(p.perturbed for p in jax.tree.leaves(r, is_leaf=is_primal))
+              for r in regulars]
+    regulars = jax.tree.map(value, regulars, is_leaf=is_primal)
+    return raws, regulars, active
+
+
+def _tag(values: list, active: list) -> list:
+    """Residuals with each value's "perturbed" bit kept in the pytree structure."""
+    return [(v, None) if a else (None, v) for v, a in zip(values, active)]
+
+
+def _untag(tagged: list):
+    return ([a if a is not None else b for a, b in tagged],
+            [a is not None for a, _ in tagged])
+
+
+def _instantiate(ct):
+    """Cotangents with symbolic zeros (outputs nothing depends on) made arrays."""
+    return jax.tree.map(
+        lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c, ct,
+        is_leaf=lambda c: isinstance(c, SymbolicZero))
+
+
+def _vjp_active(fn, raws, regulars: list, active: list, ct):
+    """``(d raws, d regulars)`` of ``fn(raws, regulars)`` against ``ct``, differentiating
+    ``raws`` and the active regulars only (the others get None: a zero cotangent)."""
+    pos = [j for j, a in enumerate(active) if a]
+
+    def f(raws, act):
+        vals = list(regulars)
+        for j, v in zip(pos, act):
+            vals[j] = v
+        return fn(raws, vals)
+
+    _, vjp = jax.vjp(f, raws, [regulars[j] for j in pos])
+    d_raws, d_act = vjp(ct)
+    d_regs: list = [None] * len(regulars)
+    for j, d in zip(pos, d_act):
+        d_regs[j] = d
+    return d_raws, d_regs
 
 
 def _probe(tree):
@@ -362,19 +425,19 @@ def _probe(tree):
 
 def _after(raws: list, probe) -> list:
     """``raws`` with each shard made data-dependent on the scalar ``probe`` (an element
-    of a layer's input, or of its cotangent).
+    of a layer's input, or of its cotangent) by :func:`zerojax.collectives.after`,
+    which leaves every value unchanged (inf and NaN in ``probe`` included).
 
-    ``shard + 0 * probe`` equals ``shard`` (a NaN or inf in ``probe`` propagates, as it
-    would anyway), but XLA cannot prove it, so a gather of the result can neither be
-    merged with another gather of the same shard by common-subexpression elimination
-    nor scheduled before ``probe`` exists: the forward gather waits for the layer's
-    input, the backward one for the layer's cotangent. An optimization barrier does
-    not do this on every backend (the CPU compiler expands barriers before CSE).
+    XLA cannot see that the shard is unchanged, so a gather of the result can neither
+    be merged with another gather of the same shard by common-subexpression
+    elimination nor scheduled before ``probe`` exists: the forward gather waits for
+    the layer's input, the backward one for the layer's cotangent. An optimization
+    barrier does not do this on every backend (the CPU compiler expands barriers
+    before CSE).
     """
     if probe is None:
         return raws
-    return [[rw[0] + jnp.zeros((), rw[0].dtype) * probe.astype(rw[0].dtype), *rw[1:]]
-            for rw in raws]
+    return [[after(rw[0], probe), *rw[1:]] for rw in raws]
 
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
