@@ -172,17 +172,30 @@ class ZeroOptimizer:
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         return TrainState(step, placed, opt_state, loss_scale)
 
-    def train_step(self, loss_fn: Callable, *, has_aux: bool | None = None) -> TrainStep:
+    def train_step(self, loss_fn: Callable, *, has_aux: bool | None = None,
+                   weighted: bool = False) -> TrainStep:
         """Compile ``step(state, batch) -> (state, metrics)`` for ``loss_fn(params, batch)``.
 
         ``loss_fn`` returns the mean loss over the batch it is given (or ``(loss, aux)``
         with ``has_aux=True``). The batch's leading dimension is split over ``data``.
         ``metrics["loss"]`` is the mean loss over the global batch.
+
+        ``weighted=True``: ``loss_fn`` returns ``(loss_sum, weight)`` (or
+        ``((loss_sum, weight), aux)``): the sum of the per-example or per-token losses
+        of the batch it is given and the sum of their weights (e.g. the number of
+        non-padding tokens). The step minimizes the global ``sum(loss_sum) /
+        sum(weight)`` exactly as one device does on the whole batch, however the
+        weight falls across devices and micro-batches (a shard of weight 0 is fine);
+        ``metrics["loss"]`` is that global weighted mean. Use it for masked or padded
+        losses: a mean of per-device means is not the global mean when the devices
+        hold different weights. The weight is not differentiated.
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if not isinstance(weighted, bool):
+            raise ValueError(f"weighted={weighted!r} must be True or False.")
         aux = self.config.has_aux if has_aux is None else has_aux
-        return build_train_step(loss_fn, self, bool(aux))
+        return build_train_step(loss_fn, self, bool(aux), weighted)
 
     def full_params(self, state: TrainState) -> Any:
         """Whole parameters, replicated on every device: the master weights (fp32) with

@@ -35,18 +35,54 @@ from zerojax.schedule import apply_partitioned
 from zerojax.state import LossScaleState, MasterState, TrainState
 
 
-def _check_loss(out, has_aux: bool):
-    loss = out[0] if has_aux else out
-    if not hasattr(loss, "shape") or loss.shape != ():
-        shape = getattr(loss, "shape", type(loss).__name__)
+def _split_out(out, has_aux: bool, weighted: bool):
+    """``(loss or loss_sum, weight or None, aux)`` of what ``loss_fn`` returned, checked."""
+    head, aux = (out[0], out[1]) if has_aux and isinstance(out, tuple) and len(out) == 2 else (
+        (out, None) if not has_aux else (None, None))
+    if has_aux and head is None:
+        raise ValueError(
+            f"has_aux=True: loss_fn must return (loss, aux), got {type(out).__name__}.")
+    if weighted:
+        if not (isinstance(head, (tuple, list)) and len(head) == 2):
+            want = "((loss_sum, weight), aux)" if has_aux else "(loss_sum, weight)"
+            raise ValueError(
+                f"train_step(weighted=True): loss_fn must return {want}: the sum of the "
+                f"per-example (or per-token) losses over the batch it is given and the sum of "
+                f"their weights, got {jax.tree.structure(out)}.")
+        loss, weight = head
+        _check_scalar(loss, "loss_sum", has_aux, out)
+        _check_scalar(weight, "weight", has_aux, out)
+        return loss, weight, aux
+    _check_scalar(head, "loss", has_aux, out)
+    return head, None, aux
+
+
+def _check_scalar(x, what: str, has_aux: bool, out) -> None:
+    if not hasattr(x, "shape") or x.shape != ():
+        shape = getattr(x, "shape", type(x).__name__)
         hint = ("; if it returns (loss, aux), pass has_aux=True" if isinstance(out, tuple)
                 and not has_aux else "")
+        what_is = ("the mean over the batch it is given" if what == "loss"
+                   else "a sum over the batch it is given")
         raise ValueError(
-            f"loss_fn must return a scalar loss (the mean over the batch it is given), "
-            f"got shape {shape}: reduce it with .mean(){hint}."
+            f"loss_fn must return a scalar {what} ({what_is}), got shape {shape}: reduce "
+            f"it with .{'mean' if what == 'loss' else 'sum'}(){hint}."
         )
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise ValueError(f"loss_fn must return a floating-point loss, got dtype {loss.dtype}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"loss_fn must return a floating-point {what}, got dtype {x.dtype}.")
+
+
+def _sq_norm(x):
+    """``sum |x|^2`` in float32 (or wider): complex leaves count both parts."""
+    dt = jnp.promote_types(jnp.real(jnp.zeros((), x.dtype)).dtype, jnp.float32)
+    if jnp.iscomplexobj(x):
+        return jnp.sum(jnp.square(jnp.real(x).astype(dt)) + jnp.square(jnp.imag(x).astype(dt)))
+    return jnp.sum(jnp.square(x.astype(dt)))
+
+
+def _acc_dtype(dtype, k: int):
+    """Micro-batch gradients are summed in float32 at least (never in bf16/fp16)."""
+    return jnp.promote_types(dtype, jnp.float32) if k > 1 else jnp.dtype(dtype)
 
 
 def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
@@ -77,19 +113,24 @@ def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
             )
 
 
-def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
+def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False):
     """``grad_fn(params, batch, scale, grad_dtypes) -> (grads, loss, aux, sum_sq)``.
 
     A ``shard_map`` over data. ``grads`` are reduced, unscaled, in ``grad_dtypes``
     and laid out per stage; ``sum_sq`` is the squared global norm of ``grads``.
+
+    The loss each device differentiates is seeded, not rescaled: the backward pass of
+    micro-batch m starts from ``c_m = 1 / (N k)`` (a mean loss: the mean of the N k
+    equal-sized pieces) or ``c_m = 1 / W_m`` (``weighted``: the global weight of that
+    micro-batch, one scalar all-reduce between its forward and backward passes),
+    times the loss scale. Weighted micro-batch gradients are summed as ``W_m g_m`` in
+    float32 and divided by the total weight at the end, so the result is
+    ``sum(loss_sum) / sum(weight)`` over the global batch, as one device computes it.
     """
     cfg, mesh, axis, n = opt.config, opt.mesh, opt.config.data_axis, opt.data_size
     stage, k, reduce_dtype = cfg.stage, cfg.accum_steps, cfg.reduce_dtype
     model_axis = next((a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1), None)
     model_size = int(mesh.shape[model_axis]) if model_axis else 1
-
-    def to_reduce(x):
-        return x if reduce_dtype is None else x.astype(reduce_dtype)
 
     def grad_fn(params, batch, scale, grad_dtypes):
         leaves, treedef = jax.tree.flatten(params)
@@ -100,16 +141,11 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
         grad_specs = tuple(lay.data_spec if stage > 0 else P() for lay in lays)
         sharded = [i for i, lay in enumerate(lays) if lay.sharded]
         replicated = [i for i, lay in enumerate(lays) if not lay.sharded]
-        # the loss each device differentiates: scaled, and averaged over devices and
-        # micro-batches (exact for power-of-two N and k)
-        factor = 1.0 / (n * k)
+        # collectives run in reduce_dtype, else in the compute dtype of the leaf
+        red_dtypes = [jnp.dtype(reduce_dtype or lay.dtype) for lay in lays]
         scaled = scale is not None
 
         def body(param_leaves, local_batch, scale):
-            def differentiated(loss):
-                out = loss.astype(jnp.float32) * factor
-                return out * scale if scaled else out
-
             micro_struct = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape[1:] if k > 1 else x.shape, x.dtype),
                 local_batch)
@@ -120,7 +156,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                 closed, out_shape = jax.make_jaxpr(
                     lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
                     return_shape=True)(full_structs, micro_struct)
-                _check_loss(out_shape, has_aux)
+                _split_out(out_shape, has_aux, weighted)
                 out_tree = jax.tree.structure(out_shape)
 
             def evaluate(raws, mb, layouts):
@@ -129,27 +165,41 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                     cfg.bucket_size, cfg.prefetch, cfg.remat_policy, model_axis, model_size)
                 return jax.tree.unflatten(out_tree, outs)
 
+            def seeded_vjp(f, primals):
+                """The loss's value, weight and aux, and its gradient (seeded by c_m)."""
+                def g(*ps):
+                    loss, weight, aux = _split_out(f(*ps), has_aux, weighted)
+                    if weight is not None:
+                        weight = jax.lax.stop_gradient(weight).astype(jnp.float32)
+                    return loss.astype(jnp.float32), (loss, weight, aux)
+
+                out, vjp, (loss, weight, aux) = jax.vjp(g, *primals, has_aux=True)
+                if weighted:
+                    w = jax.lax.psum(weight, axis)  # this micro-batch's global weight
+                    c = jnp.where(w > 0, 1.0 / jnp.where(w > 0, w, 1.0), 0.0)
+                else:
+                    w, c = None, jnp.asarray(1.0 / (n * k), jnp.float32)
+                if scaled:
+                    c = c * scale
+                return vjp(c.astype(out.dtype)), loss, w, aux
+
             if stage in (0, 1):
-                acc_dtypes = [reduce_dtype or x.dtype for x in param_leaves]
+                acc_dtypes = [_acc_dtype(x.dtype, k) for x in param_leaves]
                 whole = [dataclasses.replace(lay, dim=None) for lay in lays]
 
                 def micro_grads(mb):
-                    def f(p_leaves):
+                    def f(*p_leaves):
                         if traced:
-                            out = evaluate([(p,) for p in p_leaves], mb, whole)
-                        else:
-                            out = loss_fn(jax.tree.unflatten(treedef, p_leaves), mb)
-                            _check_loss(out, has_aux)
-                        loss, aux = out if has_aux else (out, None)
-                        return differentiated(loss), (loss, aux)
+                            return evaluate([(p,) for p in p_leaves], mb, whole)
+                        return loss_fn(jax.tree.unflatten(treedef, list(p_leaves)), mb)
 
-                    (_, (loss, aux)), g = jax.value_and_grad(f, has_aux=True)(list(param_leaves))
-                    return [x.astype(dt) for x, dt in zip(g, acc_dtypes)], loss, aux
+                    g, loss, w, aux = seeded_vjp(f, list(param_leaves))
+                    return [x.astype(dt) for x, dt in zip(g, acc_dtypes)], loss, w, aux
 
                 acc_shapes = [lay.shape for lay in lays]
             else:
-                acc_dtypes = [grad_dtypes[i] if lays[i].sharded
-                              else (reduce_dtype or lays[i].dtype) for i in range(len(lays))]
+                acc_dtypes = [_acc_dtype(grad_dtypes[i], k) if lays[i].sharded
+                              else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
 
                 def micro_grads(mb):
                     def f(zero_shards, rep):
@@ -158,36 +208,39 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                             raws[i] = (param_leaves[i], z)
                         for i, r in zip(replicated, rep):
                             raws[i] = (r,)
-                        out = evaluate(raws, mb, lays)
-                        loss, aux = out if has_aux else (out, None)
-                        return differentiated(loss), (loss, aux)
+                        return evaluate(raws, mb, lays)
 
                     zeros = [jnp.zeros(lays[i].shard_shape(n), acc_dtypes[i]) for i in sharded]
                     rep = [param_leaves[i] for i in replicated]
-                    (_, (loss, aux)), (g_sh, g_rep) = jax.value_and_grad(
-                        f, argnums=(0, 1), has_aux=True)(zeros, rep)
+                    (g_sh, g_rep), loss, w, aux = seeded_vjp(f, (zeros, rep))
                     g: list[Any] = [None] * len(lays)
                     for i, x in zip(sharded, g_sh):
                         g[i] = x
                     for i, x in zip(replicated, g_rep):
                         g[i] = x.astype(acc_dtypes[i])
-                    return g, loss, aux
+                    return g, loss, w, aux
 
                 acc_shapes = [lay.shard_shape(n) if lay.sharded else lay.shape for lay in lays]
 
             if k == 1:
-                g, loss, aux = micro_grads(local_batch)
+                g, loss_sum, w_total, aux = micro_grads(local_batch)
+                loss_sum = loss_sum.astype(jnp.float32)
             else:
                 def accumulate(carry, mb):
-                    g_acc, loss_acc = carry
-                    g, loss, aux = micro_grads(mb)
+                    g_acc, loss_acc, w_acc = carry
+                    g, loss, w, aux = micro_grads(mb)
+                    if weighted:  # g is this micro-batch's mean: weigh it by W_m
+                        g = [x * w.astype(x.dtype) for x in g]
+                        w_acc = w_acc + w
                     return ([a + b for a, b in zip(g_acc, g)],
-                            loss_acc + loss.astype(jnp.float32)), aux
+                            loss_acc + loss.astype(jnp.float32), w_acc), aux
 
                 init = ([jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)],
-                        jnp.zeros((), jnp.float32))
-                (g, loss), auxs = jax.lax.scan(accumulate, init, local_batch)
-                loss = loss / k
+                        jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+                (g, loss_sum, w_total), auxs = jax.lax.scan(accumulate, init, local_batch)
+                if weighted:
+                    inv = jnp.where(w_total > 0, 1.0 / jnp.where(w_total > 0, w_total, 1.0), 0.0)
+                    g = [x * inv.astype(x.dtype) for x in g]
                 aux = jax.tree.map(lambda a: a[-1], auxs)
 
             # the one reduction of stages 0-1; replicated leaves of stages 2-3
@@ -197,13 +250,13 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
             specs = tuple(lays[i].model_spec for i in reduced)
             out = C.model_local(
                 lambda *xs: tuple(C.all_reduce_buckets(list(xs), axis, bucket)), specs, specs,
-            )(*[to_reduce(g[i]) for i in reduced])
+            )(*[g[i].astype(red_dtypes[i]) for i in reduced])
             if stage == 1:
                 specs = tuple(lays[i].model_spec for i in sharded)
                 part = C.model_local(
                     lambda *xs: tuple(C.reduce_scatter_buckets(
                         list(xs), [lays[i].dim for i in sharded], axis, bucket)), specs, specs,
-                )(*[to_reduce(g[i]) for i in sharded])
+                )(*[g[i].astype(red_dtypes[i]) for i in sharded])
                 for i, x in zip(sharded, part):
                     g[i] = x
             for i, x in zip(reduced, out):
@@ -213,15 +266,19 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool):
                 g = [x / scale.astype(x.dtype) for x in g]
 
             def sq(xs):
-                return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs),
-                           jnp.zeros((), jnp.float32))
+                return sum((_sq_norm(x) for x in xs), jnp.zeros((), jnp.float32))
 
             # partitioned slices summed over devices (one scalar all-reduce), plus the
             # replicated leaves, identical everywhere
             part_sq = sq([g[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
             rep_sq = sq([g[i] for i in (replicated if stage > 0 else range(len(g)))])
             sum_sq = (jax.lax.psum(part_sq, axis) if stage > 0 and sharded else 0.0) + rep_sq
-            loss = jax.lax.psum(loss.astype(jnp.float32), axis) / n
+            loss_sum = jax.lax.psum(loss_sum, axis)
+            if weighted:
+                loss = jnp.where(w_total > 0, loss_sum / jnp.where(w_total > 0, w_total, 1.0),
+                                 0.0)
+            else:
+                loss = loss_sum / (n * k)
             aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
             return tuple(g), loss, aux, sum_sq
 
@@ -286,11 +343,12 @@ class TrainStep:
         return self.jitted.lower(state, self.place_batch(batch))
 
 
-def build_train_step(loss_fn: Callable, opt, has_aux: bool) -> TrainStep:
+def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
+                     ) -> TrainStep:
     cfg, mesh, axis = opt.config, opt.mesh, opt.config.data_axis
     stage = cfg.stage
     mixed = cfg.param_dtype is not None
-    grad_fn = build_grad_fn(loss_fn, opt, has_aux)
+    grad_fn = build_grad_fn(loss_fn, opt, has_aux, weighted)
     tx = opt.inner
 
     def step_fn(state: TrainState, batch):
