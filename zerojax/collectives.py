@@ -192,7 +192,8 @@ def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None) -> list:
 
 
 def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,
-                   bucket_size: int | None = None, model_spec: P | None = None):
+                   bucket_size: int | None = None, model_spec: P | None = None,
+                   reduce: bool = True):
     """``use(param, zero_shard) -> whole parameter``, whose gradient goes, reduce-scattered,
     to ``zero_shard``.
 
@@ -206,7 +207,9 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     chosen here rather than by autodiff. With ``bucket_size``, a parameter larger
     than a bucket is gathered and reduced in bucket-sized pieces. ``model_spec``: the
     leaf's model-parallel split (the collectives then run on each device's model
-    block, :func:`model_local`).
+    block, :func:`model_local`). ``reduce=False``: ``zero_shard`` is whole-size and the
+    cotangent is handed back unreduced (a parameter used several times: the step sums
+    the uses' cotangents on the device and reduce-scatters them once).
     """
 
     model_spec = P() if model_spec is None else model_spec
@@ -223,6 +226,8 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
         return use(param, zero_shard), None
 
     def bwd(_, ct):
+        if not reduce:
+            return None, ct.astype(grad_dtype)
         if reduce_dtype is not None:
             ct = ct.astype(reduce_dtype)
         shard = model_local(lambda c: reduce_scatter_buckets([c], [dim], axis, bucket_size)[0],
@@ -267,7 +272,8 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 
 __all__ = [
-    "model_local", "after", "all_reduce_local", "reduce_scatter_local", "gather_local", "make_param_use",
+    "model_local", "after", "all_reduce_local", "reduce_scatter_local", "gather_local",
+    "make_param_use",
     "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",
     "gather_params", "slice_local",
 ]

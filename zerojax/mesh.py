@@ -48,11 +48,13 @@ def make_mesh(data: int = -1, model: int = 1, *, devices=None) -> Mesh:
                 axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def auto_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:
-    """The same devices and axis names with every axis of type Auto.
+def check_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:
+    """The user's mesh, checked and kept as it is (axis types included).
 
-    zerojax places its state and writes its collectives on this mesh, so a user's
-    Explicit-axis mesh (the default of ``jax.make_mesh``) works the same way.
+    zerojax places its state and writes its collectives on this very mesh, so arrays
+    it returns and the user's own arrays on the same mesh meet in one ``jax.jit``,
+    with or without ``jax.set_mesh``, for Auto and Explicit axes alike (a mesh rebuilt
+    with other axis types is another abstract mesh, and JAX refuses to mix the two).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -64,5 +66,17 @@ def auto_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:
             f"mesh axes {mesh.axis_names} have no {data_axis!r} axis, which ZeRO partitions "
             f"over; build the mesh with zerojax.make_mesh(data=-1) or name one axis {data_axis!r}."
         )
-    return Mesh(mesh.devices, mesh.axis_names,
-                axis_types=tuple(AxisType.Auto for _ in mesh.axis_names))
+    return mesh
+
+
+def constrain(tree, shardings):
+    """``tree`` laid out by ``shardings`` (a matching tree of ``NamedSharding``) inside
+    ``jit``: ``with_sharding_constraint`` on Auto axes, ``jax.sharding.reshard`` where
+    the mesh has Explicit axes (there a sharding is part of the type and a constraint
+    may only name Auto axes)."""
+    def one(x, s):
+        if any(t == AxisType.Explicit for t in s.mesh.axis_types):
+            return jax.sharding.reshard(x, s)
+        return jax.lax.with_sharding_constraint(x, s)
+
+    return jax.tree.map(one, tree, shardings)

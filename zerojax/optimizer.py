@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C, partition as part
 from zerojax.config import ZeroConfig
-from zerojax.mesh import auto_mesh
+from zerojax.mesh import check_mesh, constrain
 from zerojax.state import LossScaleState, MasterState, TrainState
 from zerojax.step import TrainStep, build_train_step
 
@@ -52,7 +52,7 @@ class ZeroOptimizer:
             )
         self.inner = tx
         self.config = config
-        self.mesh = auto_mesh(mesh, config.data_axis)
+        self.mesh = check_mesh(mesh, config.data_axis)
         self.data_size = int(self.mesh.shape[config.data_axis])
         self._model_specs = None  # (treedef, PartitionSpec tree) from init_state
         if config.bucket_size is not None and config.bucket_size < self.data_size:
@@ -232,19 +232,19 @@ class ZeroOptimizer:
 
         def init(params):
             specs = self.specs(params)
-            return jax.lax.with_sharding_constraint(
+            return constrain(
                 inner.init(params), part.shardings(mesh, specs.opt_state))
 
         def update(grads, state, params=None):
             specs = self.specs(grads)
             lay = self.layouts(grads)
             part_sh = part.shardings(mesh, part.partitioned_specs(lay))
-            g = jax.lax.with_sharding_constraint(grads, part_sh)
-            p = None if params is None else jax.lax.with_sharding_constraint(params, part_sh)
+            g = constrain(grads, part_sh)
+            p = None if params is None else constrain(params, part_sh)
             updates, new_state = inner.update(g, state, p)
-            new_state = jax.lax.with_sharding_constraint(
+            new_state = constrain(
                 new_state, part.shardings(mesh, specs.opt_state))
-            updates = jax.lax.with_sharding_constraint(
+            updates = constrain(
                 updates, part.shardings(mesh, specs.params))
             return updates, new_state
 

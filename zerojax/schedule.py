@@ -18,8 +18,9 @@ gathers its own layer. A use inside ``jax.checkpoint`` (``nn.remat``) is pushed 
 the checkpointed function, so the backward pass gathers again instead of keeping the
 gathered weights as residuals. A stage-3 use outside any checkpoint runs as a small
 ``custom_vjp`` unit (gather + the equation) whose backward gathers the shard again,
-made data-dependent on the incoming cotangent (:func:`_after`, exact for every value) so XLA can neither
-merge the two gathers nor hoist the second one into the forward pass (PITFALLS.md).
+made data-dependent on the incoming cotangent (:func:`_after`, exact for every
+value) so XLA can neither merge the two gathers nor hoist the second one into the
+forward pass (PITFALLS.md).
 
 Param-only equations (a cast, a transpose, a reshape of a parameter) stay lazy, so
 the gathered weight is consumed in the same unit as its activation input.
@@ -33,9 +34,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.activations import (
     LAYER_INPUT,
@@ -66,6 +68,15 @@ class _Ref:
     raws: tuple
     dim: int
     model: tuple = ()  # per-dim model-parallel axes of the whole value (Megatron split)
+    key: int | None = None  # the params leaf it stands for (None: a scan's per-layer slice)
+    # used more than once: ``zero_shard`` is a whole-size zero and each use hands back
+    # its cotangent unreduced; autodiff sums them and the step reduce-scatters once
+    full_grad: bool = False
+
+    def like(self, raws, dim=None, model=None, key=False) -> _Ref:
+        return _Ref(tuple(raws), self.dim if dim is None else dim,
+                    self.model if model is None else model,
+                    self.key if key is False else key, self.full_grad)
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,15 +101,25 @@ class _Ctx:
     remat_policy: str | None = None
     model_axis: str | None = None  # the tensor-parallel mesh axis (for Pa)
     model_size: int = 1
+    remesh: bool = False  # traced under jax.set_mesh: restate shardings on the body's mesh
+    uses: dict | None = None  # param_uses: materialisations per params leaf
     in_remat: bool = False
     chain: Any = dataclasses.field(default_factory=lambda: _Chain())
     split_regions: list = dataclasses.field(default_factory=list)  # Pa regions found
 
     def materialize_ref(self, ref: _Ref):
         param, zero_shard = ref.raws
+        if self.uses is not None:  # counting uses (param_uses): no collective
+            if ref.key is not None:
+                self.uses[ref.key] = self.uses.get(ref.key, 0) + 1
+            shape = list(param.shape)
+            if self.stage == 3:
+                shape[ref.dim] *= jax.lax.axis_size(self.axis)
+            return jnp.zeros(shape, param.dtype)
         use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
                              grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
-                             bucket_size=self.bucket_size, model_spec=P(*ref.model))
+                             bucket_size=self.bucket_size, model_spec=P(*ref.model),
+                             reduce=not ref.full_grad)
         return use(param, zero_shard)
 
 
@@ -107,9 +128,26 @@ def _value(lazy: _Lazy, mats: dict):
     return vals[0] if lazy.fn is None else lazy.fn(*vals)
 
 
+def _remesh(v, mesh):
+    """A sharding param recorded on the mesh the loss was traced under (``jax.set_mesh``)
+    restated on the mesh of the per-device body (``data`` manual there)."""
+    if (isinstance(v, NamedSharding) and isinstance(v.mesh, jax.sharding.AbstractMesh)
+            and v.mesh != mesh and v.mesh.axis_names == mesh.axis_names):
+        manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                  if t == jax.sharding.AxisType.Manual}
+        return NamedSharding(mesh, P(*_strip(v.spec, manual)), memory_kind=v.memory_kind)
+    return v
+
+
 def _bind(eqn, invals):
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        params = {k: _remesh(v, mesh) for k, v in params.items()}
+    # the equation's own context (compute_on, xla metadata), but the mesh of where it
+    # is evaluated now: the loss was traced outside the shard_map, where no axis was
+    # manual
+    with eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh):
         out = eqn.primitive.bind(*invals, **params)
     return out if eqn.primitive.multiple_results else [out]
 
@@ -143,7 +181,7 @@ class _Scope:
 
 def _rebuild(values, refs, new_raws):
     """Copies of the lazies in ``values`` whose refs hold ``new_raws`` (same order as refs)."""
-    mapping = {id(r): _Ref(tuple(raws), r.dim, r.model) for r, raws in zip(refs, new_raws)}
+    mapping = {id(r): r.like(raws) for r, raws in zip(refs, new_raws)}
     return [_Lazy(tuple(mapping[id(r)] for r in v.refs), v.fn) if isinstance(v, _Lazy) else v
             for v in values]
 
@@ -155,7 +193,9 @@ def eval_jaxpr(jaxpr, consts, args, ctx: _Ctx) -> list:
     env: dict = {}
 
     def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+        if isinstance(v, jcore.Literal):  # a typed literal may carry the tracing mesh
+            return np.asarray(v.val) if ctx.remesh and hasattr(v.val, "dtype") else v.val
+        return env[v]
 
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = c
@@ -165,8 +205,11 @@ def eval_jaxpr(jaxpr, consts, args, ctx: _Ctx) -> list:
         ins = [read(v) for v in eqn.invars]
         if any(isinstance(x, _Lazy) for x in ins):
             outs = _eval_lazy_eqn(eqn, ins, scope)
-        elif ctx.remat_policy is not None and eqn.primitive.name in _REMAT | _INLINE | {"scan"}:
-            outs = _eval_lazy_eqn(eqn, ins, scope)  # reach the checkpoints inside
+        elif ((ctx.remat_policy is not None or ctx.remesh)
+              and eqn.primitive.name in _REMAT | _INLINE | {"scan"}):
+            # reach the checkpoints inside, or re-evaluate the body's equations on
+            # the body's mesh
+            outs = _eval_lazy_eqn(eqn, ins, scope)
         else:
             outs = _bind(eqn, ins)
         for v, o in zip(eqn.outvars, outs):
@@ -295,7 +338,7 @@ def _eval_scan(eqn, ins, scope: _Scope) -> list:
         vals = list(consts) + list(carry_in)
         for i, x in zip(xs_pos, xs_in):
             ref = ins[i].refs[0] if i in pushed else None
-            vals.append(_Lazy((_Ref(tuple(x), ref.dim - 1, ref.model[1:]),), None)
+            vals.append(_Lazy((ref.like(x, ref.dim - 1, ref.model[1:], key=None),), None)
                         if ref is not None else x)
         outs = eval_jaxpr(body.jaxpr, body.consts, vals, body_ctx)
         return outs[:nk], outs[nk:]
@@ -328,7 +371,7 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
         ctx.chain.probe = own
 
     def compute(raws, regulars):
-        mats = {id(r): ctx.materialize_ref(_Ref(tuple(rw), r.dim, r.model))
+        mats = {id(r): ctx.materialize_ref(r.like(rw))
                 for r, rw in zip(refs, raws)}
         vals = [_value(x, mats) if isinstance(x, _Lazy) else x for x in ins]
         for i, r in zip(reg_pos, regulars):
@@ -444,7 +487,8 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                       stage: int, axis: str, reduce_dtype=None,
                       bucket_size: int | None = None, prefetch: bool = False,
                       remat_policy: str | None = None, model_axis: str | None = None,
-                      model_size: int = 1) -> list:
+                      model_size: int = 1, remesh: bool = False,
+                      full_grad: frozenset = frozenset(), uses: dict | None = None) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -453,14 +497,17 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
         ``(full, zero_shard)`` (stage 2); for replicated leaves ``(full,)``.
       other_args: the remaining (batch) arguments, per-device.
       layouts: per param leaf, its :class:`LeafLayout`.
+      full_grad: positions of leaves used more than once (:func:`param_uses`): their
+        ``zero_shard`` is whole-size and their cotangents are returned unreduced.
+      uses: a dict to count materialisations in (see :func:`param_uses`).
     """
     args: list[Any] = []
-    for raws, lay in zip(param_args, layouts):
-        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model),), None) if lay.sharded
-                    else raws[0])
+    for i, (raws, lay) in enumerate(zip(param_args, layouts)):
+        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model, i, i in full_grad),), None)
+                    if lay.sharded else raws[0])
     args.extend(other_args)
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
-               model_size)
+               model_size, remesh, uses)
     outs = eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, ctx)
     if remat_policy in PA_POLICIES and not ctx.split_regions:
         raise ValueError(
@@ -470,3 +517,97 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
             f"jax.ad_checkpoint.checkpoint_name(x, {LAYER_INPUT!r}) as zerojax.models.GPT "
             f"does, or use remat_policy='full'.")
     return outs
+
+
+def param_uses(closed_jaxpr, param_args: list, other_args: list, layouts: list, stage: int,
+               axis: str, **options) -> dict:
+    """How many times each partitioned params leaf is materialised (gathered, or handed
+    to an equation) when the loss is evaluated: ``{leaf position: count}``.
+
+    Traced only (``jax.eval_shape``), no collective. A leaf used more than once (a
+    tied embedding, a block applied k times) would otherwise reduce-scatter its
+    gradient once per use; the step gives it a whole-size gradient that autodiff sums
+    on the device and reduce-scatters once.
+    """
+    uses: dict = {}
+
+    def run(param_args, other_args):
+        return apply_partitioned(closed_jaxpr, param_args, other_args, layouts, stage, axis,
+                                 uses=uses, **options)
+
+    jax.eval_shape(run, param_args, other_args)
+    return uses
+
+
+# -- the user's sharding annotations, inside the per-device body -------------------
+
+
+def localize_constraints(closed, manual: frozenset):
+    """``closed`` (the loss traced outside the ``shard_map``) with every
+    ``with_sharding_constraint`` made valid in the per-device body, where the axes in
+    ``manual`` (``data``, and axes of size 1) are manual.
+
+    A constraint's entries on manual axes are satisfied by construction (each device
+    holds its own block of the batch) and are dropped; its entries on the other axes
+    (``model``) keep their meaning. A constraint left with no axis at all, on a mesh
+    whose every axis is manual, is removed (its output is its input). Nested jaxprs
+    (scan, remat, cond, while, jit bodies) are rewritten too.
+    """
+    return _localize_closed(closed, manual)
+
+
+def _localize_closed(closed, manual):
+    jaxpr = _localize_jaxpr(closed.jaxpr, manual)
+    return closed if jaxpr is closed.jaxpr else closed.replace(jaxpr=jaxpr)
+
+
+def _localize_param(v, manual):
+    if isinstance(v, jcore.ClosedJaxpr):
+        return _localize_closed(v, manual)
+    if isinstance(v, jcore.Jaxpr):
+        return _localize_jaxpr(v, manual)
+    if isinstance(v, tuple) and any(isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)) for x in v):
+        return tuple(_localize_param(x, manual) for x in v)
+    return v
+
+
+def _strip(spec, manual) -> tuple:
+    out = []
+    for entry in tuple(spec):
+        if entry is None or entry is P.UNCONSTRAINED:
+            out.append(entry)
+            continue
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                      if a not in manual)
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    return tuple(out)
+
+
+def _localize_jaxpr(jaxpr, manual):
+    subst: dict = {}
+    eqns, changed = [], False
+
+    def read(v):
+        return subst.get(v, v) if not isinstance(v, jcore.Literal) else v
+
+    for eqn in jaxpr.eqns:
+        invars = [read(v) for v in eqn.invars]
+        params = {k: _localize_param(v, manual) for k, v in eqn.params.items()}
+        if eqn.primitive.name == "sharding_constraint":
+            sharding = params["sharding"]
+            mesh = sharding.mesh
+            auto = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
+            if not auto:  # every axis manual: the constraint holds by construction
+                subst[eqn.outvars[0]] = invars[0]
+                changed = True
+                continue
+            spec = P(*_strip(sharding.spec, manual))
+            if spec != sharding.spec:
+                params["sharding"] = NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
+        if invars != list(eqn.invars) or any(params[k] is not eqn.params[k] for k in params):
+            eqn = eqn.replace(invars=invars, params=params)
+            changed = True
+        eqns.append(eqn)
+    if not changed:
+        return jaxpr
+    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])

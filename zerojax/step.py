@@ -30,8 +30,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C
+from zerojax.mesh import constrain
 from zerojax.partition import partitioned_specs, shardings
-from zerojax.schedule import apply_partitioned
+from zerojax.schedule import apply_partitioned, localize_constraints, param_uses
 from zerojax.state import LossScaleState, MasterState, TrainState
 
 
@@ -144,25 +145,36 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
         # collectives run in reduce_dtype, else in the compute dtype of the leaf
         red_dtypes = [jnp.dtype(reduce_dtype or lay.dtype) for lay in lays]
         scaled = scale is not None
+        # Axes of size > 1 other than data (the model axis) stay with the compiler.
+        manual = {a for a in mesh.axis_names if a == axis or mesh.shape[a] == 1}
+
+        # The loss traced once, here (outside the shard_map), on whole-shape params and
+        # one device's micro-batch; its sharding annotations are then made valid in the
+        # per-device body, where "data" is manual.
+        local_struct = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (x.shape[1] // n, *x.shape[2:]) if k > 1 else (x.shape[0] // n, *x.shape[1:]),
+                x.dtype), batch)
+        full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
+        closed, out_shape = jax.make_jaxpr(
+            lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
+            return_shape=True)(full_structs, local_struct)
+        _split_out(out_shape, has_aux, weighted)
+        out_tree = jax.tree.structure(out_shape)
+        closed = localize_constraints(closed, frozenset(manual))
+        # traced under a mesh context (jax.set_mesh): its shardings name that mesh
+        remesh = not jax.sharding.get_abstract_mesh().empty
+
+        options = dict(reduce_dtype=reduce_dtype, bucket_size=cfg.bucket_size,
+                       prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,
+                       model_axis=model_axis, model_size=model_size, remesh=remesh)
 
         def body(param_leaves, local_batch, scale):
-            micro_struct = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape[1:] if k > 1 else x.shape, x.dtype),
-                local_batch)
-
-            traced = stage >= 2 or cfg.remat_policy is not None
-            if traced:  # the loss as a jaxpr, re-evaluated by zerojax.schedule
-                full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
-                closed, out_shape = jax.make_jaxpr(
-                    lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
-                    return_shape=True)(full_structs, micro_struct)
-                _split_out(out_shape, has_aux, weighted)
-                out_tree = jax.tree.structure(out_shape)
+            full_grad: frozenset = frozenset()
 
             def evaluate(raws, mb, layouts):
-                outs = apply_partitioned(
-                    closed, raws, jax.tree.leaves(mb), layouts, stage, axis, reduce_dtype,
-                    cfg.bucket_size, cfg.prefetch, cfg.remat_policy, model_axis, model_size)
+                outs = apply_partitioned(closed, raws, jax.tree.leaves(mb), layouts, stage,
+                                         axis, full_grad=full_grad, **options)
                 return jax.tree.unflatten(out_tree, outs)
 
             def seeded_vjp(f, primals):
@@ -189,17 +201,27 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
                 def micro_grads(mb):
                     def f(*p_leaves):
-                        if traced:
-                            return evaluate([(p,) for p in p_leaves], mb, whole)
-                        return loss_fn(jax.tree.unflatten(treedef, list(p_leaves)), mb)
+                        return evaluate([(p,) for p in p_leaves], mb, whole)
 
                     g, loss, w, aux = seeded_vjp(f, list(param_leaves))
                     return [x.astype(dt) for x, dt in zip(g, acc_dtypes)], loss, w, aux
 
                 acc_shapes = [lay.shape for lay in lays]
             else:
+                # a leaf used more than once gets a whole-size gradient summed over its
+                # uses on the device, reduce-scattered once below (not once per use)
+                sd = jax.ShapeDtypeStruct
+                uses = param_uses(
+                    closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(n), x.dtype))
+                             if lays[i].sharded else (sd(x.shape, x.dtype),)
+                             for i, x in enumerate(param_leaves)],
+                    [sd(x.shape, x.dtype) for x in jax.tree.leaves(local_struct)],
+                    lays, stage, axis, **options)
+                full_grad = frozenset(i for i, c in uses.items() if c > 1)
                 acc_dtypes = [_acc_dtype(grad_dtypes[i], k) if lays[i].sharded
                               else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
+                zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(n)
+                               for i in range(len(lays))]
 
                 def micro_grads(mb):
                     def f(zero_shards, rep):
@@ -210,7 +232,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                             raws[i] = (r,)
                         return evaluate(raws, mb, lays)
 
-                    zeros = [jnp.zeros(lays[i].shard_shape(n), acc_dtypes[i]) for i in sharded]
+                    zeros = [jnp.zeros(zero_shapes[i], acc_dtypes[i]) for i in sharded]
                     rep = [param_leaves[i] for i in replicated]
                     (g_sh, g_rep), loss, w, aux = seeded_vjp(f, (zeros, rep))
                     g: list[Any] = [None] * len(lays)
@@ -220,7 +242,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                         g[i] = x.astype(acc_dtypes[i])
                     return g, loss, w, aux
 
-                acc_shapes = [lay.shard_shape(n) if lay.sharded else lay.shape for lay in lays]
+                acc_shapes = [zero_shapes[i] if lay.sharded else lay.shape
+                              for i, lay in enumerate(lays)]
 
             if k == 1:
                 g, loss_sum, w_total, aux = micro_grads(local_batch)
@@ -251,13 +274,16 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             out = C.model_local(
                 lambda *xs: tuple(C.all_reduce_buckets(list(xs), axis, bucket)), specs, specs,
             )(*[g[i].astype(red_dtypes[i]) for i in reduced])
-            if stage == 1:
-                specs = tuple(lays[i].model_spec for i in sharded)
+            # stage 1: every partitioned leaf; stages 2-3: the leaves used more than once
+            scattered = sharded if stage == 1 else sorted(full_grad)
+            if scattered:
+                specs = tuple(lays[i].model_spec for i in scattered)
                 part = C.model_local(
                     lambda *xs: tuple(C.reduce_scatter_buckets(
-                        list(xs), [lays[i].dim for i in sharded], axis, bucket)), specs, specs,
-                )(*[g[i].astype(red_dtypes[i]) for i in sharded])
-                for i, x in zip(sharded, part):
+                        list(xs), [lays[i].dim for i in scattered], axis, bucket)), specs,
+                    specs,
+                )(*[g[i].astype(red_dtypes[i]) for i in scattered])
+                for i, x in zip(scattered, part):
                     g[i] = x
             for i, x in zip(reduced, out):
                 g[i] = x
@@ -283,8 +309,6 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             return tuple(g), loss, aux, sum_sq
 
         batch_spec = P(axis) if k == 1 else P(None, axis)
-        # Axes of size > 1 other than data (the model axis) stay with the compiler.
-        manual = {a for a in mesh.axis_names if a == axis or mesh.shape[a] == 1}
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
             body, mesh=mesh, in_specs=(param_specs, batch_spec, P()),
@@ -384,15 +408,15 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
             new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops,
                                                 (owned, inner_state))
         if stage > 0:
-            new_owned = jax.lax.with_sharding_constraint(new_owned, part_sh)
+            new_owned = constrain(new_owned, part_sh)
         opt_specs = opt.specs(state.params)
-        new_inner = jax.lax.with_sharding_constraint(
+        new_inner = constrain(
             new_inner, shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state))
         compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
                    else new_owned)
         new_params = (C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
                       if stage in (1, 2) else compute)
-        new_params = jax.lax.with_sharding_constraint(new_params,
+        new_params = constrain(new_params,
                                                       shardings(mesh, opt_specs.params))
         new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
