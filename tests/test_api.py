@@ -103,7 +103,7 @@ def test_explicit_axis_mesh_and_device_subset_work():
         state, _ = step(state, b)
     assert {d.id for d in jax.tree.leaves(state.params)[0].devices()} == {0, 1, 2, 3}
     ref = reference_run(tx, awkward_params(), awkward_loss, batches)
-    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+    assert max_rel_err(ref, opt.full_params(state)) < 2e-6  # adam: jit DP measures 1.7e-7 on this model
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -138,7 +138,7 @@ def test_flax_linen_scanned_model_matches_reference(mesh, stage):
     for b in batches:
         state, _ = step(state, b)
     ref = reference_run(tx, params, mse_loss(model), batches)
-    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+    assert max_rel_err(ref, opt.full_params(state)) < 6e-6  # measured 6.1e-7 at every stage (scanned MLP, adam)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -213,7 +213,7 @@ def test_tx_in_a_hand_written_jit_step(mesh, stage):
     for b in batches:
         params, opt_state = step(params, opt_state, b)
     ref = reference_run(tx, awkward_params(), awkward_loss, batches)
-    assert max_rel_err(ref, params) < 3e-4
+    assert max_rel_err(ref, params) < 2e-6  # adam: jit DP measures 1.7e-7 on this model
 
 
 def test_specs_describe_each_stage(mesh):

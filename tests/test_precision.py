@@ -174,7 +174,7 @@ def test_accumulation_equals_one_big_batch(mesh, stage):
     for x, y in big:
         state, _ = step(state, (x.reshape(4, 16, -1), y.reshape(4, 16, -1)))
     ref = reference_run(tx, awkward_params(), awkward_loss, big)
-    assert max_rel_err(ref, opt.full_params(state)) < 3e-4
+    assert max_rel_err(ref, opt.full_params(state)) < 2e-6  # measured 1.4e-7 .. 1.5e-7 (adam, k=4)
 
 
 @pytest.mark.parametrize("stage,kind", [(0, "all_reduce"), (1, "reduce_scatter")])
@@ -220,7 +220,7 @@ def test_global_norm_is_the_single_device_norm(mesh, stage):
 def test_max_grad_norm_matches_optax_clipping(mesh, stage):
     tx = optax.sgd(5e-2)
     clipped = optax.chain(optax.clip_by_global_norm(0.05), tx)
-    assert zero_vs_reference(tx, reference_tx=clipped, stage=stage, max_grad_norm=0.05) < 1e-5
+    assert zero_vs_reference(tx, reference_tx=clipped, stage=stage, max_grad_norm=0.05) < 1e-7  # jit DP: 8.6e-9
 
 
 @pytest.mark.parametrize("bad", [
