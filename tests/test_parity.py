@@ -67,8 +67,10 @@ def test_awkward_leaves_are_laid_out_as_documented():
     lay = opt.layouts(awkward_params())
     assert lay["dense1"]["kernel"].dim == 1          # (16, 64): the larger divisible dim
     assert lay["dense2"]["kernel"].dim == 0          # (64, 37)
-    assert lay["dense2"]["bias"].dim is None         # 37 divides by nothing: replicated
-    assert lay["proj"].dim is None and lay["head"].dim is None
+    # 37 and 7 divide by nothing: the largest dimension is padded to a multiple of 8
+    assert (lay["dense2"]["bias"].dim, lay["dense2"]["bias"].pad) == (0, 3)   # 37 -> 40
+    assert (lay["proj"].dim, lay["proj"].pad) == (0, 3)                       # (40, 7)
+    assert (lay["head"].dim, lay["head"].pad) == (0, 1)                       # (8, 3)
     assert lay["scale"].dim is None                  # scalar
     specs = opt.specs(awkward_params())
     assert specs.params["dense1"]["kernel"] == jax.sharding.PartitionSpec(None, "data")

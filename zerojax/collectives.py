@@ -193,7 +193,7 @@ def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None) -> list:
 
 def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,
                    bucket_size: int | None = None, model_spec: P | None = None,
-                   reduce: bool = True):
+                   reduce: bool = True, size: int | None = None):
     """``use(param, zero_shard) -> whole parameter``, whose gradient goes, reduce-scattered,
     to ``zero_shard``.
 
@@ -209,7 +209,10 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     leaf's model-parallel split (the collectives then run on each device's model
     block, :func:`model_local`). ``reduce=False``: ``zero_shard`` is whole-size and the
     cotangent is handed back unreduced (a parameter used several times: the step sums
-    the uses' cotangents on the device and reduce-scatters them once).
+    the uses' cotangents on the device and reduce-scatters them once). ``size``: the
+    leaf's own length along ``dim`` when its stored form is padded (the gathered
+    parameter is cut to it; the cotangent is padded with zeros before the
+    reduce-scatter).
     """
 
     model_spec = P() if model_spec is None else model_spec
@@ -219,8 +222,9 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
         del zero_shard
         if not gather:
             return param
-        return model_local(lambda p: gather_buckets([p], [dim], axis, bucket_size)[0],
-                           (model_spec,), model_spec)(param)
+        whole = model_local(lambda p: gather_buckets([p], [dim], axis, bucket_size)[0],
+                            (model_spec,), model_spec)(param)
+        return whole if size is None else jax.lax.slice_in_dim(whole, 0, size, axis=dim)
 
     def fwd(param, zero_shard):
         return use(param, zero_shard), None
@@ -230,6 +234,8 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
             return None, ct.astype(grad_dtype)
         if reduce_dtype is not None:
             ct = ct.astype(reduce_dtype)
+        if size is not None:
+            ct = _pad_dim(ct, dim, -size % jax.lax.axis_size(axis))
         shard = model_local(lambda c: reduce_scatter_buckets([c], [dim], axis, bucket_size)[0],
                             (model_spec,), model_spec)(ct)
         return None, shard.astype(grad_dtype)
@@ -238,11 +244,19 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     return use
 
 
+def _pad_dim(x, dim: int, pad: int):
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, pad)
+    return jnp.pad(x, widths)
+
+
 def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
                   bucket_size: int | None = None) -> Any:
     """All-gather every partitioned leaf of ``tree`` (global arrays laid out by
     ``layout_tree``), in buckets of at most ``bucket_size`` elements; the result is
-    whole over ``data`` on every device (model splits kept)."""
+    whole over ``data`` on every device (model splits kept), padding removed."""
     leaves, treedef = jax.tree.flatten(tree)
     lays = treedef.flatten_up_to(layout_tree)
     in_specs = tuple(lay.spec for lay in lays)
@@ -253,7 +267,7 @@ def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
         gathered = gather_buckets([shards[i] for i in sharded], [lays[i].dim for i in sharded],
                                   axis, bucket_size)
         for i, g in zip(sharded, gathered):
-            out[i] = g
+            out[i] = lays[i].unpad(g)
         return tuple(out)
 
     out = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
@@ -266,6 +280,7 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
     """This device's slice of a replicated leaf (no communication)."""
     if not lay.sharded:
         return x
+    x = lay.pad_to_split(x)
     n = jax.lax.axis_size(axis)
     size = x.shape[lay.dim] // n
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, lay.dim)

@@ -55,6 +55,9 @@ class ZeroOptimizer:
         self.mesh = check_mesh(mesh, config.data_axis)
         self.data_size = int(self.mesh.shape[config.data_axis])
         self._model_specs = None  # (treedef, PartitionSpec tree) from init_state
+        # params treedef -> their own shapes (ShapeDtypeStructs), from init_state: the
+        # stored stage-3 params of a padded leaf have the padded shape
+        self._logical: dict = {}
         if config.bucket_size is not None and config.bucket_size < self.data_size:
             raise ValueError(
                 f"bucket_size={config.bucket_size} is smaller than the {config.data_axis!r} "
@@ -103,31 +106,55 @@ class ZeroOptimizer:
                             "build it with zerojax.make_mesh(data=..., model=...)."
                         )
 
-    def layouts(self, params: Any) -> Any:
+    def layouts(self, params: Any, pad: bool = True) -> Any:
         """A :class:`~zerojax.partition.LeafLayout` per leaf of ``params`` (model splits
-        from flax partitioning metadata, or as given to :meth:`init_state`)."""
+        from flax partitioning metadata, or as given to :meth:`init_state`).
+        ``pad=False``: a leaf with no divisible dimension stays replicated."""
         params, model_specs = self._split_model_specs(params)
         return part.layouts(params, self.data_size, self.config.min_shard_size,
-                            self.config.data_axis, model_specs)
+                            self.config.data_axis, model_specs, pad)
 
-    def specs(self, params: Any) -> part.StageSpecs:
+    def logical_params(self, params: Any) -> Any:
+        """ShapeDtypeStructs of ``params`` at their own (unpadded) shapes: as given to
+        :meth:`init_state` for a tree of that structure (stored stage-3 params of a
+        padded leaf have the padded shape), else the shapes of ``params``."""
+        params = self._split_model_specs(params)[0]
+        structs = self._logical.get(jax.tree.structure(params))
+        if structs is None:
+            structs = params
+        return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, x.dtype), structs, params)
+
+    def _opt_shapes(self, params: Any):
+        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        opt_shapes = jax.eval_shape(self.inner.init, structs)
+        if self.config.param_dtype is not None:
+            opt_shapes = MasterState(structs, opt_shapes)
+        return opt_shapes
+
+    def opt_state_layouts(self, params: Any, pad: bool = True) -> Any:
+        """A :class:`~zerojax.partition.LeafLayout` per optimizer-state leaf (a
+        :class:`MasterState` of them with ``param_dtype``), for ``params`` at their own
+        shapes."""
+        lay = self.layouts(params, pad)
+        params = self._split_model_specs(params)[0]
+        cfg = self.config
+        return part.opt_state_layouts(self._opt_shapes(params), lay, self.data_size,
+                                      cfg.min_shard_size, cfg.stage, cfg.data_axis, pad)
+
+    def specs(self, params: Any, pad: bool = True) -> part.StageSpecs:
         """PartitionSpec trees of the params, gradients and optimizer state of this stage.
 
         With ``param_dtype`` set, ``opt_state`` is a :class:`MasterState` whose
         ``master`` (the fp32 master weights) is laid out like the optimizer state.
         """
-        lay = self.layouts(params)
+        lay = self.layouts(params, pad)
         params = self._split_model_specs(params)[0]
         cfg = self.config
-        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        opt_shapes = jax.eval_shape(self.inner.init, structs)
-        if cfg.param_dtype is not None:
-            opt_shapes = MasterState(structs, opt_shapes)
         return part.StageSpecs(
             params=part.stage_param_specs(lay, cfg.stage),
             grads=part.stage_grad_specs(lay, cfg.stage),
-            opt_state=part.opt_state_specs(opt_shapes, lay, self.data_size,
-                                           cfg.min_shard_size, cfg.stage, cfg.data_axis),
+            opt_state=part.opt_state_specs(self._opt_shapes(params), lay, self.data_size,
+                                           cfg.min_shard_size, cfg.stage, cfg.data_axis, pad),
         )
 
     # -- state ----------------------------------------------------------------------
@@ -146,23 +173,35 @@ class ZeroOptimizer:
         if model_specs is not None:
             self._model_specs = (jax.tree.structure(params), model_specs)
         cfg = self.config
+        self._logical[jax.tree.structure(params)] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         specs = self.specs(params)
+        lays = self.layouts(params)
+        opt_lays = self.opt_state_layouts(params)
         param_sh = part.shardings(self.mesh, specs.params)
         opt_sh = part.shardings(self.mesh, specs.opt_state)
         replicated = NamedSharding(self.mesh, P())
+        # Leaves padded for their split are placed whole first (an uneven split cannot
+        # be placed), then padded and split under jit; the others go straight to
+        # their split.
+        whole_sh = jax.tree.map(
+            lambda lay, sh: NamedSharding(self.mesh, lay.model_spec) if lay.pad else sh,
+            lays, param_sh, is_leaf=part.is_layout)
+        stage3 = cfg.stage == 3
+
         # A fresh copy laid out per stage: device_put may hand back the caller's own
         # buffers (on device 0, say), and the step donates its state.
-        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=param_sh)
-        if cfg.param_dtype is None:
-            placed = copy(jax.device_put(params, param_sh))
-            opt_state = jax.jit(self.inner.init, out_shardings=opt_sh)(placed)
-        else:
-            def init(p):
-                compute = jax.tree.map(lambda x: x.astype(cfg.param_dtype), p)
-                return compute, MasterState(p, self.inner.init(p))
+        def init(p):
+            compute = p if cfg.param_dtype is None else jax.tree.map(
+                lambda x: x.astype(cfg.param_dtype), p)
+            compute = jax.tree.map(jnp.copy, part.pad_tree(compute, lays) if stage3 else compute)
+            inner = self.inner.init(p)
+            if cfg.param_dtype is None:
+                return compute, part.pad_tree(inner, opt_lays)
+            return compute, part.pad_tree(MasterState(p, inner), opt_lays)
 
-            placed, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(
-                jax.device_put(params, opt_sh.master))
+        placed, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(
+            jax.device_put(params, whole_sh))
         loss_scale = None
         if cfg.loss_scale is not None:
             init_scale = cfg.loss_scale_init if cfg.dynamic_loss_scale else cfg.loss_scale
@@ -209,7 +248,8 @@ class ZeroOptimizer:
             partitioned = cfg.stage == 3
         if not partitioned:
             return src
-        return jax.jit(lambda p: C.gather_params(p, self.layouts(p), self.mesh, cfg.data_axis,
+        lays = self.layouts(self.logical_params(state.params))
+        return jax.jit(lambda p: C.gather_params(p, lays, self.mesh, cfg.data_axis,
                                                  cfg.bucket_size))(src)
 
     # -- optax interface ------------------------------------------------------------
@@ -231,13 +271,13 @@ class ZeroOptimizer:
         mesh, inner = self.mesh, self.inner
 
         def init(params):
-            specs = self.specs(params)
+            specs = self.specs(params, pad=False)
             return constrain(
                 inner.init(params), part.shardings(mesh, specs.opt_state))
 
         def update(grads, state, params=None):
-            specs = self.specs(grads)
-            lay = self.layouts(grads)
+            specs = self.specs(grads, pad=False)
+            lay = self.layouts(grads, pad=False)
             part_sh = part.shardings(mesh, part.partitioned_specs(lay))
             g = constrain(grads, part_sh)
             p = None if params is None else constrain(params, part_sh)

@@ -4,8 +4,12 @@ This module is the only place that decides layout. Everything else (init, step,
 checkpoint, analysis) consumes the :class:`LeafLayout` / ``PartitionSpec`` trees it makes.
 
 Rule for one leaf of shape ``s`` on a data axis of size N:
-  * fewer than ``min_shard_size`` elements, a scalar, or no dimension divisible by N:
-    replicated (``dim=None``);
+  * fewer than ``min_shard_size`` elements, or a scalar: replicated (``dim=None``);
+  * no dimension divisible by N: the largest dimension is padded with zeros to a
+    multiple of N and split (``pad`` elements appended; the stored arrays have the
+    padded shape, each device holding ceil(size / N) rows). The step unpads before
+    the optimizer sees anything, so norms, Adafactor's factored moments and LAMB's
+    trust ratios are those of the unpadded leaf;
   * otherwise the largest dimension divisible by N (ties: the earlier dimension, so
     shards are contiguous row blocks and gathers write whole rows; measured on CPU, an
     all-gather along a (512, 512) kernel's last dimension took 2.3x as long as along
@@ -38,6 +42,7 @@ class LeafLayout:
     dim: int | None  # dimension split over the data axis; None = replicated
     axis: str = "data"
     model: tuple = ()  # per-dim model-parallel axes ("model" or None); () = none
+    pad: int = 0  # zeros appended along ``dim`` so that it divides by the data degree
 
     @property
     def sharded(self) -> bool:
@@ -73,13 +78,37 @@ class LeafLayout:
         return frozenset(a for m in self.model if m is not None
                          for a in (m if isinstance(m, tuple) else (m,)))
 
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Global shape of the stored (partitioned) form: ``shape`` with ``pad`` zeros
+        appended along ``dim``."""
+        if not self.pad:
+            return self.shape
+        s = list(self.shape)
+        s[self.dim] += self.pad
+        return tuple(s)
+
     def shard_shape(self, n: int) -> tuple[int, ...]:
         """Shape of this device's data shard (still whole over the model axis)."""
         if self.dim is None:
             return self.shape
-        s = list(self.shape)
+        s = list(self.padded_shape)
         s[self.dim] //= n
         return tuple(s)
+
+    def pad_to_split(self, x):
+        """``x`` (the whole leaf) with ``pad`` zeros appended along ``dim``."""
+        if not self.pad:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[self.dim] = (0, self.pad)
+        return jax.numpy.pad(x, widths)
+
+    def unpad(self, x):
+        """The first ``shape[dim]`` entries of ``x`` along ``dim`` (drops the padding)."""
+        if not self.pad:
+            return x
+        return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=self.dim)
 
 
 def choose_dim(shape: tuple[int, ...], n: int, min_shard_size: int,
@@ -113,8 +142,23 @@ def _model_entries(spec: Any, ndim: int, path: str) -> tuple:
     return entries
 
 
+def choose_split(shape: tuple[int, ...], n: int, min_shard_size: int, taken: tuple = (),
+                 pad: bool = True) -> tuple[int | None, int]:
+    """``(dim, padding)``: :func:`choose_dim`, or, for a leaf of at least
+    ``min_shard_size`` elements with no divisible free dimension, its largest free
+    dimension and the zeros to append to it (``pad=False``: replicate it instead)."""
+    dim = choose_dim(shape, n, min_shard_size, taken)
+    if dim is not None or not pad or len(shape) == 0 or math.prod(shape) < max(min_shard_size, 1):
+        return dim, 0
+    free = [d for d in range(len(shape)) if not (taken and taken[d] is not None)]
+    if not free or n == 1:
+        return None, 0
+    dim = max(free, key=lambda d: (shape[d], -d))
+    return dim, -shape[dim] % n
+
+
 def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data",
-                model_spec: Any = None, path: str = "") -> LeafLayout:
+                model_spec: Any = None, path: str = "", pad: bool = True) -> LeafLayout:
     shape = tuple(int(s) for s in x.shape)
     model = _model_entries(model_spec, len(shape), path)
     for m in model:
@@ -124,11 +168,12 @@ def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data",
                 f"params leaf {path} is already split over {axis!r} by its sharding metadata "
                 f"({model_spec}); ZeRO decides the {axis!r} split: annotate only model axes."
             )
-    return LeafLayout(shape, x.dtype, choose_dim(shape, n, min_shard_size, model), axis, model)
+    dim, padding = choose_split(shape, n, min_shard_size, model, pad)
+    return LeafLayout(shape, x.dtype, dim, axis, model, padding)
 
 
 def layouts(tree: Any, n: int, min_shard_size: int, axis: str = "data",
-            model_specs: Any = None) -> Any:
+            model_specs: Any = None, pad: bool = True) -> Any:
     """A tree of :class:`LeafLayout`, one per array leaf of ``tree``.
 
     ``model_specs``: None, or a tree of PartitionSpecs with the same structure giving
@@ -140,7 +185,7 @@ def layouts(tree: Any, n: int, min_shard_size: int, axis: str = "data",
     else:
         specs = treedef.flatten_up_to(model_specs)
     return jax.tree.unflatten(treedef, [
-        leaf_layout(x, n, min_shard_size, axis, spec, jax.tree_util.keystr(path))
+        leaf_layout(x, n, min_shard_size, axis, spec, jax.tree_util.keystr(path), pad)
         for (path, x), spec in zip(leaves, specs)])
 
 
@@ -185,27 +230,47 @@ def stage_grad_specs(layout_tree: Any, stage: int) -> Any:
     return replicated_specs(layout_tree) if stage == 0 else partitioned_specs(layout_tree)
 
 
-def opt_state_specs(opt_state_shapes: Any, param_layouts: Any, n: int, min_shard_size: int,
-                    stage: int, axis: str = "data") -> Any:
-    """PartitionSpecs of an optimizer state.
+def opt_state_layouts(opt_state_shapes: Any, param_layouts: Any, n: int, min_shard_size: int,
+                      stage: int, axis: str = "data", pad: bool = True) -> Any:
+    """A :class:`LeafLayout` per optimizer-state leaf.
 
     A leaf whose key path ends with a parameter's path and has that parameter's shape
     (Adam's ``mu['dense']['kernel']``, the master weights) gets the parameter's
-    layout, model split included; any other leaf gets the shape rule (scalars such as
-    step counts and small leaves stay replicated). Stage 0 keeps only model splits.
+    layout, model split and padding included; any other leaf gets the shape rule
+    (scalars such as step counts and small leaves stay replicated; Adafactor's
+    factored rows may be padded). Stage 0 keeps only model splits.
     """
     by_path = {}
     for path, lay in jax.tree_util.tree_flatten_with_path(param_layouts, is_leaf=is_layout)[0]:
         by_path[tuple(path)] = lay
 
-    def spec_of(path, x):
+    def layout_of(path, x):
         shape = tuple(int(s) for s in x.shape)
         for k in range(len(path)):
             lay = by_path.get(tuple(path[k:]))
             if lay is not None and lay.shape == shape:
-                return lay.spec if stage > 0 else lay.model_spec
+                return lay if stage > 0 else dataclasses.replace(lay, dim=None, pad=0)
         if stage == 0:
-            return P()
-        return leaf_layout(x, n, min_shard_size, axis).spec
+            return LeafLayout(shape, x.dtype, None, axis)
+        return leaf_layout(x, n, min_shard_size, axis, pad=pad)
 
-    return jax.tree_util.tree_map_with_path(spec_of, opt_state_shapes)
+    return jax.tree_util.tree_map_with_path(layout_of, opt_state_shapes)
+
+
+def opt_state_specs(opt_state_shapes: Any, param_layouts: Any, n: int, min_shard_size: int,
+                    stage: int, axis: str = "data", pad: bool = True) -> Any:
+    """PartitionSpecs of an optimizer state (:func:`opt_state_layouts`)."""
+    lays = opt_state_layouts(opt_state_shapes, param_layouts, n, min_shard_size, stage, axis,
+                             pad)
+    return jax.tree.map(lambda lay: lay.spec if stage > 0 else lay.model_spec, lays,
+                        is_leaf=is_layout)
+
+
+def pad_tree(tree: Any, layout_tree: Any) -> Any:
+    """Each leaf of ``tree`` (whole, unpadded) padded for its split."""
+    return jax.tree.map(lambda lay, x: lay.pad_to_split(x), layout_tree, tree, is_leaf=is_layout)
+
+
+def unpad_tree(tree: Any, layout_tree: Any) -> Any:
+    """Each leaf of ``tree`` (stored, padded) cut back to its own shape."""
+    return jax.tree.map(lambda lay, x: lay.unpad(x), layout_tree, tree, is_leaf=is_layout)

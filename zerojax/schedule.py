@@ -72,11 +72,12 @@ class _Ref:
     # used more than once: ``zero_shard`` is a whole-size zero and each use hands back
     # its cotangent unreduced; autodiff sums them and the step reduce-scatters once
     full_grad: bool = False
+    size: int | None = None  # the leaf's own length along ``dim`` when stored padded
 
     def like(self, raws, dim=None, model=None, key=False) -> _Ref:
         return _Ref(tuple(raws), self.dim if dim is None else dim,
                     self.model if model is None else model,
-                    self.key if key is False else key, self.full_grad)
+                    self.key if key is False else key, self.full_grad, self.size)
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,12 +115,13 @@ class _Ctx:
                 self.uses[ref.key] = self.uses.get(ref.key, 0) + 1
             shape = list(param.shape)
             if self.stage == 3:
-                shape[ref.dim] *= jax.lax.axis_size(self.axis)
+                shape[ref.dim] = (ref.size if ref.size is not None
+                                  else shape[ref.dim] * jax.lax.axis_size(self.axis))
             return jnp.zeros(shape, param.dtype)
         use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
                              grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
                              bucket_size=self.bucket_size, model_spec=P(*ref.model),
-                             reduce=not ref.full_grad)
+                             reduce=not ref.full_grad, size=ref.size)
         return use(param, zero_shard)
 
 
@@ -503,8 +505,9 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
     """
     args: list[Any] = []
     for i, (raws, lay) in enumerate(zip(param_args, layouts)):
-        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model, i, i in full_grad),), None)
-                    if lay.sharded else raws[0])
+        size = lay.shape[lay.dim] if lay.pad else None
+        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model, i, i in full_grad, size),),
+                          None) if lay.sharded else raws[0])
     args.extend(other_args)
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
                model_size, remesh, uses)

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C
 from zerojax.mesh import constrain
-from zerojax.partition import partitioned_specs, shardings
+from zerojax.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.schedule import apply_partitioned, localize_constraints, param_uses
 from zerojax.state import LossScaleState, MasterState, TrainState
 
@@ -133,9 +133,9 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     model_axis = next((a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1), None)
     model_size = int(mesh.shape[model_axis]) if model_axis else 1
 
-    def grad_fn(params, batch, scale, grad_dtypes):
+    def grad_fn(params, batch, scale, grad_dtypes, lay_tree):
         leaves, treedef = jax.tree.flatten(params)
-        lays = treedef.flatten_up_to(opt.layouts(params))
+        lays = treedef.flatten_up_to(lay_tree)
         # manual over data only: model splits stay with the compiler (in_specs and
         # out_specs name the data split alone)
         param_specs = tuple(lay.data_spec if stage == 3 else P() for lay in lays)
@@ -197,7 +197,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
             if stage in (0, 1):
                 acc_dtypes = [_acc_dtype(x.dtype, k) for x in param_leaves]
-                whole = [dataclasses.replace(lay, dim=None) for lay in lays]
+                whole = [dataclasses.replace(lay, dim=None, pad=0) for lay in lays]
 
                 def micro_grads(mb):
                     def f(*p_leaves):
@@ -282,7 +282,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                     lambda *xs: tuple(C.reduce_scatter_buckets(
                         list(xs), [lays[i].dim for i in scattered], axis, bucket)), specs,
                     specs,
-                )(*[g[i].astype(red_dtypes[i]) for i in scattered])
+                )(*[lays[i].pad_to_split(g[i].astype(red_dtypes[i])) for i in scattered])
                 for i, x in zip(scattered, part):
                     g[i] = x
             for i, x in zip(reduced, out):
@@ -376,7 +376,10 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
     tx = opt.inner
 
     def step_fn(state: TrainState, batch):
-        lay_tree = opt.layouts(state.params)
+        # layouts of the params' own (unpadded) shapes; stage 3 stores padded shards
+        logical = opt.logical_params(state.params)
+        lay_tree = opt.layouts(logical)
+        opt_lays = opt.opt_state_layouts(logical)
         part_sh = shardings(mesh, partitioned_specs(lay_tree))
         inner_state = state.opt_state.inner if mixed else state.opt_state
         if mixed:
@@ -388,17 +391,26 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
         scale = None if state.loss_scale is None else state.loss_scale.scale
 
-        grads, loss, aux, sum_sq = grad_fn(state.params, batch, scale, grad_dtypes)
+        grads, loss, aux, sum_sq = grad_fn(state.params, batch, scale, grad_dtypes, lay_tree)
         grad_norm = jnp.sqrt(sum_sq)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         if cfg.max_grad_norm is not None:
             grads = clip_by_global_norm(grads, grad_norm, cfg.max_grad_norm)
             metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, cfg.max_grad_norm)
 
+        inner_lays = opt_lays.inner if mixed else opt_lays
+        own_lays = lay_tree if stage > 0 else jax.tree.map(
+            lambda lay: dataclasses.replace(lay, dim=None, pad=0), lay_tree, is_leaf=is_layout)
+
         def update(operands):
+            # the optimizer sees every leaf at its own shape: padding is cut off here
+            # (inside jit, the compiler holds the uneven split) and put back after
             owned, inner_state = operands
-            updates, new_inner = tx.update(grads, inner_state, owned)
-            return optax.apply_updates(owned, updates), new_inner
+            p = unpad_tree(owned, own_lays)
+            updates, new_inner = tx.update(unpad_tree(grads, own_lays),
+                                           unpad_tree(inner_state, inner_lays), p)
+            return (pad_tree(optax.apply_updates(p, updates), own_lays),
+                    pad_tree(new_inner, inner_lays))
 
         if state.loss_scale is None:
             finite = jnp.asarray(True)
@@ -409,15 +421,14 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
                                                 (owned, inner_state))
         if stage > 0:
             new_owned = constrain(new_owned, part_sh)
-        opt_specs = opt.specs(state.params)
+        opt_specs = opt.specs(logical)
         new_inner = constrain(
             new_inner, shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state))
         compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
                    else new_owned)
         new_params = (C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
                       if stage in (1, 2) else compute)
-        new_params = constrain(new_params,
-                                                      shardings(mesh, opt_specs.params))
+        new_params = constrain(new_params, shardings(mesh, opt_specs.params))
         new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
         if state.loss_scale is not None:
