@@ -55,7 +55,11 @@ class ZeroConfig:
         them in a scan and makes one optimizer update. Stages 0-1 reduce the
         accumulated gradient once; stages 2-3 reduce-scatter each micro-batch's
         gradient into a partitioned (1/N) accumulator.
-      loss_scale: None (off), a float (static scale), or ``"dynamic"`` (for float16).
+      loss_scale: ``"auto"`` (the default), None (off), a float (static scale), or
+        ``"dynamic"``. ``"auto"`` is ``"dynamic"`` when ``param_dtype`` is float16 (as
+        DeepSpeed's fp16 mode: a float16 gradient overflows easily and would write
+        NaN into every parameter) and None otherwise; pass ``loss_scale=None`` to
+        train float16 unscaled on purpose.
         The loss is multiplied by the scale before differentiation and the gradients
         divided by it after the reduction. A step whose gradient has an inf or NaN
         anywhere (any shard on any device) is skipped on every device: params and
@@ -100,7 +104,7 @@ class ZeroConfig:
     reduce_dtype: Any = None
     max_grad_norm: float | None = None
     accum_steps: int = 1
-    loss_scale: float | str | None = None
+    loss_scale: float | str | None = "auto"
     loss_scale_init: float = 2.0**15
     loss_scale_growth_interval: int = 2000
     loss_scale_growth_factor: float = 2.0
@@ -132,12 +136,15 @@ class ZeroConfig:
                 "(the global L2 norm to clip to) or None for no clipping."
             )
         _positive_int("accum_steps", self.accum_steps, "micro-batches per step")
+        if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
+            object.__setattr__(self, "loss_scale", "dynamic" if self.param_dtype == jnp.float16
+                               else None)
         if self.loss_scale is not None and self.loss_scale != "dynamic" and not (
                 isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
                 and self.loss_scale > 0):
             raise ValueError(
-                f"loss_scale={self.loss_scale!r} must be None, 'dynamic' or a positive "
-                "number (a static scale)."
+                f"loss_scale={self.loss_scale!r} must be 'auto', None, 'dynamic' or a "
+                "positive number (a static scale)."
             )
         for name in ("loss_scale_init", "loss_scale_min", "loss_scale_growth_factor"):
             if not float(getattr(self, name)) > 0:

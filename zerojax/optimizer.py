@@ -58,6 +58,7 @@ class ZeroOptimizer:
         # params treedef -> their own shapes (ShapeDtypeStructs), from init_state: the
         # stored stage-3 params of a padded leaf have the padded shape
         self._logical: dict = {}
+        self._full_params_fns: dict = {}  # (treedef, partitioned) -> jitted gather
         if config.bucket_size is not None and config.bucket_size < self.data_size:
             raise ValueError(
                 f"bucket_size={config.bucket_size} is smaller than the {config.data_axis!r} "
@@ -238,7 +239,12 @@ class ZeroOptimizer:
 
     def full_params(self, state: TrainState) -> Any:
         """Whole parameters, replicated on every device: the master weights (fp32) with
-        ``param_dtype`` set, else the params; partitioned leaves are all-gathered."""
+        ``param_dtype`` set, else the params; partitioned leaves are all-gathered.
+
+        The result is always new arrays (never the state's own buffers), so it survives
+        the donated steps that follow: ``before = opt.full_params(state)`` stays
+        readable. One ``jax.jit`` per optimizer and params tree structure, compiled
+        once per set of shapes."""
         cfg = self.config
         if cfg.param_dtype is not None:
             src = state.opt_state.master
@@ -246,11 +252,19 @@ class ZeroOptimizer:
         else:
             src = state.params
             partitioned = cfg.stage == 3
-        if not partitioned:
-            return src
-        lays = self.layouts(self.logical_params(state.params))
-        return jax.jit(lambda p: C.gather_params(p, lays, self.mesh, cfg.data_axis,
-                                                 cfg.bucket_size))(src)
+        logical = self.logical_params(state.params)
+        treedef = jax.tree.structure(logical)
+        fn = self._full_params_fns.get((treedef, partitioned))
+        if fn is None:
+            lays = self.layouts(logical)
+
+            def _full_params(p):
+                if partitioned:
+                    p = C.gather_params(p, lays, self.mesh, cfg.data_axis, cfg.bucket_size)
+                return jax.tree.map(jnp.copy, p)  # a copy: never the donated buffers
+
+            fn = self._full_params_fns[(treedef, partitioned)] = jax.jit(_full_params)
+        return fn(src)
 
     # -- optax interface ------------------------------------------------------------
     @property

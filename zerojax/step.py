@@ -90,6 +90,7 @@ def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
     """Every batch leaf must be ``(batch, ...)`` (or ``(accum_steps, batch, ...)``) with
     ``batch`` divisible by the data degree."""
     bdim = 0 if accum_steps == 1 else 1
+    first = None  # (leaf name, batch size) of the first leaf
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         name = jax.tree_util.keystr(path)
         shape = getattr(x, "shape", None)
@@ -105,6 +106,14 @@ def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
                 f"batch leaf {name} has shape {tuple(shape)}: with accum_steps={accum_steps} "
                 f"its leading dimension must be {accum_steps} (the micro-batches); reshape "
                 f"it to ({accum_steps}, batch // {accum_steps}, ...)."
+            )
+        if first is None:
+            first = (name, shape[bdim])
+        elif shape[bdim] != first[1]:
+            raise ValueError(
+                f"batch leaf {name} has batch dimension {shape[bdim]} (shape {tuple(shape)}) "
+                f"but {first[0]} has {first[1]}: every batch leaf holds the same examples "
+                f"along dim {bdim}; give them all the same batch size."
             )
         if shape[bdim] % n:
             raise ValueError(
@@ -133,7 +142,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     model_axis = next((a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1), None)
     model_size = int(mesh.shape[model_axis]) if model_axis else 1
 
-    def grad_fn(params, batch, scale, grad_dtypes, lay_tree):
+    def grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng=None):
         leaves, treedef = jax.tree.flatten(params)
         lays = treedef.flatten_up_to(lay_tree)
         # manual over data only: model splits stay with the compiler (in_specs and
@@ -156,9 +165,25 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                 (x.shape[1] // n, *x.shape[2:]) if k > 1 else (x.shape[0] // n, *x.shape[1:]),
                 x.dtype), batch)
         full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
-        closed, out_shape = jax.make_jaxpr(
-            lambda p, b: loss_fn(jax.tree.unflatten(treedef, p), b),
-            return_shape=True)(full_structs, local_struct)
+        keyed = rng is not None
+
+        def call_loss(p, b, *key):
+            p = jax.tree.unflatten(treedef, p)
+            if not keyed:
+                return loss_fn(p, b)
+            try:
+                return loss_fn(p, b, rng=key[0])
+            except TypeError as e:
+                if "rng" not in str(e):
+                    raise
+                raise TypeError(
+                    f"step(state, batch, rng=key) calls loss_fn(params, batch, rng=...), but "
+                    f"loss_fn does not take an rng keyword ({e}); add `rng=None` to its "
+                    f"signature, or call the step without rng.") from None
+
+        key_struct = [jax.ShapeDtypeStruct(rng.shape, rng.dtype)] if keyed else []
+        closed, out_shape = jax.make_jaxpr(call_loss, return_shape=True)(
+            full_structs, local_struct, *key_struct)
         _split_out(out_shape, has_aux, weighted)
         out_tree = jax.tree.structure(out_shape)
         closed = localize_constraints(closed, frozenset(manual))
@@ -169,11 +194,19 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                        prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,
                        model_axis=model_axis, model_size=model_size, remesh=remesh)
 
-        def body(param_leaves, local_batch, scale):
+        def body(param_leaves, local_batch, scale, rng):
+            # each device, and each micro-batch on it, gets its own key
+            dev_key = jax.random.fold_in(rng, jax.lax.axis_index(axis)) if keyed else None
+
+            def micro_key(m):
+                return jax.random.fold_in(dev_key, m) if keyed else None
+
             full_grad: frozenset = frozenset()
 
             def evaluate(raws, mb, layouts):
-                outs = apply_partitioned(closed, raws, jax.tree.leaves(mb), layouts, stage,
+                mb, key = mb
+                others = jax.tree.leaves(mb) + ([key] if keyed else [])
+                outs = apply_partitioned(closed, raws, others, layouts, stage,
                                          axis, full_grad=full_grad, **options)
                 return jax.tree.unflatten(out_tree, outs)
 
@@ -215,7 +248,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                     closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(n), x.dtype))
                              if lays[i].sharded else (sd(x.shape, x.dtype),)
                              for i, x in enumerate(param_leaves)],
-                    [sd(x.shape, x.dtype) for x in jax.tree.leaves(local_struct)],
+                    [sd(x.shape, x.dtype) for x in jax.tree.leaves(local_struct)] + key_struct,
                     lays, stage, axis, **options)
                 full_grad = frozenset(i for i, c in uses.items() if c > 1)
                 acc_dtypes = [_acc_dtype(grad_dtypes[i], k) if lays[i].sharded
@@ -246,12 +279,13 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                               for i, lay in enumerate(lays)]
 
             if k == 1:
-                g, loss_sum, w_total, aux = micro_grads(local_batch)
+                g, loss_sum, w_total, aux = micro_grads((local_batch, micro_key(0)))
                 loss_sum = loss_sum.astype(jnp.float32)
             else:
-                def accumulate(carry, mb):
+                def accumulate(carry, xs):
                     g_acc, loss_acc, w_acc = carry
-                    g, loss, w, aux = micro_grads(mb)
+                    mb, m = xs
+                    g, loss, w, aux = micro_grads((mb, micro_key(m)))
                     if weighted:  # g is this micro-batch's mean: weigh it by W_m
                         g = [x * w.astype(x.dtype) for x in g]
                         w_acc = w_acc + w
@@ -260,7 +294,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
                 init = ([jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)],
                         jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-                (g, loss_sum, w_total), auxs = jax.lax.scan(accumulate, init, local_batch)
+                (g, loss_sum, w_total), auxs = jax.lax.scan(
+                    accumulate, init, (local_batch, jnp.arange(k, dtype=jnp.uint32)))
                 if weighted:
                     inv = jnp.where(w_total > 0, 1.0 / jnp.where(w_total > 0, w_total, 1.0), 0.0)
                     g = [x * inv.astype(x.dtype) for x in g]
@@ -311,9 +346,9 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
         batch_spec = P(axis) if k == 1 else P(None, axis)
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
-            body, mesh=mesh, in_specs=(param_specs, batch_spec, P()),
+            body, mesh=mesh, in_specs=(param_specs, batch_spec, P(), P()),
             out_specs=(grad_specs, P(), P(axis), P()), axis_names=manual, check_vma=False,
-        )(tuple(leaves), batch, scale_arg)
+        )(tuple(leaves), batch, scale_arg, rng)
         return jax.tree.unflatten(treedef, list(g)), loss, aux, sum_sq
 
     return grad_fn
@@ -343,28 +378,148 @@ def next_loss_scale(ls: LossScaleState, finite, cfg) -> LossScaleState:
 
 
 class TrainStep:
-    """A compiled ZeRO train step: ``step(state, batch) -> (state, metrics)``.
+    """A compiled ZeRO train step: ``step(state, batch, rng=None) -> (state, metrics)``.
 
-    Calls and ``lower`` check the batch first (batch dimension divisible by the data
-    degree); ``jitted`` is the underlying ``jax.jit`` function.
+    Calls and ``lower`` check the state (against the optimizer's configuration: stage,
+    params tree and shapes, master weights, loss scale, optimizer state; a state
+    already donated to an earlier call) and the batch (one batch dimension for every
+    leaf, divisible by the data degree) before anything is traced. ``rng``: a
+    ``jax.random`` key; the loss is then called as ``loss_fn(params, batch, rng=k)``
+    with a key of its own for each data shard and each micro-batch,
+    ``fold_in(fold_in(rng, data_index), micro_batch_index)``, so dropout masks differ
+    across devices and micro-batches and the same key reproduces a step bitwise.
+    ``jitted`` is the underlying ``jax.jit`` function ``(state, batch, rng)``.
     """
 
-    def __init__(self, jitted, mesh, n: int, axis: str, accum_steps: int):
+    def __init__(self, jitted, mesh, n: int, axis: str, accum_steps: int, opt=None):
         self.jitted = jitted
         spec = P(axis) if accum_steps == 1 else P(None, axis)
         self._batch_sharding = NamedSharding(mesh, spec)
         self._n, self._axis, self._k = n, axis, accum_steps
+        self._opt = opt
+        self._checked: set = set()  # state signatures already checked
 
     def place_batch(self, batch: Any) -> Any:
         """Check ``batch`` and split it over the data axis (a no-op if already placed)."""
         check_batch(batch, self._n, self._axis, self._k)
         return jax.device_put(batch, self._batch_sharding)
 
-    def __call__(self, state: TrainState, batch: Any):
-        return self.jitted(state, self.place_batch(batch))
+    def check_state(self, state: TrainState) -> None:
+        """Raise a clear error if ``state`` cannot be this step's state."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"step(state, batch): state must be the zerojax.TrainState made by "
+                f"opt.init_state(params), got {type(state).__name__}.")
+        leaves = jax.tree.leaves(state)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+            raise ValueError(
+                "this TrainState was donated to an earlier step call and its buffers are "
+                "deleted: use the state that call returned (`state, metrics = step(state, "
+                "batch)`), or build the optimizer with zero(..., donate=False) to keep old "
+                "states readable (at the cost of holding two copies during a step).")
+        signature = (jax.tree.structure(state),
+                     tuple((getattr(x, "shape", None), str(getattr(x, "dtype", "")))
+                           for x in leaves))
+        if self._opt is None or signature in self._checked:
+            return
+        check_state_matches(state, self._opt)
+        self._checked.add(signature)
 
-    def lower(self, state: TrainState, batch: Any):
-        return self.jitted.lower(state, self.place_batch(batch))
+    def __call__(self, state: TrainState, batch: Any, rng: Any = None):
+        self.check_state(state)
+        return self.jitted(state, self.place_batch(batch), _check_key(rng))
+
+    def lower(self, state: TrainState, batch: Any, rng: Any = None):
+        self.check_state(state)
+        return self.jitted.lower(state, self.place_batch(batch), _check_key(rng))
+
+
+def _check_key(rng):
+    if rng is None:
+        return None
+    if not hasattr(rng, "dtype") or not (
+            jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+            or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+        raise TypeError(
+            f"rng must be a jax.random key (jax.random.key(seed) or a PRNGKey), got "
+            f"{type(rng).__name__} {getattr(rng, 'shape', '')} {getattr(rng, 'dtype', '')}.")
+    if rng.shape not in ((), (2,)):
+        raise ValueError(f"rng must be one key, got shape {rng.shape}.")
+    return rng
+
+
+def _describe(opt_config) -> str:
+    c = opt_config
+    return (f"stage={c.stage}, param_dtype={None if c.param_dtype is None else c.param_dtype.name}"
+            f", loss_scale={c.loss_scale!r}")
+
+
+def check_state_matches(state: TrainState, opt) -> None:
+    """``state`` against what ``opt`` (its configuration, its params tree) would make."""
+    cfg = opt.config
+    here = _describe(cfg)
+    fix = ("make the state with this optimizer's init_state(params), or build the step "
+           "from the optimizer that made the state")
+    mixed = cfg.param_dtype is not None
+    has_master = isinstance(state.opt_state, MasterState)
+    if mixed != has_master:
+        dt = jax.tree.leaves(state.params)[0].dtype if jax.tree.leaves(state.params) else None
+        theirs = (f"fp32 master weights beside {dt} params (made with param_dtype={dt})"
+                  if has_master else f"no master weights ({dt} params, made without "
+                                     "param_dtype)")
+        raise ValueError(
+            f"the state has {theirs}, but this step's optimizer has {here}: {fix}.")
+    if (state.loss_scale is None) != (cfg.loss_scale is None):
+        theirs = ("no loss-scale state (made with loss_scale=None)" if state.loss_scale is None
+                  else "a loss-scale state (made with loss scaling)")
+        raise ValueError(
+            f"the state has {theirs}, but this step's optimizer has {here}: a missing scale "
+            f"would train unscaled and never skip an overflow; {fix}.")
+    # params tree and shapes, as init_state was given them
+    known = list(opt._logical)
+    treedef = jax.tree.structure(state.params)
+    if known and treedef not in opt._logical:
+        theirs = {jax.tree_util.keystr(p) for p, _ in
+                  jax.tree_util.tree_flatten_with_path(state.params)[0]}
+        mine = {jax.tree_util.keystr(p) for p, _ in
+                jax.tree_util.tree_flatten_with_path(opt._logical[known[-1]])[0]}
+        diff = sorted(theirs ^ mine)
+        raise ValueError(
+            f"state.params is another tree than the one this optimizer's init_state was "
+            f"given: leaves {diff[:4]} are in one and not the other; {fix}.")
+    logical = opt.logical_params(state.params)
+    lays = opt.layouts(logical)
+    specs = opt.specs(logical)
+    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    lay_leaves = jax.tree.leaves(lays, is_leaf=lambda x: hasattr(x, "padded_shape"))
+    spec_leaves = jax.tree.leaves(specs.params, is_leaf=lambda x: isinstance(x, P))
+    for (path, x), lay, spec in zip(flat, lay_leaves, spec_leaves):
+        want = lay.padded_shape if cfg.stage == 3 and lay.sharded else lay.shape
+        name = jax.tree_util.keystr(path)
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(
+                f"state.params{name} has shape {tuple(x.shape)}, but this step's optimizer "
+                f"({here}) stores it as {tuple(want)}: the state was made for other params, "
+                f"another stage or another data degree; {fix}.")
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            got = sharding.shard_shape(tuple(x.shape))
+            exp = NamedSharding(opt.mesh, spec).shard_shape(tuple(want))
+            if got != exp:
+                split = any(a != b for a, b in zip(got, want))
+                kind = ("split: params stored 1/N, as stage 3 stores them" if split else
+                        "whole: params replicated, as stages 0-2 store them")
+                raise ValueError(
+                    f"state.params{name} is held {got} per device ({kind}), but this step's "
+                    f"optimizer ({here}) holds it {exp} per device: the state was made for "
+                    f"another stage or mesh; {fix}.")
+    want_opt = jax.tree.structure(opt._opt_shapes(logical))
+    got_opt = jax.tree.structure(state.opt_state)
+    if want_opt != got_opt:
+        raise ValueError(
+            f"state.opt_state has structure {str(got_opt)[:200]}, but this step's optimizer "
+            f"({here}, {type(opt.inner).__name__}) has {str(want_opt)[:200]}: the state was "
+            f"made by another optimizer; {fix}.")
 
 
 def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
@@ -375,7 +530,7 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
     grad_fn = build_grad_fn(loss_fn, opt, has_aux, weighted)
     tx = opt.inner
 
-    def step_fn(state: TrainState, batch):
+    def step_fn(state: TrainState, batch, rng=None):
         # layouts of the params' own (unpadded) shapes; stage 3 stores padded shards
         logical = opt.logical_params(state.params)
         lay_tree = opt.layouts(logical)
@@ -391,7 +546,8 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
         scale = None if state.loss_scale is None else state.loss_scale.scale
 
-        grads, loss, aux, sum_sq = grad_fn(state.params, batch, scale, grad_dtypes, lay_tree)
+        grads, loss, aux, sum_sq = grad_fn(state.params, batch, scale, grad_dtypes, lay_tree,
+                                           rng)
         grad_norm = jnp.sqrt(sum_sq)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         if cfg.max_grad_norm is not None:
@@ -442,7 +598,7 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         return new_state, metrics
 
     jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
-    return TrainStep(jitted, mesh, opt.data_size, axis, cfg.accum_steps)
+    return TrainStep(jitted, mesh, opt.data_size, axis, cfg.accum_steps, opt)
 
 
 def _slice_params(params, lay_tree, mesh, axis):
