@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C
 from zerojax.mesh import constrain
@@ -561,23 +561,31 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         def update(operands):
             # the optimizer sees every leaf at its own shape: padding is cut off here
             # (inside jit, the compiler holds the uneven split) and put back after
-            owned, inner_state = operands
+            owned, inner_state, grads = operands
             p = unpad_tree(owned, own_lays)
             updates, new_inner = tx.update(unpad_tree(grads, own_lays),
                                            unpad_tree(inner_state, inner_lays), p)
             return (pad_tree(optax.apply_updates(p, updates), own_lays),
                     pad_tree(new_inner, inner_lays))
 
+        opt_specs = opt.specs(logical)
+        if any(t == AxisType.Explicit for t in mesh.axis_types):
+            # Explicit axes type every sharding: cutting the padding off a split
+            # dimension is refused there, so the update runs with the axes Auto
+            owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
+                        else part_sh if stage > 0 else shardings(mesh, opt_specs.params))
+            inner_sh = shardings(mesh, opt_specs.opt_state.inner if mixed
+                                 else opt_specs.opt_state)
+            update = jax.sharding.auto_axes(update, out_sharding=(owned_sh, inner_sh))
         if state.loss_scale is None:
             finite = jnp.asarray(True)
-            new_owned, new_inner = update((owned, inner_state))
+            new_owned, new_inner = update((owned, inner_state, grads))
         else:
             finite = jnp.isfinite(sum_sq)
-            new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops,
-                                                (owned, inner_state))
+            new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops[:2],
+                                                (owned, inner_state, grads))
         if stage > 0:
             new_owned = constrain(new_owned, part_sh)
-        opt_specs = opt.specs(logical)
         new_inner = constrain(
             new_inner, shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state))
         compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
