@@ -52,3 +52,14 @@ def test_gpt_tensor_parallel_trains_with_host_checkpoints():
     # stage 3 moves about 3 Psi / M over the data axis
     data_psi = float(re.search(r"^data-axis traffic +([\d.]+) Psi", text, re.M).group(1))
     assert 1.4 < data_psi < 1.7, data_psi
+
+
+def test_dropout_example_trains_and_reproduces():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "dropout.py"), "--steps", "15"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, last = map(float, re.search(r"^loss ([\d.]+) -> ([\d.]+)$", out.stdout, re.M).groups())
+    assert last < first
+    assert "same key reproduces the run bitwise: True" in out.stdout
+    assert "another key changes it: True" in out.stdout
