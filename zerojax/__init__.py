@@ -8,6 +8,17 @@ from zerojax.state import TrainState
 
 __all__ = [
     "make_mesh", "zero", "ZeroOptimizer", "ZeroConfig", "TrainState",
-    "estimate_memory", "comm_volume",
+    "estimate_memory", "comm_volume", "CheckpointManager", "export_params", "load_params",
 ]
+
+_CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
+
+
+def __getattr__(name):
+    # checkpoints import orbax (slow to import); only when asked for
+    if name in _CHECKPOINT:
+        from zerojax import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -171,11 +171,8 @@ class ZeroOptimizer:
         """
         params, model_specs = self._split_model_specs(params, model_specs)
         _check_params(params)
-        if model_specs is not None:
-            self._model_specs = (jax.tree.structure(params), model_specs)
+        self._remember(params, model_specs)
         cfg = self.config
-        self._logical[jax.tree.structure(params)] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         specs = self.specs(params)
         lays = self.layouts(params)
         opt_lays = self.opt_state_layouts(params)
@@ -203,14 +200,27 @@ class ZeroOptimizer:
 
         placed, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(
             jax.device_put(params, whole_sh))
-        loss_scale = None
-        if cfg.loss_scale is not None:
-            init_scale = cfg.loss_scale_init if cfg.dynamic_loss_scale else cfg.loss_scale
-            loss_scale = jax.device_put(
-                LossScaleState(jnp.asarray(init_scale, jnp.float32), jnp.zeros((), jnp.int32),
-                               jnp.asarray(cfg.loss_scale_hysteresis, jnp.int32)), replicated)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        return TrainState(step, placed, opt_state, loss_scale)
+        part.register_logical(placed, params)
+        return TrainState(step, placed, opt_state, self.init_state_loss_scale())
+
+    def _remember(self, params: Any, model_specs: Any = None) -> None:
+        """Keep the params' own shapes (and model splits) for steps of this tree."""
+        if model_specs is not None:
+            self._model_specs = (jax.tree.structure(params), model_specs)
+        self._logical[jax.tree.structure(params)] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+
+    def init_state_loss_scale(self) -> LossScaleState | None:
+        """A fresh loss-scale state for this configuration (None without scaling)."""
+        cfg = self.config
+        if cfg.loss_scale is None:
+            return None
+        init_scale = cfg.loss_scale_init if cfg.dynamic_loss_scale else cfg.loss_scale
+        return jax.device_put(
+            LossScaleState(jnp.asarray(init_scale, jnp.float32), jnp.zeros((), jnp.int32),
+                           jnp.asarray(cfg.loss_scale_hysteresis, jnp.int32)),
+            NamedSharding(self.mesh, P()))
 
     def train_step(self, loss_fn: Callable, *, has_aux: bool | None = None,
                    weighted: bool = False) -> TrainStep:

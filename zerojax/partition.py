@@ -274,3 +274,21 @@ def pad_tree(tree: Any, layout_tree: Any) -> Any:
 def unpad_tree(tree: Any, layout_tree: Any) -> Any:
     """Each leaf of ``tree`` (stored, padded) cut back to its own shape."""
     return jax.tree.map(lambda lay, x: lay.unpad(x), layout_tree, tree, is_leaf=is_layout)
+
+
+# (params treedef, stored shapes) -> the leaves' own shapes, registered by init_state and
+# restore: a stage-3 state stores padded leaves, and a checkpoint records both shapes
+_LOGICAL: dict = {}
+
+
+def register_logical(stored: Any, logical: Any) -> None:
+    """Remember that params stored as ``stored`` are ``logical`` (ShapeDtypeStructs)."""
+    key = (jax.tree.structure(stored), tuple(tuple(x.shape) for x in jax.tree.leaves(stored)))
+    _LOGICAL[key] = [tuple(x.shape) for x in jax.tree.leaves(logical)]
+
+
+def logical_shapes(stored: Any) -> list:
+    """The own shapes of the leaves of ``stored`` params (their stored shapes when no
+    optimizer registered them)."""
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(stored)]
+    return _LOGICAL.get((jax.tree.structure(stored), tuple(shapes)), shapes)

@@ -1,0 +1,302 @@
+"""Sharded checkpoints (issue 10): exact resume in a new process, restore onto another
+mesh, stage or precision, a killed save never damages the previous step, export to one
+safetensors file, clear errors."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+
+import zerojax
+from zerojax.checkpoint import CheckpointManager, export_params, load_params
+
+HERE = pathlib.Path(__file__).resolve().parent
+BATCHES = regression_batches(10)
+
+_RESUME = r"""
+import os, sys
+sys.path.insert(0, {here!r})
+import jax, numpy as np, optax, zerojax
+from helpers import awkward_loss, awkward_params, regression_batches
+from zerojax.checkpoint import CheckpointManager
+mode, stage, d = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=stage, min_shard_size=16)
+step = opt.train_step(awkward_loss)
+batches = regression_batches(10)
+mgr = CheckpointManager(d)
+if mode == "first":
+    state = opt.init_state(awkward_params())
+    for b in batches[:5]:
+        state, _ = step(state, b)
+    mgr.save(5, state, extra={{"data_position": 5}})
+    mgr.wait()
+else:
+    state = mgr.restore(opt, like=awkward_params())
+    assert mgr.extra(5) == {{"data_position": 5}}
+    for b in batches[5:]:
+        state, _ = step(state, b)
+    full = opt.full_params(state)
+    np.savez(os.path.join(d, "final.npz"), **{{str(i): np.asarray(x) for i, x in
+                                              enumerate(jax.tree.leaves(full))}})
+"""
+
+
+def _py(code: str, *args, timeout=300):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_in_a_new_process_is_bitwise(tmp_path, stage):
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=stage,
+                       min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    for b in BATCHES:
+        state, _ = step(state, b)
+    straight = [np.asarray(x) for x in jax.tree.leaves(opt.full_params(state))]
+    code = _RESUME.format(here=str(HERE))
+    for mode in ("first", "second"):
+        out = _py(code, mode, stage, tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+    resumed = np.load(tmp_path / "final.npz")
+    for i, x in enumerate(straight):
+        np.testing.assert_array_equal(x, resumed[str(i)])
+
+
+def _train(opt, state, batches):
+    step = opt.train_step(awkward_loss)
+    for b in batches:
+        state, _ = step(state, b)
+    return state
+
+
+@pytest.mark.parametrize("before,after", [
+    ({"data": 8, "stage": 2}, {"data": 4, "stage": 3}),
+    ({"data": 4, "stage": 3}, {"data": 8, "stage": 2}),
+    ({"data": 8, "stage": 3}, {"data": 8, "stage": 0}),
+    ({"data": 8, "stage": 1, "param_dtype": jnp.bfloat16}, {"data": 8, "stage": 3}),
+    ({"data": 8, "stage": 3}, {"data": 4, "stage": 1, "param_dtype": jnp.bfloat16}),
+])
+def test_restore_onto_another_layout_keeps_training_exactly(tmp_path, before, after):
+    """Save, restore by the new optimizer's rules (padding differs: (37,) is (40,) at
+    N=4 and 8, whole at stage 0-2), train on: the same as an uninterrupted run."""
+    def make(cfg):
+        cfg = dict(cfg)
+        n = cfg.pop("data")
+        return zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=n, devices=jax.devices()[:n]),
+                            min_shard_size=16, **cfg)
+
+    first, second = make(before), make(after)
+    mgr = CheckpointManager(tmp_path)
+    saved = _train(first, first.init_state(awkward_params()), BATCHES[:5])
+    mgr.save(5, saved)
+    mgr.wait()
+    state = mgr.restore(second, like=awkward_params())
+    assert int(state.step) == 5
+    if "param_dtype" in before or "param_dtype" in after:
+        # precision changes: the fp32 truth (master weights, else params) carries over
+        # exactly and becomes the params, or the master of the new run
+        assert max_rel_err(first.full_params(saved), second.full_params(state)) == 0
+        assert np.isfinite(float(second.train_step(awkward_loss)(state, BATCHES[5])[1]["loss"]))
+        return
+    got = second.full_params(_train(second, state, BATCHES[5:]))
+    want = reference_run(optax.adam(1e-2), awkward_params(), awkward_loss, BATCHES)
+    assert max_rel_err(want, got) <= 2e-6  # the core parity tolerance for adam
+
+
+def test_restore_with_a_model_axis_on_one_side(tmp_path):
+    from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+
+    model = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 64, (16, 17)).astype(np.int32) for _ in range(4)]
+    boxed = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+
+    def run(opt, state, bs):
+        step = opt.train_step(lm_loss(model))
+        for b in bs:
+            state, _ = step(state, b)
+        return state
+
+    tp = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=4, model=2), stage=3)
+    dp = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=2)
+    mgr = CheckpointManager(tmp_path / "a")
+    mgr.save(2, run(tp, tp.init_state(boxed), batches[:2]))
+    mgr.wait()
+    got = dp.full_params(run(dp, mgr.restore(dp, like=boxed), batches[2:]))
+    want = reference_run(optax.adam(1e-3), gpt_params(model, 0), lm_loss(model), batches)
+    assert max_rel_err(want, got) < 3e-4  # tests/test_gpt.py: the zero-gradient key bias
+    back = CheckpointManager(tmp_path / "b")
+    back.save(4, run(dp, mgr.restore(dp, like=boxed), batches[2:]))
+    back.wait()
+    again = tp.full_params(back.restore(tp, like=boxed))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_KILLED = r"""
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import jax, jax.numpy as jnp, numpy as np, optax, zerojax
+from zerojax.checkpoint import CheckpointManager
+d = sys.argv[1]
+opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3)
+params = {{"w%d" % i: jnp.full((1024, 1024), float(i)) for i in range(12)}}
+state = opt.init_state(params)
+mgr = CheckpointManager(d)
+mgr.save(1, state)
+mgr.wait()
+np.save(os.path.join(d, "saved.npy"), np.asarray(opt.full_params(state)["w3"]))
+state = state.replace(params=jax.tree.map(lambda x: x + 1, state.params))
+mgr.save(2, state)          # asynchronous: the bytes are being written
+print("killing", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_leaves_the_previous_step_whole(tmp_path):
+    out = _py(_KILLED.format(here=str(HERE)), tmp_path)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.latest_step() == 1, os.listdir(tmp_path)
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3)
+    like = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in range(12)}
+    state = mgr.restore(opt, like=like)
+    np.testing.assert_array_equal(np.asarray(opt.full_params(state)["w3"]),
+                                  np.load(tmp_path / "saved.npy"))
+
+
+def test_export_loads_into_the_flax_model_and_reproduces_its_outputs(tmp_path):
+    from zerojax.models import GPT, GPTConfig, lm_loss
+
+    model = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+    tok = np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)
+    boxed = model.init(jax.random.key(0), tok[:, :-1])["params"]
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=4, model=2), stage=3)
+    state = opt.init_state(boxed)
+    step = opt.train_step(lm_loss(model))
+    for _ in range(3):
+        state, _ = step(state, tok)
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(3, state)
+    mgr.wait()
+    path = export_params(tmp_path / "ckpt", tmp_path / "model.safetensors")
+    loaded = load_params(path, boxed)  # boxes kept: the flax metadata survives
+    from flax.core import meta
+
+    plain = meta.unbox(loaded)
+    full = opt.full_params(state)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(full)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    on_host = jax.tree.map(np.asarray, full)  # both on one device: the same program
+    np.testing.assert_array_equal(np.asarray(model.apply({"params": plain}, tok[:, :-1])),
+                                  np.asarray(model.apply({"params": on_host}, tok[:, :-1])))
+
+
+_EXPORT_MEMORY = r"""
+import os, resource, sys
+import numpy as np
+from zerojax.checkpoint import CheckpointManager, export_params
+d, out = sys.argv[1], sys.argv[2]
+CheckpointManager(d).meta()          # imports and first orbax read done
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+export_params(d, out)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print("PEAK", before, after)
+"""
+
+
+@pytest.mark.slow
+def test_export_streams_leaf_by_leaf(tmp_path):
+    """Peak host memory of the export (a fresh process) stays under twice the largest
+    leaf plus a fixed overhead, far below the model (12 leaves of 16 MiB)."""
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3)
+    params = {f"w{i}": jnp.full((2048, 2048), float(i)) for i in range(12)}
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(0, opt.init_state(params))
+    mgr.wait()
+    del params
+    out = _py(_EXPORT_MEMORY, tmp_path / "ckpt", tmp_path / "m.safetensors")
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(int, next(x for x in out.stdout.splitlines()
+                                  if x.startswith("PEAK")).split()[1:])
+    leaf, model = 2048 * 2048 * 4, 12 * 2048 * 2048 * 4
+    grown = after - before
+    print(f"export peak growth {grown / 2**20:.1f} MiB, largest leaf {leaf / 2**20:.0f} MiB, "
+          f"model {model / 2**20:.0f} MiB")
+    assert grown < 2 * leaf + 32 * 2**20, grown
+    from safetensors.numpy import load_file
+
+    got = load_file(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(f"w{i}" for i in range(12))
+    assert float(got["w7"][5, 5]) == 7.0
+
+
+def test_errors_name_the_leaf_and_the_directory(tmp_path):
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=1, min_shard_size=16)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint.*holds"):
+        CheckpointManager(tmp_path / "empty").restore(opt, like=awkward_params())
+    mgr = CheckpointManager(tmp_path / "run")
+    mgr.save(3, opt.init_state(awkward_params()))
+    mgr.wait()
+    with pytest.raises(FileNotFoundError, match=r"step 7.*complete steps: \[3\]"):
+        mgr.restore(opt, like=awkward_params(), step=7)
+    wrong = dict(awkward_params())
+    wrong["proj"] = jnp.zeros((37, 8))
+    with pytest.raises(ValueError, match=r"\['proj'\].*\(37, 8\).*\(37, 7\)"):
+        mgr.restore(opt, like=wrong)
+    extra = dict(awkward_params(), more=jnp.zeros((4,)))
+    with pytest.raises(ValueError, match=r"\['more'\]"):
+        mgr.restore(opt, like=extra)
+    with pytest.raises(ValueError, match="JSON"):
+        mgr.save(4, opt.init_state(awkward_params()), extra={"x": object()})
+
+
+def test_max_to_keep_prunes_and_latest_step(tmp_path):
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=2, min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    mgr = CheckpointManager(tmp_path, max_to_keep=2)
+    for s in (1, 2, 3):
+        mgr.save(s, state)
+    mgr.wait()
+    assert mgr.all_steps() == [2, 3] and mgr.latest_step() == 3
+
+
+def test_cli_export(tmp_path, capsys):
+    from zerojax.cli import main
+
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3, min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(1, state)
+    mgr.save(2, state)
+    mgr.wait()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"),
+                 "--step", "1"]) == 0
+    assert "step 1" in capsys.readouterr().out
+    loaded = load_params(tmp_path / "m.safetensors", awkward_params())
+    assert loaded["proj"].shape == (37, 7)  # the padding (40, 7) is gone
+    np.testing.assert_array_equal(np.asarray(loaded["proj"]), np.asarray(awkward_params()["proj"]))
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x.safetensors")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "x.safetensors"),
+                 "--step", "9"]) == 1
+    assert "complete steps: [1, 2]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--help"])
+    assert e.value.code == 0 and "safetensors" in capsys.readouterr().out
