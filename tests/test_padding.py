@@ -64,6 +64,25 @@ def single_device(tx):
     return p
 
 
+def jit_data_parallel(tx, n):
+    """Plain ``jax.jit`` data parallelism over ``n`` devices: params replicated, batch
+    split over ``data``; the figure the zerojax tolerance is set from."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    p = jax.device_put(params(), NamedSharding(mesh, P()))
+    s = tx.init(p)
+
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    for b in batches():
+        p, s = step(p, s, jax.device_put(b, NamedSharding(mesh, P("data"))))
+    return p
+
+
 def max_rel_err(ref, got):
     return max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(a)))
                for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)))
@@ -127,7 +146,8 @@ import test_padding as t
 out = {{}}
 for name in ("adafactor", "lamb"):
     err, held, share = t.run(name, 3, 16)
-    out[name] = [err, held, share]
+    dp = t.max_rel_err(t.single_device(t.TXS[name]()), t.jit_data_parallel(t.TXS[name](), 16))
+    out[name] = [err, held, share, dp]
 print("RESULT" + json.dumps(out))
 """
 
@@ -141,6 +161,9 @@ def test_padded_leaves_n16_subprocess():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    for name, (err, held, share) in json.loads(line[len("RESULT"):]).items():
-        assert err <= TOLS[name], f"{name} N=16: {err:.2e}"
+    for name, (err, held, share, dp) in json.loads(line[len("RESULT"):]).items():
+        # measured side by side: jit data parallelism over 16 devices sums the gradient
+        # in another order than over 8 (measured N=16, 3 steps: adafactor 4.6e-8 both,
+        # lamb 3.9e-7 both)
+        assert err <= 10 * max(dp, 3e-8), f"{name} N=16: {err:.2e} (jit DP {dp:.2e})"
         assert held <= 1.02 * share, (name, held, share)

@@ -225,7 +225,7 @@ def test_max_grad_norm_matches_optax_clipping(mesh, stage):
 
 @pytest.mark.parametrize("bad", [
     dict(param_dtype="int8"), dict(reduce_dtype=3), dict(max_grad_norm=-1.0),
-    dict(accum_steps=0), dict(loss_scale="auto"), dict(loss_scale_backoff=2.0),
+    dict(accum_steps=0), dict(loss_scale="automatic"), dict(loss_scale_backoff=2.0),
     dict(loss_scale_hysteresis=0), dict(prefetch="yes"), dict(donate=1), dict(has_aux=None),
 ])
 def test_bad_precision_options_are_rejected(mesh, bad):

@@ -58,8 +58,14 @@ def test_model_split_leaves_get_their_data_split_on_another_dim():
     assert blocks["qkv"]["kernel"].sharding.spec == P(None, "data", "model")  # column-parallel
     assert blocks["attn_out"]["kernel"].sharding.spec == P(None, "model", "data")  # row-par.
     assert p["embed"]["embedding"].sharding.spec == P("model", "data")      # vocab-parallel
-    # a bias split over model has no other dim of size divisible by 4: whole over data
-    assert blocks["qkv"]["bias"].sharding.spec == P(None, "model")
+    # a bias split over model whose other dim (2 layers) does not divide by 4 is padded
+    # to 4 rows and split: each device holds 1 of them, not both
+    bias = blocks["qkv"]["bias"]
+    assert bias.sharding.spec == P("data", "model")
+    assert bias.shape == (4, 3 * TINY["hidden"])
+    assert bias.addressable_shards[0].data.shape == (1, 3 * TINY["hidden"] // MODEL)
+    logical = opt.logical_params(state.params)
+    assert logical["blocks"]["qkv"]["bias"].shape == (2, 3 * TINY["hidden"])
     # the optimizer state follows its parameter, model split included
     assert state.opt_state[0].mu["blocks"]["qkv"]["kernel"].sharding.spec == P(
         None, "data", "model")
