@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -86,7 +87,7 @@ def _acc_dtype(dtype, k: int):
     return jnp.promote_types(dtype, jnp.float32) if k > 1 else jnp.dtype(dtype)
 
 
-def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
+def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1, where: str = "") -> None:
     """Every batch leaf must be ``(batch, ...)`` (or ``(accum_steps, batch, ...)``) with
     ``batch`` divisible by the data degree."""
     bdim = 0 if accum_steps == 1 else 1
@@ -117,7 +118,7 @@ def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1) -> None:
             )
         if shape[bdim] % n:
             raise ValueError(
-                f"batch leaf {name} has shape {tuple(shape)}: its batch dimension "
+                f"batch leaf {name} has shape {tuple(shape)}{where}: its batch dimension "
                 f"{shape[bdim]} does not divide by the {axis!r} axis size {n}; use a "
                 f"batch size that is a multiple of {n}."
             )
@@ -400,9 +401,29 @@ class TrainStep:
         self._checked: set = set()  # state signatures already checked
 
     def place_batch(self, batch: Any) -> Any:
-        """Check ``batch`` and split it over the data axis (a no-op if already placed)."""
-        check_batch(batch, self._n, self._axis, self._k)
-        return jax.device_put(batch, self._batch_sharding)
+        """Check ``batch`` and split it over the data axis (a no-op if already placed).
+
+        In a multi-process run a host batch (numpy, or arrays on this process's
+        devices) is this process's slice of the global batch: process ``i`` of ``P``
+        holds rows ``[i*B/P, (i+1)*B/P)``; a global ``jax.Array`` spanning every
+        process is taken as it is."""
+        if jax.process_count() == 1:
+            check_batch(batch, self._n, self._axis, self._k)
+            return jax.device_put(batch, self._batch_sharding)
+        leaves = jax.tree.leaves(batch)
+        if leaves and all(isinstance(x, jax.Array) and not x.is_fully_addressable
+                          for x in leaves):
+            check_batch(batch, self._n, self._axis, self._k)
+            return jax.device_put(batch, self._batch_sharding)
+        if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+            raise ValueError(
+                "batch mixes global jax.Arrays (spanning every process) with process-local "
+                "leaves; give every leaf as this process's slice, or every leaf global.")
+        check_batch(batch, self._n // jax.process_count() or 1, self._axis, self._k,
+                    where=f" (this process's slice; {jax.process_count()} processes)")
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._batch_sharding,
+                                                             np.asarray(x)), batch)
 
     def check_state(self, state: TrainState) -> None:
         """Raise a clear error if ``state`` cannot be this step's state."""

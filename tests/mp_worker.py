@@ -1,0 +1,77 @@
+"""The program each process runs in tests/test_multiprocess.py (started by
+``python -m zerojax.launch``). Modes:
+
+* ``train OUT CKPT_SAVE CKPT_LOAD``: stages 1, 2, 3 for 10 steps on the awkward model,
+  each process feeding its slice of the global batch; process 0 writes the final full
+  params of each stage to OUT/stage{s}.npz. Stage 3 also saves its final state to
+  CKPT_SAVE (every process writes its own shards), and restores CKPT_LOAD (saved by
+  one process) and writes its full params to OUT/restored.npz.
+* ``die``: trains stage 3 forever; process 1 kills itself with SIGKILL at step 3.
+"""
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import zerojax.distributed as zd  # noqa: E402
+
+zd.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from helpers import awkward_loss, awkward_params, regression_batches  # noqa: E402
+
+import zerojax  # noqa: E402
+
+assert jax.process_count() == 2 and len(jax.devices()) == 8, (jax.process_count(),
+                                                               jax.devices())
+
+
+def make(stage):
+    return zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=-1), stage=stage,
+                        min_shard_size=16)
+
+
+def save_npz(path, tree):
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]  # replicated: readable here
+    if jax.process_index() == 0:
+        np.savez(path, **{str(i): x for i, x in enumerate(leaves)})
+
+
+mode = sys.argv[1]
+if mode == "train":
+    out, ckpt_save, ckpt_load = sys.argv[2:5]
+    from zerojax.checkpoint import CheckpointManager
+
+    for stage in (1, 2, 3):
+        opt = make(stage)
+        state = opt.init_state(awkward_params())
+        step = opt.train_step(awkward_loss)
+        for b in regression_batches(10):
+            state, metrics = step(state, zd.split_batch(b))
+        save_npz(os.path.join(out, f"stage{stage}.npz"), opt.full_params(state))
+        print(f"stage {stage} loss {float(metrics['loss']):.6f}", flush=True)
+    mgr = CheckpointManager(ckpt_save)
+    mgr.save(10, state)
+    mgr.wait()
+    restored = CheckpointManager(ckpt_load).restore(opt, like=awkward_params())
+    save_npz(os.path.join(out, "restored.npz"), opt.full_params(restored))
+    print("done", flush=True)
+elif mode == "die":
+    opt = make(3)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    batches = regression_batches(4)
+    i = 0
+    while True:
+        state, metrics = step(state, zd.split_batch(batches[i % 4]))
+        float(metrics["loss"])
+        i += 1
+        if i == 3 and jax.process_index() == 1:
+            print("dying", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
