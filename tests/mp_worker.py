@@ -70,7 +70,7 @@ elif mode == "die":
         state, metrics = step(state, zd.split_batch(batches[i % 4]))
         float(metrics["loss"])
         i += 1
-        if i == 3 and jax.process_index() == 1:
+        if i == 3 and jax.process_index() == int(os.environ.get("DIE_RANK", "1")):
             print("dying", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 else:

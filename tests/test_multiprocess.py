@@ -25,8 +25,9 @@ WORKER = str(HERE / "mp_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def launch(*args, timeout=420):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+def launch(*args, timeout=420, env=None):
+    env = {k: v for k, v in (env or os.environ).items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "zerojax.launch", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -95,22 +96,26 @@ def test_save_in_two_processes_restore_in_one_and_back(two_process_run):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def test_a_killed_peer_ends_the_job_with_an_error_naming_it():
+@pytest.mark.parametrize("dead", [1, 0])   # a worker; the coordinator's own process
+def test_a_killed_peer_ends_the_job_with_an_error_naming_it(dead):
     heartbeat = 5
+    survivor = 1 - dead
+    env = dict(os.environ, DIE_RANK=str(dead))
     proc, took = launch("--nproc", 2, "--devices-per-proc", 4, "--heartbeat-timeout",
-                        heartbeat, "--grace", 20, WORKER, "die", timeout=240)
+                        heartbeat, "--grace", 20, WORKER, "die", timeout=240, env=env)
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
-    assert "[1] dying" in out
-    assert "[launch] process 1 failed (killed by SIGKILL)" in out, out[-3000:]
-    # the survivor was ended by the coordination service, which named process 1
-    assert "process 0 was told by the coordination service that process(es) [1] stopped " \
-           "sending heartbeats" in out, out[-3000:]
-    line = next(x for x in out.splitlines() if x.startswith("[launch] process 1 failed first"))
+    assert f"[{dead}] dying" in out
+    assert f"[launch] process {dead} failed (killed by SIGKILL)" in out, out[-3000:]
+    # the survivor was ended by JAX's coordination service, which named the lost one
+    assert (f"[launch] process {survivor} was ended by the coordination service: "
+            f"lost process(es) [{dead}]") in out, out[-3000:]
+    line = next(x for x in out.splitlines()
+                if x.startswith(f"[launch] process {dead} failed first"))
     ended = float(line.split("ended ")[1].split(" s later")[0])
     assert ended <= 2 * heartbeat + 5, line   # not the grace kill: ended on its own
-    print(f"peer death to launcher exit: {ended:.1f} s (heartbeat {heartbeat} s); "
-          f"whole run {took:.1f} s")
+    print(f"process {dead} killed: launcher exit {ended:.1f} s later (heartbeat "
+          f"{heartbeat} s); whole run {took:.1f} s")
 
 
 def test_launcher_help_and_bad_arguments():

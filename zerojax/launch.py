@@ -92,6 +92,7 @@ def _describe(code: int) -> str:
 
 
 _UNHEALTHY = "tasks are unhealthy (stopped sending heartbeats):"
+_LEADER_LOST = "Either the leader task was preempted/died"
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock, lost: dict) -> None:
@@ -107,6 +108,8 @@ def _pump(rank: int, stream, out, lock: threading.Lock, lost: dict) -> None:
             expect = False
         if line.rstrip().endswith(_UNHEALTHY):
             expect = True
+        if _LEADER_LOST in line:  # the coordinator (process 0) itself is gone
+            lost.setdefault(rank, set()).add(0)
         with lock:
             out.write(f"[{rank}] {line}\n")
             out.flush()
@@ -195,8 +198,8 @@ def launch(argv: list[str] | None = None, out=None) -> int:
         out.write(f"[launch] process {rank} failed first ({_describe(code)}); "
                   f"processes {survivors} ended {time.monotonic() - when:.1f} s later\n")
         for reporter, ids in sorted(lost.items()):
-            out.write(f"[launch] process {reporter} was told by the coordination service "
-                      f"that process(es) {sorted(ids)} stopped sending heartbeats\n")
+            out.write(f"[launch] process {reporter} was ended by the coordination service: "
+                      f"lost process(es) {sorted(ids)}\n")
         out.flush()
     return code if 0 < code < 256 else 128 + (-code if code < 0 else 1)
 
