@@ -70,7 +70,7 @@ def export_growth(d: str, malloc_env: dict) -> int:
 def main() -> None:
     print(f"jax {jax.__version__}, 8 CPU devices, stage 3, fp32 Adam\n")
     print("| GPT | Psi | mode | save blocking (s) | save total (s) | restore (s) | size (MiB) |"
-          " export peak RSS growth / largest leaf (glibc default / fixed mmap threshold) |")
+          " export peak RSS growth (glibc default / fixed mmap threshold) vs largest leaf |")
     print("|---|--:|---|--:|--:|--:|--:|--:|")
     for name, cfg in SIZES.items():
         model = GPT(GPTConfig(**cfg))
@@ -99,7 +99,9 @@ def main() -> None:
             if mode == "sync":
                 default = export_growth(d, {})
                 fixed = export_growth(d, {"MALLOC_MMAP_THRESHOLD_": "65536"})
-                growth = f"{default / largest:.2f} / {fixed / largest:.2f}"
+                growth = (f"{default / 2**20:.0f} / {fixed / 2**20:.0f} MiB = "
+                          f"{default / largest:.2f} / {fixed / largest:.2f} x "
+                          f"({largest / 2**20:.0f} MiB)")
             print(f"| {name} | {psi:,} | {mode} | {blocking:.2f} | {total:.2f} | {restore:.2f} |"
                   f" {size / 2**20:.1f} | {growth} |")
             mgr.close()
