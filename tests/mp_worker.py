@@ -2,7 +2,8 @@
 ``python -m zerojax.launch``). Modes:
 
 * ``train OUT CKPT_SAVE CKPT_LOAD``: stages 1, 2, 3 for 10 steps on the awkward model,
-  each process feeding its slice of the global batch; process 0 writes the final full
+  each process feeding its slice of the global batch (host arrays on even steps, a
+  global jax.Array on odd ones); process 0 writes the final full
   params of each stage to OUT/stage{s}.npz. Stage 3 also saves its final state to
   CKPT_SAVE (every process writes its own shards), and restores CKPT_LOAD (saved by
   one process) and writes its full params to OUT/restored.npz.
@@ -23,6 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from helpers import awkward_loss, awkward_params, regression_batches  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zerojax  # noqa: E402
 
@@ -50,8 +52,13 @@ if mode == "train":
         opt = make(stage)
         state = opt.init_state(awkward_params())
         step = opt.train_step(awkward_loss)
-        for b in regression_batches(10):
-            state, metrics = step(state, zd.split_batch(b))
+        rows = NamedSharding(opt.mesh, P("data"))
+        for i, b in enumerate(regression_batches(10)):
+            local = zd.split_batch(b)
+            if i % 2:  # odd steps: a global jax.Array the user assembled, taken as it is
+                local = jax.tree.map(
+                    lambda x, rows=rows: jax.make_array_from_process_local_data(rows, x), local)
+            state, metrics = step(state, local)
         save_npz(os.path.join(out, f"stage{stage}.npz"), opt.full_params(state))
         print(f"stage {stage} loss {float(metrics['loss']):.6f}", flush=True)
     mgr = CheckpointManager(ckpt_save)
