@@ -1,15 +1,308 @@
-"""The ``zerojax`` command (installed as a console script).
+"""The ``zerojax`` command (installed as a console script; also ``python -m zerojax.cli``).
 
-    zerojax export CKPT_DIR OUT.safetensors [--step N]
+    zerojax estimate --params 7.5B --devices 64        # model-state memory per stage
+    zerojax estimate --table1                          # the paper's Table 1
+    zerojax plan --budget 32GB --devices 64            # which stages fit, largest models
+    zerojax train                                      # the demo: char-level GPT, ZeRO
+    zerojax bench ...                                  # the side-by-side benchmark
+    zerojax export CKPT_DIR OUT.safetensors [--step N] # a checkpoint's params, one file
 
-Later issues add more subcommands (estimate, plan, train, bench).
+``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (with a
+message saying which and why), 1 when the work itself failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import os
+import re
 import sys
+
+STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
+               "float16": 2, "fp8": 1, "none": 0}
+COUNT_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+BYTE_SUFFIXES = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+GB = 1e9  # the paper's unit
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help, descriptions and epilogs kept as written."""
+
+
+# --- argument types: clear messages for argparse -------------------------------------
+
+
+def parameter_count(text: str) -> int:
+    """'7.5B', '340M', '1.5e9', '1_000_000' -> an int number of parameters."""
+    m = re.fullmatch(r"\s*([0-9][0-9_]*\.?[0-9_]*(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*",
+                     text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; write e.g. 7.5B, 340M, 1.5e9 or 1000000")
+    value = float(m.group(1).replace("_", "")) * COUNT_SUFFIXES[m.group(2).lower()]
+    if not value >= 1 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: the parameter count must be >= 1")
+    return int(round(value))
+
+
+def byte_size(text: str, *, allow_zero: bool = False) -> float:
+    """'32GB', '80GiB', '512MB', '16' (GB) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)\s*", text,
+                     re.IGNORECASE)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in BYTE_SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size; write e.g. 32GB, 80GiB or 512MB "
+            "(a bare number is GB)")
+    value = float(m.group(1)) * BYTE_SUFFIXES[unit]
+    if not (value >= 0 if allow_zero else value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the memory size must be "
+                                         + ("non-negative" if allow_zero else "positive"))
+    return value
+
+
+def reserve_size(text: str) -> float:
+    return byte_size(text, allow_zero=True)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def dtype_bytes(text: str) -> int:
+    """'bf16', 'fp32', ... or a number of bytes -> bytes per element."""
+    key = text.strip().lower()
+    if key in DTYPE_BYTES:
+        return DTYPE_BYTES[key]
+    if key.isdigit():
+        return int(key)
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a dtype; use one of fp32, bf16, fp16, fp8, none, or a number "
+        "of bytes")
+
+
+def stage_choice(text: str) -> list[int]:
+    if text == "all":
+        return [0, 1, 2, 3]
+    if text in ("0", "1", "2", "3"):
+        return [int(text)]
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a ZeRO stage; use 0 (plain data parallel), 1 (split optimizer "
+        "state), 2 (+ gradients), 3 (+ parameters) or all")
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return f"{n:.0f}"
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 2**20:.2f} MiB"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(header), "-" * len(line(header))]
+    return "\n".join(out + [line(r) for r in rows])
+
+
+# --- estimate --------------------------------------------------------------------------
+
+ESTIMATE_EPILOG = """\
+bytes per parameter (the paper's P, G and K):
+  --param-dtype/--grad-dtype bf16 and --optimizer-bytes 12 are mixed-precision Adam as
+  in the paper (fp32 master weights, momentum and variance: 4 + 4 + 4). Full fp32 Adam
+  is --param-dtype fp32 --grad-dtype fp32 --optimizer-bytes 8; SGD with momentum 4.
+
+activations (with --layers and --hidden, for a GPT-style transformer):
+  checkpoints  one tensor per layer input, batch x seq x hidden (ZeRO-R Pa: / M)
+  no remat     all of a layer's activations, seq x batch x hidden x (34 + 5 heads seq /
+               hidden) bytes at 16 bits (Korthikanti et al. 2022, arXiv:2205.05198)
+
+examples:
+  zerojax estimate --params 7.5B --devices 64
+  zerojax estimate --params 1.5B --devices 8 --stage 3 --layers 48 --hidden 1600 \\
+      --heads 25 --seq 1024 --batch 4
+  zerojax estimate --table1
+"""
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import zerojax
+
+    if args.table1:
+        return _table1()
+    if args.params is None and not (args.layers and args.hidden):
+        args.error("give --params (e.g. --params 7.5B), or --layers and --hidden to count "
+                   "a GPT's parameters, or --table1 for the paper's table")
+    if bool(args.layers) != bool(args.hidden):
+        args.error("--layers and --hidden go together (the activation estimate needs both)")
+    psi = args.params
+    if psi is None:  # 12 L H^2 in the blocks, V H in the embedding
+        psi = 12 * args.layers * args.hidden**2 + args.vocab * args.hidden
+    p, g, k = args.param_dtype, args.grad_dtype, args.optimizer_bytes
+    print(f"model state per device: Psi = {human_count(psi)} parameters ({psi:,}), "
+          f"N = {args.devices} data-parallel devices"
+          + (f", M = {args.mp} model-parallel" if args.mp > 1 else ""))
+    print(f"bytes per parameter: params {p}, gradients {g}, optimizer state {k} "
+          f"(GB = 1e9 bytes, as the paper)\n")
+    base = zerojax.estimate_memory(psi, args.devices, 0, param_bytes=p, grad_bytes=g,
+                                   optimizer_bytes=k, mp=args.mp).total
+    rows = []
+    for stage in args.stage:
+        est = zerojax.estimate_memory(psi, args.devices, stage, param_bytes=p, grad_bytes=g,
+                                      optimizer_bytes=k, mp=args.mp)
+        rows.append([f"{stage} {STAGE_NAMES[stage]}", gb(est.params), gb(est.grads),
+                     gb(est.optimizer_state), gb(est.total),
+                     f"{base / max(est.total, 1):.1f}x"])
+    print(_table(["stage", "params", "gradients", "optimizer", "total", "less than DDP"],
+                 rows))
+    if args.layers:
+        _activations(args)
+    return 0
+
+
+def _activations(args: argparse.Namespace) -> None:
+    L, H, S, B = args.layers, args.hidden, args.seq, args.batch
+    act = args.act_dtype
+    ckpt = L * B * S * H * act
+    heads = args.heads or max(1, H // 64)
+    full = L * S * B * H * (34 + 5 * heads * S / H) * act / 2
+    m = args.mp
+    print(f"\nactivations per device: {L} layers x hidden {H}, {heads} heads, seq {S}, "
+          f"batch {B} per device, {act} bytes per element")
+    rows = [["layer checkpoints (remat)", gb(ckpt)]]
+    if m > 1:
+        rows.append([f"  partitioned over M = {m} (ZeRO-R Pa)", gb(ckpt / m)])
+    rows.append(["no remat, approx.", gb(full)])
+    print(_table(["activation memory", "per device"], rows))
+
+
+def _table1() -> int:
+    """The paper's Table 1: per-device model-state GB, mixed-precision Adam (K = 12)."""
+    from zerojax import analysis
+
+    table = getattr(analysis, "table1", None)
+    if table is not None and callable(table):
+        text = table()
+        if isinstance(text, str):
+            print(text)
+            return 0
+    import zerojax
+
+    sizes = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}
+    rows = []
+    for n in (1, 4, 16, 64, 256, 1024):
+        cells = [str(n)]
+        for psi in sizes.values():
+            cells += [f"{zerojax.estimate_memory(int(psi), n, s).total / GB:,.2f}"
+                      for s in (1, 2, 3)]
+        rows.append(cells)
+    header = ["DP"] + [f"{name} {STAGE_NAMES[s]}" for name in sizes for s in (1, 2, 3)]
+    print("Table 1 (Rajbhandari et al., SC20): model-state GB per device, mixed-precision "
+          "Adam (2 + 2 + 12 bytes per parameter)\n")
+    print(_table(header, rows))
+    return 0
+
+
+# --- plan ------------------------------------------------------------------------------
+
+PLAN_EPILOG = """\
+A stage fits when the model state per device (the paper's formula, plus --reserve
+for activations and buffers) is within --budget. Without --params the command lists,
+for each stage, the largest model that fits.
+
+examples:
+  zerojax plan --budget 32GB --devices 64
+  zerojax plan --budget 80GB --devices 1024 --params 1T
+"""
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import zerojax
+
+    plan = getattr(zerojax, "plan", None)
+    if plan is None:
+        from zerojax.analysis import estimate_memory
+
+        return _plan_fallback(args, estimate_memory)
+    kwargs = {"budget_bytes": args.budget, "dp": args.devices, "num_params": args.params,
+              "param_bytes": args.param_dtype, "grad_bytes": args.grad_dtype,
+              "optimizer_bytes": args.optimizer_bytes, "mp": args.mp,
+              "reserve_bytes": args.reserve}
+    accepted = inspect.signature(plan).parameters
+    try:
+        result = plan(**{k: v for k, v in kwargs.items() if k in accepted})
+    except (TypeError, ValueError) as e:
+        print(f"zerojax plan: {e}", file=sys.stderr)
+        return 2
+    print(result)
+    return 0
+
+
+def _plan_fallback(args: argparse.Namespace, estimate_memory) -> int:
+    p, g, k, n, m = args.param_dtype, args.grad_dtype, args.optimizer_bytes, args.devices, \
+        args.mp
+    budget = args.budget - args.reserve
+    if budget <= 0:
+        args.error(f"--reserve {gb(args.reserve)} leaves nothing of --budget {gb(args.budget)}")
+    print(f"per-device budget {gb(args.budget)} ({gb(args.reserve)} reserved), "
+          f"N = {n}" + (f", M = {m}" if m > 1 else "") + f"; bytes per parameter {p} + {g} + {k}")
+    rows = []
+    for stage in range(4):
+        # bytes per parameter at this stage, from the formula at Psi = N M (no rounding)
+        per_param = estimate_memory(n * m, n, stage, param_bytes=p, grad_bytes=g,
+                                    optimizer_bytes=k, mp=m).total / (n * m)
+        largest = budget / per_param if per_param else math.inf
+        row = [f"{stage} {STAGE_NAMES[stage]}", human_count(largest)]
+        if args.params is not None:
+            need = estimate_memory(args.params, n, stage, param_bytes=p, grad_bytes=g,
+                                   optimizer_bytes=k, mp=m).total + args.reserve
+            row += [gb(need), "yes" if need <= args.budget else "no"]
+        rows.append(row)
+    header = ["stage", "largest model"]
+    if args.params is not None:
+        header += [f"needs ({human_count(args.params)})", "fits"]
+    print(_table(header, rows))
+    return 0
+
+
+# --- train, bench, export --------------------------------------------------------------
+
+
+def _train(args: argparse.Namespace) -> int:
+    from zerojax import demo
+
+    demo.check_arguments(args, args.parser)
+    return demo.run(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from zerojax import bench
+    except ImportError:
+        print("zerojax bench: this version of zerojax has no zerojax.bench module",
+              file=sys.stderr)
+        return 1
+    return int(bench.main(list(args.bench_args)) or 0)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -33,19 +326,103 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the parser ------------------------------------------------------------------------
+
+
+def _bytes_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", "-N", type=positive_int, default=64,
+                   help="data-parallel degree N: the devices ZeRO partitions over")
+    p.add_argument("--mp", type=positive_int, default=1,
+                   help="model-parallel degree M (divides the parameters first)")
+    p.add_argument("--param-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
+                   help="dtype of the parameters the model computes with (fp32, bf16, "
+                        "fp16, fp8) or bytes per parameter")
+    p.add_argument("--grad-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
+                   help="dtype of the gradients, or bytes per parameter")
+    p.add_argument("--optimizer-bytes", type=int, default=12, metavar="K",
+                   help="optimizer-state bytes per parameter (12: mixed-precision Adam)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from zerojax import demo
+
     parser = argparse.ArgumentParser(
-        prog="zerojax",
-        description="zerojax: ZeRO for JAX. Tools for checkpoints (and, in later "
-                    "versions, memory estimates, plans, the demo and benchmarks).")
+        prog="zerojax", formatter_class=HelpFormatter,
+        description="zerojax: ZeRO (Zero Redundancy Optimizer) for JAX. Estimate and "
+                    "plan per-device memory, run the demo and the benchmark, export "
+                    "checkpoints. 'zerojax COMMAND --help' explains each command.",
+        epilog="start with:  zerojax train --steps 50      (a minute on a laptop)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    export = sub.add_parser(
-        "export", help="write a checkpoint's whole fp32 params to one safetensors file",
-        description="Write the whole fp32 params of a zerojax checkpoint (the master "
-                    "weights when saved, else the params; padding removed) to one "
-                    "safetensors file, leaf by leaf: host memory stays near the largest "
-                    "leaf. Tensor names are the dot-joined key paths (blocks.qkv.kernel); "
-                    "zerojax.load_params reads the file back into a params tree.")
+
+    def command(name, help, description, epilog=None, **kw):
+        p = sub.add_parser(name, help=help, description=description, epilog=epilog,
+                           formatter_class=HelpFormatter, **kw)
+        p.set_defaults(parser=p, error=p.error)
+        return p
+
+    est = command(
+        "estimate", "model-state (and activation) memory per device for each ZeRO stage",
+        "Per-device memory of a model trained with ZeRO-DP over N devices: parameters, "
+        "gradients and optimizer state at each stage, from the paper's formula "
+        "(Rajbhandari et al., SC20, Figure 1), and optionally the activations of a "
+        "GPT-style transformer.", ESTIMATE_EPILOG)
+    est.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
+                     help="parameter count Psi: 7.5B, 340M, 1.5e9, ...")
+    est.add_argument("--stage", type=stage_choice, default="all",
+                     help="ZeRO stage 0-3, or all")
+    _bytes_arguments(est)
+    est.add_argument("--table1", action="store_true",
+                     help="print the paper's Table 1 (7.5B, 128B, 1T at N = 1 ... 1024) "
+                          "and nothing else")
+    g = est.add_argument_group("activations (optional)")
+    g.add_argument("--layers", type=positive_int, default=None, help="transformer layers")
+    g.add_argument("--hidden", type=positive_int, default=None, help="hidden size")
+    g.add_argument("--heads", type=positive_int, default=None,
+                   help="attention heads (default: hidden / 64)")
+    g.add_argument("--seq", type=positive_int, default=1024, help="sequence length")
+    g.add_argument("--batch", type=positive_int, default=1,
+                   help="sequences per device (micro-batch)")
+    g.add_argument("--vocab", type=positive_int, default=50257,
+                   help="vocabulary size (counts the embedding when --params is not given)")
+    g.add_argument("--act-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
+                   help="dtype of the activations")
+    est.set_defaults(func=_estimate)
+
+    plan = command(
+        "plan", "which ZeRO stages fit a per-device memory budget, and the largest model "
+        "for each", "Given a per-device memory budget and N devices, which ZeRO stages "
+        "fit a model of --params parameters, and the largest model each stage can train.",
+        PLAN_EPILOG)
+    plan.add_argument("--budget", "-b", type=byte_size, required=True, metavar="SIZE",
+                      help="memory per device: 32GB, 80GiB, 16 (GB)")
+    plan.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
+                      help="a model size to check: 7.5B, 340M, ...")
+    plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
+                      help="memory kept for activations and buffers, out of --budget")
+    _bytes_arguments(plan)
+    plan.set_defaults(func=_plan)
+
+    train = command(
+        "train", "the demo: a character-level GPT trained with ZeRO on Python's own "
+        "source, with a loss plot and a text sample",
+        demo.DESCRIPTION, demo.DEMO_EPILOG)
+    demo.add_arguments(train)
+    train.set_defaults(func=_train)
+
+    bench = command(
+        "bench", "the side-by-side benchmark (arguments go to it; try 'zerojax bench "
+        "--help')", "Runs zerojax.bench with the arguments that follow.", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="arguments of the benchmark ('--help' lists them)")
+    bench.set_defaults(func=_bench)
+
+    export = command(
+        "export", "write a checkpoint's whole fp32 params to one safetensors file",
+        "Write the whole fp32 params of a zerojax checkpoint (the master weights when "
+        "saved, else the params; padding removed) to one safetensors file, leaf by leaf: "
+        "host memory stays near the largest leaf. Tensor names are the dot-joined key "
+        "paths (blocks.qkv.kernel); zerojax.load_params reads the file back into a "
+        "params tree.")
     export.add_argument("ckpt_dir", help="the directory given to zerojax.CheckpointManager")
     export.add_argument("out", help="the .safetensors file to write")
     export.add_argument("--step", type=int, default=None,
@@ -55,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # all of the rest is the benchmark's, --help included
+        return _bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

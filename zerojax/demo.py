@@ -1,0 +1,514 @@
+"""The demo (``zerojax train``, ``bash scripts/demo.sh``): a character-level GPT trained
+with ZeRO on the Python standard library's own source code.
+
+Every machine with Python has the corpus: the ``.py`` modules at the top of the
+standard library directory (``sysconfig.get_paths()["stdlib"]``), read in name order,
+ASCII files only, up to ``--corpus-mb``. The last 5% of the text is held out. The
+reference GPT (:mod:`zerojax.models.gpt`, Megatron layout as metadata) learns to
+predict the next character on a ``data x model`` mesh of simulated CPU devices
+(8 by default): over ``data`` one ZeRO stage partitions the optimizer state (stage
+1), the gradients too (2) and the parameters too (3); over ``model`` the compiler
+splits heads, MLP and vocabulary as Megatron does.
+
+The run shows a progress bar (loss, tokens/s), writes the loss curve as a PNG beside
+the loss of a model that knows only each character's frequency (the corpus's
+unigram entropy), samples text from the trained model, and ends with what one
+device holds and sends at each stage, read from the placed arrays and the compiled
+step and set beside the paper's formula (Rajbhandari et al., SC20,
+arXiv:1910.02054). ``--stage all`` trains every stage on the same batches and checks
+that they reach the same loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+HELD_OUT = 0.05        # fraction of the corpus kept for the held-out loss
+LOSS_RTOL = 1e-4       # --stage all: stages must agree on the final loss to this
+ADAMW_BYTES = 8        # fp32 Adam moments per parameter: the paper's K with fp32 params
+MiB = 2**20
+
+
+# --- arguments -------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's flags, on ``parser`` (``zerojax train`` and ``examples/demo.py``)."""
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--stage", default="3", choices=["0", "1", "2", "3", "all"],
+                   help="ZeRO stage: 0 plain data parallel, 1 + split optimizer state, "
+                        "2 + split gradients, 3 + split parameters; 'all' trains each "
+                        "in turn and checks they agree")
+    g.add_argument("--devices", type=int, default=8,
+                   help="simulated CPU devices (ignored once jax has started, or if "
+                        f"XLA_FLAGS sets {DEVICE_COUNT_FLAG})")
+    g.add_argument("--data", type=int, default=None,
+                   help="data-parallel degree N, the devices ZeRO partitions over "
+                        "(default: devices / model)")
+    g.add_argument("--model", type=int, default=1,
+                   help="tensor-parallel (Megatron) degree M; data x model devices are used")
+    g = parser.add_argument_group("model and training")
+    g.add_argument("--steps", type=int, default=600, help="training steps")
+    g.add_argument("--layers", type=int, default=2, help="decoder blocks")
+    g.add_argument("--hidden", type=int, default=128, help="model width")
+    g.add_argument("--heads", type=int, default=4,
+                   help="attention heads (divide --hidden; a multiple of --model)")
+    g.add_argument("--seq", type=int, default=64, help="characters the model reads at once")
+    g.add_argument("--batch", type=int, default=32,
+                   help="global batch in sequences (a multiple of the data degree)")
+    g.add_argument("--lr", type=float, default=5e-3,
+                   help="peak adamw learning rate (warm-up, then cosine decay)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the init, batches and sample")
+    g.add_argument("--corpus-mb", type=float, default=2.0,
+                   help="megabytes of standard-library source to read")
+    g = parser.add_argument_group("output")
+    g.add_argument("--png", default="zerojax-demo-loss.png",
+                   help="where to write the loss curve ('' to skip)")
+    g.add_argument("--sample", type=int, default=300,
+                   help="characters of text to sample at the end (0 to skip)")
+    g.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature (0: always the likeliest character)")
+    g.add_argument("--prompt", default="def ", help="text the sample starts from")
+    g.add_argument("--no-summary", dest="summary", action="store_false",
+                   help="skip the memory/traffic table (it compiles the step of every "
+                        "stage, a few seconds each)")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (print a few loss lines instead)")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Validate ``args`` in place (``parser.error`` on a bad one: message, exit 2)."""
+    for name in ("devices", "model", "steps", "layers", "hidden", "heads", "seq", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.data is None:
+        if args.devices % args.model:
+            parser.error(f"--devices {args.devices} is not a multiple of --model "
+                         f"{args.model}; pass --data too")
+        args.data = args.devices // args.model
+    if args.data < 1:
+        parser.error(f"--data must be >= 1, got {args.data}")
+    if args.data * args.model > args.devices:
+        parser.error(f"--data {args.data} x --model {args.model} = "
+                     f"{args.data * args.model} devices, more than --devices {args.devices}")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.heads % args.model:
+        parser.error(f"--heads {args.heads} must be a multiple of --model {args.model} "
+                     "(each model rank takes whole heads)")
+    if args.batch % args.data:
+        parser.error(f"--batch {args.batch} must be a multiple of the data degree "
+                     f"{args.data} (each device takes batch / data sequences)")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.corpus_mb <= 64:
+        parser.error(f"--corpus-mb must be in (0, 64], got {args.corpus_mb}")
+    if args.sample < 0:
+        parser.error(f"--sample must be >= 0, got {args.sample}")
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.png and not args.png.lower().endswith(".png"):
+        parser.error(f"--png {args.png!r} must end in .png")
+    if args.png:
+        folder = Path(args.png).resolve().parent
+        if not folder.is_dir():
+            parser.error(f"--png {args.png!r}: folder {folder} does not exist")
+    args.stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zerojax train", description=DESCRIPTION, epilog=DEMO_EPILOG,
+        formatter_class=HelpFormatter)
+    return add_arguments(parser)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help, epilogs kept as written."""
+
+
+DESCRIPTION = """\
+Train a small GPT to predict the next character of Python source code (the
+standard library's own .py files, which every Python install has) with ZeRO on
+simulated CPU devices. Shows a progress bar with the loss and tokens/s, writes the
+loss curve as a PNG beside the loss of guessing from character frequencies alone,
+prints a text sample from the trained model, and ends with the memory one device
+holds and the traffic it sends at each ZeRO stage, measured and from the paper's
+formula. Takes a few minutes on 2 CPU cores with the defaults."""
+
+DEMO_EPILOG = """\
+examples:
+  zerojax train                                  # stage 3 on 8 simulated devices
+  zerojax train --stage all --steps 50           # every stage, same batches, same loss
+  zerojax train --data 4 --model 2 --layers 4    # ZeRO over 4, Megatron over 2
+  zerojax train --steps 20 --sample 0 --png ''   # quick check, no outputs
+"""
+
+
+def simulate_devices(n: int) -> None:
+    """Ask XLA for ``n`` CPU devices: works until jax starts its CPU backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
+
+
+# --- the corpus ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Character-level corpus: ``train`` and ``held_out`` as int32 ids into ``chars``."""
+
+    chars: str            # the vocabulary: every character of the text, sorted
+    train: np.ndarray
+    held_out: np.ndarray
+    files: int
+    source: str
+
+    def encode(self, text: str) -> np.ndarray:
+        index = {c: i for i, c in enumerate(self.chars)}
+        return np.array([index[c] for c in text], np.int32)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def unigram_entropy(self) -> float:
+        """Nats per character of predicting the held-out text from the training text's
+        character frequencies (add-one smoothed): the loss a model that ignores
+        context can reach."""
+        counts = np.bincount(self.train, minlength=len(self.chars)) + 1.0
+        logp = np.log(counts / counts.sum())
+        return float(-logp[self.held_out].mean())
+
+
+def stdlib_sources(max_bytes: int) -> tuple[str, int, str]:
+    """The standard library's top-level ``.py`` files (ASCII ones, name order) joined,
+    up to ``max_bytes``: ``(text, files, folder)``. Same machine, same text."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    parts, size, files = [], 0, 0
+    for path in sorted(folder.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.isascii():
+            continue
+        text = text[: max_bytes - size]
+        parts.append(text)
+        size += len(text)
+        files += 1
+        if size >= max_bytes:
+            break
+    if size < 10_000:
+        raise RuntimeError(f"found only {size} bytes of Python source under {folder}")
+    return "".join(parts), files, str(folder)
+
+
+def load_corpus(megabytes: float) -> Corpus:
+    text, files, folder = stdlib_sources(int(megabytes * 2**20))
+    chars = "".join(sorted(set(text)))
+    index = np.full(128, -1, np.int32)
+    index[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.int32)
+    ids = index[np.frombuffer(text.encode("ascii"), np.uint8)]
+    cut = int(len(ids) * (1 - HELD_OUT))
+    return Corpus(chars, ids[:cut], ids[cut:], files, folder)
+
+
+def batch_at(ids: np.ndarray, step: int, batch: int, seq: int, seed: int) -> np.ndarray:
+    """Step ``step``'s batch: ``batch`` random windows of ``seq + 1`` characters."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(ids) - seq - 1, batch)
+    return ids[starts[:, None] + np.arange(seq + 1)]
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def make_optimizer(args):
+    import optax
+
+    warmup = max(1, args.steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1),
+        end_value=args.lr / 10)
+    return optax.adamw(schedule, b2=0.99, weight_decay=0.01)
+
+
+def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn) -> dict:
+    """Train ``args.steps`` steps at ``stage``; the losses, timings and final state."""
+    from tqdm.auto import tqdm
+
+    import zerojax
+
+    opt = zerojax.zero(make_optimizer(args), mesh, stage=stage)
+    state = opt.init_state(params, model_specs=specs)
+    step = opt.train_step(loss_fn)
+    tokens_per_step = args.batch * args.seq
+    losses, times = [], []
+    bar = tqdm(range(args.steps), desc=f"stage {stage} ({STAGE_NAMES[stage]})",
+               unit="step", disable=not args.progress, dynamic_ncols=True,
+               file=sys.stderr)
+    log_every = max(1, args.steps // 5)
+    start = time.perf_counter()
+    for i in bar:
+        state, metrics = step(state, batch_at(corpus.train, i, args.batch, args.seq, args.seed))
+        losses.append(float(metrics["loss"]))  # waits for the step
+        now = time.perf_counter()
+        times.append(now - start)
+        start = now
+        recent = times[1:][-20:]  # the first step includes compilation
+        tps = tokens_per_step * len(recent) / sum(recent) if recent else float("nan")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+        if not args.progress and (i % log_every == 0 or i == args.steps - 1):
+            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps:,.0f} tokens/s")
+    bar.close()
+    return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
+            "times": times}
+
+
+def held_out_loss(model, params, corpus: Corpus, args, batches: int = 8) -> float:
+    """Mean next-character loss of ``params`` on held-out windows (one device)."""
+    import jax
+
+    from zerojax.models import lm_loss
+
+    loss = jax.jit(lm_loss(model))
+    total = 0.0
+    for i in range(batches):
+        total += float(loss(params, batch_at(corpus.held_out, i, args.batch, args.seq,
+                                             args.seed + 1)))
+    return total / batches
+
+
+def sample_text(model, params, corpus: Corpus, args) -> str:
+    """``args.sample`` characters after ``args.prompt``, one at a time from the model's
+    distribution at ``args.temperature`` (0: greedy), over corpus characters only."""
+    import jax
+    import jax.numpy as jnp
+
+    seq = model.config.seq
+    apply = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    ids = list(corpus.encode(args.prompt))
+    rng = np.random.default_rng(args.seed)
+    n = len(corpus.chars)
+    for _ in range(args.sample):
+        window = ids[-seq:]
+        tokens = np.zeros((1, seq), np.int32)
+        tokens[0, :len(window)] = window  # causal: positions after the window are ignored
+        logits = np.asarray(apply(params, jnp.asarray(tokens))[0, len(window) - 1, :n],
+                            np.float64)  # padded vocabulary entries cut off
+        if args.temperature == 0:
+            ids.append(int(np.argmax(logits)))
+        else:
+            z = logits / args.temperature
+            p = np.exp(z - z.max())
+            ids.append(int(rng.choice(n, p=p / p.sum())))
+    return corpus.decode(ids)
+
+
+def save_plot(path: str, results: list[dict], unigram: float, uniform: float,
+              held_out: float, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    steps = np.arange(1, args.steps + 1)
+    for r in results:
+        ax.plot(steps, r["losses"], lw=1.2, label=f"training loss, stage {r['stage']} "
+                f"({STAGE_NAMES[r['stage']]})")
+    ax.axhline(uniform, color="gray", ls=":", lw=1,
+               label=f"uniform guess, log {len(results[0]['chars'])} = {uniform:.2f}")
+    ax.axhline(unigram, color="tab:red", ls="--", lw=1,
+               label=f"character frequencies (unigram) = {unigram:.2f}")
+    ax.plot([args.steps], [held_out], "k*", ms=9, label=f"held-out loss = {held_out:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-character loss (nats)")
+    ax.set_title(f"zerojax: char-level GPT on Python's standard library, "
+                 f"data={args.data} x model={args.model}", fontsize=10)
+    ax.set_ylim(0, uniform * 1.15)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- the memory and traffic summary ----------------------------------------------------
+
+
+def measure_stage(stage: int, args, mesh, params, specs, loss_fn, batch, psi: int,
+                  opt=None, state=None, step=None) -> dict:
+    """Model-state bytes one device holds, the compiled step's peak and its traffic over
+    ``data`` (in Psi). Builds a state and compiles the step unless given."""
+    import zerojax
+    from zerojax.analysis import compiled_memory, device_bytes
+
+    if opt is None:
+        opt = zerojax.zero(make_optimizer(args), mesh, stage=stage)
+        state = opt.init_state(params, model_specs=specs)
+        step = opt.train_step(loss_fn)
+    compiled = step.lower(state, batch).compile()
+    comm = zerojax.comm_volume(compiled)
+    if args.model > 1:  # the data axis's collectives: groups of N devices
+        groups = comm.by_group_size()
+        comm = groups.get(args.data, type(comm).from_ops(()))
+    formula = zerojax.estimate_memory(psi, args.data, stage, param_bytes=4, grad_bytes=0,
+                                      optimizer_bytes=ADAMW_BYTES, mp=args.model).total
+    return {"stage": stage, "held": device_bytes((state.params, state.opt_state)),
+            "formula": formula, "peak": compiled_memory(compiled).peak,
+            "comm": comm.in_units_of(psi)}
+
+
+def print_summary(rows: list[dict], losses: dict[int, float], args, psi: int) -> None:
+    base_peak = next((r["peak"] for r in rows if r["stage"] == 0), None)
+    table = []
+    for r in rows:
+        c = r["comm"]
+        table.append([
+            f"{r['stage']} {STAGE_NAMES[r['stage']]}", f"{r['held'] / MiB:.3f} MiB",
+            f"{r['formula'] / MiB:.3f} MiB", f"{r['held'] / r['formula']:.3f}",
+            f"{r['peak'] / MiB:.2f} MiB",
+            "-" if base_peak is None else f"{r['peak'] / base_peak:.2f}",
+            f"{c['all_gather']:.2f}", f"{c['reduce_scatter']:.2f}", f"{c['all_reduce']:.2f}",
+            f"{c['total']:.2f}",
+            f"{losses[r['stage']]:.4f}" if r["stage"] in losses else "(not trained)"])
+    header = ["stage", "state/device", "paper formula", "ratio", "step peak", "vs st.0",
+              "AG", "RS", "AR", "comm", "final loss"]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+
+    def fmt(cells):
+        return "  ".join(c.rjust(w) if i else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    over = f"N = {args.data} (data)" + (f" x M = {args.model} (model)" if args.model > 1
+                                         else "")
+    print(f"\n== memory and traffic per device: Psi = {psi:,} parameters, {over}, "
+          "fp32 adamw ==")
+    print(fmt(header))
+    print("-" * len(fmt(header)))
+    for row in table:
+        print(fmt(row))
+    psi_m = "Psi/M" if args.model > 1 else "Psi"
+    print(f"""
+state/device   params + adamw state one device holds, from the placed arrays
+paper formula  4 {psi_m} params (/N at stage 3) + {ADAMW_BYTES} {psi_m} optimizer state (/N
+               from stage 1); gradients (4 {psi_m}, /N from stage 2) live only inside the
+               step, so they count in 'step peak'. Small leaves stay replicated (ratio > 1).
+step peak      per-device peak of the compiled step (arguments + outputs - donated + temps)
+AG RS AR comm  per-device traffic over 'data' per step, in units of Psi (all-gather,
+               reduce-scatter, all-reduce counted twice); the paper: 2, 2, 2, 3 {psi_m}""")
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train, plot, sample and summarise as ``args`` says; the exit status."""
+    simulate_devices(args.devices)
+    import jax  # XLA reads XLA_FLAGS when jax starts its CPU backend, i.e. here
+
+    import zerojax
+    from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
+
+    wall = time.perf_counter()
+    n, m = args.data, args.model
+    have = len(jax.devices())
+    if have < n * m:
+        print(f"zerojax train: data {n} x model {m} = {n * m} devices needed, jax has "
+              f"{have} (it had started before --devices {args.devices} could apply; run "
+              f"in a new process or set XLA_FLAGS={DEVICE_COUNT_FLAG}={n * m}).",
+              file=sys.stderr)
+        return 2
+    corpus = load_corpus(args.corpus_mb)
+    vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
+    mesh = zerojax.make_mesh(data=n, model=m, devices=jax.devices()[:n * m])
+    model = GPT(GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
+                          heads=args.heads))
+    params = gpt_params(model, args.seed)
+    specs = gpt_param_specs(model, args.seed)
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    loss_fn = lm_loss(model)
+    unigram, uniform = corpus.unigram_entropy(), math.log(len(corpus.chars))
+
+    print(f"corpus: {len(corpus.train) + len(corpus.held_out):,} characters of Python "
+          f"from {corpus.files} files in {corpus.source}; {len(corpus.chars)} distinct "
+          f"characters")
+    print(f"model: GPT {args.layers} layers x hidden {args.hidden}, {args.heads} heads, "
+          f"seq {args.seq}, vocab {vocab}: Psi = {psi:,} parameters")
+    print(f"mesh: data={n} x model={m} of {have} {jax.devices()[0].platform} devices; "
+          f"adamw lr {args.lr:g}; batch {args.batch} x {args.seq} characters; "
+          f"{args.steps} steps")
+    print(f"loss to beat: uniform guess {uniform:.3f} nats/char, character frequencies "
+          f"(unigram) {unigram:.3f}")
+
+    results = []
+    for stage in args.stages:
+        r = train_stage(stage, args, mesh, model, params, specs, corpus, loss_fn)
+        r["chars"] = corpus.chars
+        results.append(r)
+        t = r["times"][1:]
+        speed = (f", {args.batch * args.seq * len(t) / sum(t):,.0f} tokens/s after "
+                 "compilation" if t else "")
+        print(f"stage {stage}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} in "
+              f"{sum(r['times']):.1f} s{speed}")
+
+    last = results[-1]
+    full = jax.device_get(last["opt"].full_params(last["state"]))
+    held = held_out_loss(model, full, corpus, args)
+    final = float(np.mean(last["losses"][-10:]))
+    print(f"\nfinal training loss {final:.3f} (mean of the last {min(10, args.steps)} steps), "
+          f"held-out {held:.3f} nats/char; unigram {unigram:.3f} ({unigram - held:+.3f} "
+          f"better), uniform {uniform:.3f}")
+    if args.png:
+        save_plot(args.png, results, unigram, uniform, held, args)
+        print(f"loss curve: {args.png}")
+    if args.sample:
+        text = sample_text(model, full, corpus, args)
+        temp = f"temperature {args.temperature:g}" if args.temperature else "greedy"
+        print(f"\n== sample ({temp}) ==\n{text}\n== end of sample ==")
+
+    ok = True
+    if len(results) > 1:
+        ref = results[0]["losses"][-1]
+        diff = max(abs(r["losses"][-1] - ref) for r in results[1:])
+        ok = diff <= LOSS_RTOL * abs(ref)
+        print(f"\nfinal loss vs stage 0: max |difference| {diff:.2e} (tolerance "
+              f"{LOSS_RTOL:g} relative) -> "
+              + ("all stages reach the same loss" if ok else "MISMATCH between stages"))
+    if args.summary:
+        batch = batch_at(corpus.train, 0, args.batch, args.seq, args.seed)
+        trained = {r["stage"]: r for r in results}
+        rows = []
+        for stage in range(4):
+            r = trained.get(stage)
+            rows.append(measure_stage(stage, args, mesh, params, specs, loss_fn, batch, psi,
+                                      *((r["opt"], r["state"], r["step"]) if r else ())))
+        print_summary(rows, {s: r["losses"][-1] for s, r in trained.items()}, args, psi)
+    print(f"\ndone in {time.perf_counter() - wall:.0f} s")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(args, parser)
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
