@@ -150,11 +150,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
     if args.table1:
         return _table1()
+    if bool(args.layers) != bool(args.hidden):
+        args.error("--layers and --hidden go together (the activation estimate needs both)")
     if args.params is None and not (args.layers and args.hidden):
         args.error("give --params (e.g. --params 7.5B), or --layers and --hidden to count "
                    "a GPT's parameters, or --table1 for the paper's table")
-    if bool(args.layers) != bool(args.hidden):
-        args.error("--layers and --hidden go together (the activation estimate needs both)")
     psi = args.params
     if psi is None:  # 12 L H^2 in the blocks, V H in the embedding
         psi = 12 * args.layers * args.hidden**2 + args.vocab * args.hidden

@@ -471,9 +471,9 @@ def run(args: argparse.Namespace) -> int:
     full = jax.device_get(last["opt"].full_params(last["state"]))
     held = held_out_loss(model, full, corpus, args)
     final = float(np.mean(last["losses"][-10:]))
-    print(f"\nfinal training loss {final:.3f} (mean of the last {min(10, args.steps)} steps), "
-          f"held-out {held:.3f} nats/char; unigram {unigram:.3f} ({unigram - held:+.3f} "
-          f"better), uniform {uniform:.3f}")
+    print(f"\nfinal training loss {final:.3f} nats/char (mean of the last "
+          f"{min(10, args.steps)} steps), held-out {held:.3f}; to beat: character "
+          f"frequencies alone (unigram) {unigram:.3f}, uniform guess {uniform:.3f}")
     if args.png:
         save_plot(args.png, results, unigram, uniform, held, args)
         print(f"loss curve: {args.png}")

@@ -1,0 +1,172 @@
+"""The ``zerojax`` command: every subcommand's help, a small run of each, clear errors.
+
+Runs ``zerojax.cli.main`` in-process (the suite's 8 simulated devices), except one
+run of the installed console script."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerojax import demo
+from zerojax.cli import main
+
+COMMANDS = ["estimate", "plan", "train", "bench", "export"]
+
+
+def _exit_code(argv, capsys):
+    """``main(argv)``'s exit status, from its return or from argparse's SystemExit."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_top_level_help_lists_every_command(capsys):
+    code, out, _ = _exit_code(["--help"], capsys)
+    assert code == 0
+    for command in COMMANDS:
+        assert re.search(rf"^\s+{command}\s+\S", out, re.M), command
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command, capsys):
+    if command == "bench":
+        pytest.importorskip("zerojax.bench")
+    code, out, _ = _exit_code([command, "--help"], capsys)
+    assert code == 0
+    assert f"usage: zerojax {command}" in out or "usage:" in out
+    assert len(out.splitlines()) > 5
+
+
+def test_estimate_is_the_papers_formula(capsys):
+    # The paper's Figure 1 example: 7.5B parameters, N = 64, mixed-precision Adam.
+    code, out, _ = _exit_code(["estimate", "--params", "7.5B", "--devices", "64"], capsys)
+    assert code == 0
+    totals = re.findall(r"^(\d) \S+ .* ([\d.]+) GB +[\d.]+x$", out, re.M)
+    assert totals == [("0", "120.00"), ("1", "31.41"), ("2", "16.64"), ("3", "1.88")]
+
+
+def test_estimate_activations_and_model_parallel(capsys):
+    code, out, _ = _exit_code(
+        ["estimate", "--layers", "48", "--hidden", "1600", "--heads", "25", "--seq", "1024",
+         "--batch", "4", "--mp", "2", "--stage", "3", "-N", "8"], capsys)
+    assert code == 0
+    # Psi counted from the shape: 12 L H^2 + V H
+    assert f"({12 * 48 * 1600**2 + 50257 * 1600:,})" in out
+    ckpt = 48 * 4 * 1024 * 1600 * 2
+    assert f"{ckpt / 1e9:.2f} GB" in out and f"{ckpt / 2 / 1e9:.2f} GB" in out
+    assert "ZeRO-R Pa" in out
+
+
+def test_estimate_table1_matches_the_paper(capsys):
+    code, out, _ = _exit_code(["estimate", "--table1"], capsys)
+    assert code == 0
+    # Rajbhandari et al., Table 1: 7.5B at N = 64 and 1T at N = 1024 (GB per device)
+    for figures in (["31.4", "16.6", "1.88"], ["4,011", "2,013", "15.6"]):
+        assert all(f in out for f in figures), (figures, out)
+
+
+def test_plan_largest_models_match_the_paper(capsys):
+    # Table 2 of the paper: 32 GB devices, N = 64: 2B (DDP), 7.6B, 14.4B, 128B
+    code, out, _ = _exit_code(["plan", "--budget", "32GB", "--devices", "64",
+                               "--params", "7.5B"], capsys)
+    assert code == 0, out
+    for size in ("7.6", "14.4", "128"):
+        assert size in out, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["estimate"], "give --params"),
+    (["estimate", "--params", "7.5Q"], "not a parameter count"),
+    (["estimate", "--params", "1B", "--stage", "4"], "not a ZeRO stage"),
+    (["estimate", "--params", "1B", "--devices", "0"], "must be >= 1"),
+    (["estimate", "--params", "1B", "--param-dtype", "fp12"], "not a dtype"),
+    (["estimate", "--layers", "4"], "--layers and --hidden go together"),
+    (["plan", "--devices", "8"], "--budget"),
+    (["plan", "--budget", "lots"], "not a memory size"),
+    (["train", "--stage", "5"], "invalid choice"),
+    (["train", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--batch", "12"], "--batch 12 must be a multiple of the data degree 8"),
+    (["train", "--hidden", "100", "--heads", "3"], "multiple of --heads"),
+    (["train", "--model", "3"], "not a multiple of --model"),
+    (["train", "--data", "8", "--model", "2"], "more than --devices"),
+    (["train", "--png", "loss.jpg"], "must end in .png"),
+    (["export", "only-one-argument"], "required"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_nonzero_with_a_clear_message(argv, message, capsys):
+    code, _, err = _exit_code(argv, capsys)
+    assert code == 2
+    assert message in err, err
+
+
+def test_train_small_run_all_stages_agree(tmp_path, capsys):
+    png = tmp_path / "loss.png"
+    code, out, _ = _exit_code(
+        ["train", "--stage", "all", "--steps", "4", "--layers", "1", "--hidden", "32",
+         "--heads", "2", "--seq", "16", "--batch", "8", "--corpus-mb", "0.2",
+         "--png", str(png), "--sample", "40", "--no-progress"], capsys)
+    assert code == 0, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "all stages reach the same loss" in out
+    sample = re.search(r"== sample .*?==\n(.*)\n== end of sample ==", out, re.S).group(1)
+    assert sample.startswith("def ") and len(sample) == 44
+    assert set(sample) <= set(demo.load_corpus(0.2).chars)
+    # the memory table: every stage, trained, with the paper's traffic
+    rows = re.findall(r"^(\d) \S+ .* ([\d.]+) +(\d\.\d{4})$", out, re.M)
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    comm = [float(r[1]) for r in rows]  # Psi per step: 2 for stages 0-2, more at 3
+    assert all(1.9 < c < 2.2 for c in comm[:3]) and comm[3] > comm[2] + 0.3, comm
+    assert len({r[2] for r in rows}) == 1  # the same final loss
+
+
+def test_train_on_a_data_by_model_mesh(capsys):
+    code, out, _ = _exit_code(
+        ["train", "--data", "4", "--model", "2", "--steps", "2", "--layers", "1",
+         "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--corpus-mb",
+         "0.2", "--png", "", "--sample", "0", "--no-summary", "--no-progress"], capsys)
+    assert code == 0, out
+    assert "data=4 x model=2" in out
+
+
+def test_corpus_is_the_standard_library_and_deterministic():
+    a, b = demo.load_corpus(0.5), demo.load_corpus(0.5)
+    assert a.chars == b.chars and (a.train == b.train).all()
+    assert len(a.train) + len(a.held_out) == int(0.5 * 2**20)
+    assert "\n" in a.chars and "d" in a.chars and all(c.isascii() for c in a.chars)
+    assert demo.Corpus.decode(a, a.train[:100]).isascii()
+    assert 2.0 < a.unigram_entropy() < 4.5  # ~3.1 nats/char for Python source
+
+
+def test_bench_passes_its_arguments_through(capsys):
+    bench = pytest.importorskip("zerojax.bench")
+    calls = []
+
+    def fake_main(argv):
+        calls.append(argv)
+        return 0
+
+    original, bench.main = bench.main, fake_main
+    try:
+        assert main(["bench", "--stage", "3", "--help"]) == 0
+    finally:
+        bench.main = original
+    assert calls == [["--stage", "3", "--help"]]
+
+
+def test_console_script_runs():
+    exe = shutil.which("zerojax", path=str(Path(sys.executable).parent))
+    assert exe, "the zerojax console script is not installed next to this python"
+    out = subprocess.run([exe, "estimate", "--params", "1.5B", "--devices", "16"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "P_os+g+p" in out.stdout
+    bad = subprocess.run([exe, "estimate", "--params", "-3"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "parameter count" in bad.stderr
