@@ -1,36 +1,37 @@
-"""The notebook and the examples run as shipped."""
+"""The examples and the README's demo command run as shipped (notebooks:
+test_notebooks.py)."""
 
-import json
 import pathlib
 import re
 import subprocess
 import sys
 
+from zerojax.demo import load_corpus
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_notebook_runs_and_stages_agree(capsys):
-    nb = json.loads((ROOT / "notebooks" / "zero_stages.ipynb").read_text())
-    scope: dict = {}
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            exec(compile("".join(cell["source"]), "zero_stages.ipynb", "exec"), scope)
-    rows = scope["rows"]
-    assert [r[0] for r in rows] == [0, 1, 2, 3]
-    losses = [r[1] for r in rows]
-    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
-    for _, _, held, formula, _, _ in rows:
-        assert abs(held / formula - 1) < 0.02
-    assert "Psi" in capsys.readouterr().out
-
-
-def test_demo_runs_one_stage():
+def test_demo_runs_from_the_readme_command(tmp_path):
+    """`bash scripts/demo.sh` (small flags) trains to the end, writes its PNG, samples
+    text made of corpus characters and prints the per-stage table."""
+    png = tmp_path / "loss.png"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--stage", "3", "--steps", "5",
-         "--width", "64", "--layers", "2", "--batch", "32"],
-        capture_output=True, text=True, timeout=300)
+        ["bash", str(ROOT / "scripts" / "demo.sh"), "--steps", "6", "--layers", "1",
+         "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "16", "--corpus-mb",
+         "0.3", "--png", str(png), "--sample", "80", "--temperature", "1.0"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "stage 3" in out.stdout
+    text = out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data=8 x model=1" in text and "stage 3:" in text
+    assert "it/s" in out.stderr or "step/s" in out.stderr or "s/step" in out.stderr  # tqdm
+    first, last = map(float, re.search(r"^stage 3: loss ([\d.]+) -> ([\d.]+)", text,
+                                       re.M).groups())
+    assert last < first
+    sample = re.search(r"== sample .*?==\n(.*)\n== end of sample ==", text, re.S).group(1)
+    assert set(sample) <= set(load_corpus(0.3).chars), sample
+    assert len(sample) == len("def ") + 80
+    assert re.search(r"^3 P_os\+g\+p +[\d.]+ MiB", text, re.M)
 
 
 def test_gpt_tensor_parallel_trains_with_host_checkpoints():
