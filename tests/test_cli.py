@@ -54,31 +54,37 @@ def test_estimate_is_the_papers_formula(capsys):
 
 def test_estimate_activations_and_model_parallel(capsys):
     code, out, _ = _exit_code(
-        ["estimate", "--layers", "48", "--hidden", "1600", "--heads", "25", "--seq", "1024",
-         "--batch", "4", "--mp", "2", "--stage", "3", "-N", "8"], capsys)
+        ["estimate", "--layers", "48", "--hidden", "1600", "--seq", "1024", "--batch", "32",
+         "--mp", "2", "--stage", "3", "-N", "8"], capsys)
     assert code == 0
     # Psi counted from the shape: 12 L H^2 + V H
     assert f"({12 * 48 * 1600**2 + 50257 * 1600:,})" in out
-    ckpt = 48 * 4 * 1024 * 1600 * 2
-    assert f"{ckpt / 1e9:.2f} GB" in out and f"{ckpt / 2 / 1e9:.2f} GB" in out
-    assert "ZeRO-R Pa" in out
+    # The paper's section 3.2: the 1.5B GPT-2 at seq 1K, batch 32 needs about 60 GB of
+    # activations without checkpointing.
+    assert re.search(r"^no checkpointing .* 60\.40 GB$", out, re.M), out
+    assert "ZeRO-R Pa" in out and "Pa+cpu" in out
 
 
 def test_estimate_table1_matches_the_paper(capsys):
     code, out, _ = _exit_code(["estimate", "--table1"], capsys)
     assert code == 0
     # Rajbhandari et al., Table 1: 7.5B at N = 64 and 1T at N = 1024 (GB per device)
-    for figures in (["31.4", "16.6", "1.88"], ["4,011", "2,013", "15.6"]):
-        assert all(f in out for f in figures), (figures, out)
+    rows = {int(line.split()[0]): line.split()[1:] for line in out.splitlines()
+            if re.match(r"^\s*\d+\s+[\d.]", line)}
+    assert rows[64][:3] == ["31.4", "16.6", "1.88"], out
+    assert rows[1024][-1] == "15.6", out
 
 
 def test_plan_largest_models_match_the_paper(capsys):
     # Table 2 of the paper: 32 GB devices, N = 64: 2B (DDP), 7.6B, 14.4B, 128B
+    code, out, _ = _exit_code(["plan", "--budget", "32GB", "--devices", "64"], capsys)
+    assert code == 0, out
+    largest = re.findall(r"^\s*\d \S+ .* (\S+)$", out, re.M)
+    assert largest == ["2B", "7.64B", "14.4B", "128B"], out
+    # With a model: which stages fit it
     code, out, _ = _exit_code(["plan", "--budget", "32GB", "--devices", "64",
                                "--params", "7.5B"], capsys)
-    assert code == 0, out
-    for size in ("7.6", "14.4", "128"):
-        assert size in out, out
+    assert code == 0 and "fits at stage 1, 2, 3" in out, out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -90,6 +96,7 @@ def test_plan_largest_models_match_the_paper(capsys):
     (["estimate", "--layers", "4"], "--layers and --hidden go together"),
     (["plan", "--devices", "8"], "--budget"),
     (["plan", "--budget", "lots"], "not a memory size"),
+    (["plan", "--budget", "1GB", "--reserve=-1GB"], "not a memory size"),
     (["train", "--stage", "5"], "invalid choice"),
     (["train", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--batch", "12"], "--batch 12 must be a multiple of the data degree 8"),

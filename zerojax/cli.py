@@ -14,7 +14,6 @@ message saying which and why), 1 when the work itself failed.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import re
@@ -132,15 +131,16 @@ bytes per parameter (the paper's P, G and K):
   in the paper (fp32 master weights, momentum and variance: 4 + 4 + 4). Full fp32 Adam
   is --param-dtype fp32 --grad-dtype fp32 --optimizer-bytes 8; SGD with momentum 4.
 
-activations (with --layers and --hidden, for a GPT-style transformer):
-  checkpoints  one tensor per layer input, batch x seq x hidden (ZeRO-R Pa: / M)
-  no remat     all of a layer's activations, seq x batch x hidden x (34 + 5 heads seq /
-               hidden) bytes at 16 bits (Korthikanti et al. 2022, arXiv:2205.05198)
+activations (with --layers and --hidden, for a GPT-style transformer; the paper's
+section 3.2): about 12 x hidden x batch x seq x layers values without checkpointing;
+with one checkpoint per layer, hidden x batch x seq per layer plus one layer's 12x
+while it is recomputed; ZeRO-R Pa splits the checkpoints over M, Pa+cpu moves them
+to host memory.
 
 examples:
   zerojax estimate --params 7.5B --devices 64
   zerojax estimate --params 1.5B --devices 8 --stage 3 --layers 48 --hidden 1600 \\
-      --heads 25 --seq 1024 --batch 4
+      --seq 1024 --batch 32
   zerojax estimate --table1
 """
 
@@ -181,54 +181,38 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _activations(args: argparse.Namespace) -> None:
-    L, H, S, B = args.layers, args.hidden, args.seq, args.batch
-    act = args.act_dtype
-    ckpt = L * B * S * H * act
-    heads = args.heads or max(1, H // 64)
-    full = L * S * B * H * (34 + 5 * heads * S / H) * act / 2
-    m = args.mp
-    print(f"\nactivations per device: {L} layers x hidden {H}, {heads} heads, seq {S}, "
-          f"batch {B} per device, {act} bytes per element")
-    rows = [["layer checkpoints (remat)", gb(ckpt)]]
+    from zerojax.analysis.memory import estimate_activations
+
+    h, b, t, n_layers, e, m = (args.hidden, args.batch, args.seq, args.layers,
+                               args.act_dtype, args.mp)
+
+    def act(**kw):
+        return estimate_activations(h, b, t, n_layers, bytes_per_value=e, mp=m, **kw)
+
+    print(f"\nactivations per device: {n_layers} layers x hidden {h}, seq {t}, batch {b} "
+          f"per device, {e} bytes per value (the paper's section 3.2)")
+    rows = [["no checkpointing (12 h b s L values)", gb(act(checkpointing=False))],
+            ["checkpoint per layer (+ one layer recomputed)", gb(act())]]
     if m > 1:
-        rows.append([f"  partitioned over M = {m} (ZeRO-R Pa)", gb(ckpt / m)])
-    rows.append(["no remat, approx.", gb(full)])
+        rows.append([f"  checkpoints split over M = {m} (ZeRO-R Pa)", gb(act(partition=True))])
+    rows.append(["  checkpoints in host memory (Pa+cpu)", gb(act(offload=True))])
     print(_table(["activation memory", "per device"], rows))
 
 
 def _table1() -> int:
     """The paper's Table 1: per-device model-state GB, mixed-precision Adam (K = 12)."""
-    from zerojax import analysis
+    from zerojax.analysis.plan import table1
 
-    table = getattr(analysis, "table1", None)
-    if table is not None and callable(table):
-        text = table()
-        if isinstance(text, str):
-            print(text)
-            return 0
-    import zerojax
-
-    sizes = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}
-    rows = []
-    for n in (1, 4, 16, 64, 256, 1024):
-        cells = [str(n)]
-        for psi in sizes.values():
-            cells += [f"{zerojax.estimate_memory(int(psi), n, s).total / GB:,.2f}"
-                      for s in (1, 2, 3)]
-        rows.append(cells)
-    header = ["DP"] + [f"{name} {STAGE_NAMES[s]}" for name in sizes for s in (1, 2, 3)]
-    print("Table 1 (Rajbhandari et al., SC20): model-state GB per device, mixed-precision "
-          "Adam (2 + 2 + 12 bytes per parameter)\n")
-    print(_table(header, rows))
+    print(table1())
     return 0
 
 
 # --- plan ------------------------------------------------------------------------------
 
 PLAN_EPILOG = """\
-A stage fits when the model state per device (the paper's formula, plus --reserve
-for activations and buffers) is within --budget. Without --params the command lists,
-for each stage, the largest model that fits.
+A stage fits when the model state per device (the paper's formula), plus the
+activations, the communication buffers and --reserve, is within --budget. Without
+--params the command lists, for each stage, the largest model that fits.
 
 examples:
   zerojax plan --budget 32GB --devices 64
@@ -237,51 +221,26 @@ examples:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import zerojax
+    from zerojax.analysis.plan import format_plan, plan
 
-    plan = getattr(zerojax, "plan", None)
-    if plan is None:
-        from zerojax.analysis import estimate_memory
-
-        return _plan_fallback(args, estimate_memory)
-    kwargs = {"budget_bytes": args.budget, "dp": args.devices, "num_params": args.params,
-              "param_bytes": args.param_dtype, "grad_bytes": args.grad_dtype,
-              "optimizer_bytes": args.optimizer_bytes, "mp": args.mp,
-              "reserve_bytes": args.reserve}
-    accepted = inspect.signature(plan).parameters
     try:
-        result = plan(**{k: v for k, v in kwargs.items() if k in accepted})
+        result = plan(args.params, dp=args.devices, budget_bytes=round(args.budget),
+                      param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
+                      optimizer_bytes=args.optimizer_bytes, mp=args.mp,
+                      reserve_bytes=round(args.reserve),
+                      activation_bytes=None if args.activations is None
+                      else round(args.activations),
+                      bucket_size=args.bucket_size)
     except (TypeError, ValueError) as e:
         print(f"zerojax plan: {e}", file=sys.stderr)
         return 2
-    print(result)
-    return 0
-
-
-def _plan_fallback(args: argparse.Namespace, estimate_memory) -> int:
-    p, g, k, n, m = args.param_dtype, args.grad_dtype, args.optimizer_bytes, args.devices, \
-        args.mp
-    budget = args.budget - args.reserve
-    if budget <= 0:
-        args.error(f"--reserve {gb(args.reserve)} leaves nothing of --budget {gb(args.budget)}")
-    print(f"per-device budget {gb(args.budget)} ({gb(args.reserve)} reserved), "
-          f"N = {n}" + (f", M = {m}" if m > 1 else "") + f"; bytes per parameter {p} + {g} + {k}")
-    rows = []
-    for stage in range(4):
-        # bytes per parameter at this stage, from the formula at Psi = N M (no rounding)
-        per_param = estimate_memory(n * m, n, stage, param_bytes=p, grad_bytes=g,
-                                    optimizer_bytes=k, mp=m).total / (n * m)
-        largest = budget / per_param if per_param else math.inf
-        row = [f"{stage} {STAGE_NAMES[stage]}", human_count(largest)]
-        if args.params is not None:
-            need = estimate_memory(args.params, n, stage, param_bytes=p, grad_bytes=g,
-                                   optimizer_bytes=k, mp=m).total + args.reserve
-            row += [gb(need), "yes" if need <= args.budget else "no"]
-        rows.append(row)
-    header = ["stage", "largest model"]
+    print(format_plan(result))
     if args.params is not None:
-        header += [f"needs ({human_count(args.params)})", "fits"]
-    print(_table(header, rows))
+        fits = result.fitting
+        print("\n" + (f"fits at stage {', '.join(map(str, fits))}; stage {result.best} "
+                      "communicates least" if fits else
+                      "fits at no stage: add devices (--devices), model parallelism "
+                      "(--mp) or memory"))
     return 0
 
 
@@ -377,8 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = est.add_argument_group("activations (optional)")
     g.add_argument("--layers", type=positive_int, default=None, help="transformer layers")
     g.add_argument("--hidden", type=positive_int, default=None, help="hidden size")
-    g.add_argument("--heads", type=positive_int, default=None,
-                   help="attention heads (default: hidden / 64)")
     g.add_argument("--seq", type=positive_int, default=1024, help="sequence length")
     g.add_argument("--batch", type=positive_int, default=1,
                    help="sequences per device (micro-batch)")
@@ -398,7 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
                       help="a model size to check: 7.5B, 340M, ...")
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
-                      help="memory kept for activations and buffers, out of --budget")
+                      help="memory kept back for anything else (framework, fragmentation)")
+    plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
+                      help="activation memory per device, e.g. from 'zerojax estimate "
+                           "--layers ... --hidden ...' (default: 0)")
+    plan.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
+                      help="communication bucket size in elements (default: no buckets, "
+                           "stage 0 counts a whole fused gradient buffer)")
     _bytes_arguments(plan)
     plan.set_defaults(func=_plan)
 
