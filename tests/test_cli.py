@@ -104,6 +104,8 @@ def test_plan_largest_models_match_the_paper(capsys):
     (["train", "--model", "3"], "not a multiple of --model"),
     (["train", "--data", "8", "--model", "2"], "more than --devices"),
     (["train", "--png", "loss.jpg"], "must end in .png"),
+    (["train", "--prompt", ""], "--prompt must not be empty"),
+    (["train", "--prompt", "déf"], "ASCII"),
     (["export", "only-one-argument"], "required"),
     (["frobnicate"], "invalid choice"),
 ])

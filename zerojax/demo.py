@@ -119,6 +119,11 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(f"--sample must be >= 0, got {args.sample}")
     if not args.temperature >= 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.sample and not args.prompt:
+        parser.error("--prompt must not be empty (the sample continues it)")
+    if not args.prompt.isascii():
+        parser.error(f"--prompt {args.prompt!r}: the corpus is ASCII Python source; use "
+                     "ASCII characters")
     if args.png and not args.png.lower().endswith(".png"):
         parser.error(f"--png {args.png!r} must end in .png")
     if args.png:
@@ -435,6 +440,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     corpus = load_corpus(args.corpus_mb)
+    unknown = sorted(set(args.prompt) - set(corpus.chars))
+    if args.sample and unknown:
+        print(f"zerojax train: --prompt has characters the corpus lacks: {unknown}",
+              file=sys.stderr)
+        return 2
     vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
     mesh = zerojax.make_mesh(data=n, model=m, devices=jax.devices()[:n * m])
     model = GPT(GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
