@@ -264,7 +264,7 @@ def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn) -
     tokens_per_step = args.batch * args.seq
     losses, times = [], []
     bar = tqdm(range(args.steps), desc=f"stage {stage} ({STAGE_NAMES[stage]})",
-               unit="step", disable=not args.progress, dynamic_ncols=True,
+               unit="step", disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
                file=sys.stderr)
     log_every = max(1, args.steps // 5)
     start = time.perf_counter()
@@ -275,10 +275,11 @@ def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn) -
         times.append(now - start)
         start = now
         recent = times[1:][-20:]  # the first step includes compilation
-        tps = tokens_per_step * len(recent) / sum(recent) if recent else float("nan")
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+        # tokens/s over the last steps; "-" until one has run after the compilation
+        tps = f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
         if not args.progress and (i % log_every == 0 or i == args.steps - 1):
-            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps:,.0f} tokens/s")
+            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s")
     bar.close()
     return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
             "times": times}
