@@ -1,6 +1,7 @@
 """zerojax: ZeRO (Zero Redundancy Optimizer) for JAX."""
 
-from zerojax.analysis import comm_volume, estimate_memory
+from zerojax.analysis import comm_volume, estimate_memory, memory_report
+from zerojax.analysis.plan import plan
 from zerojax.config import ZeroConfig
 from zerojax.mesh import make_mesh
 from zerojax.optimizer import ZeroOptimizer, zero
@@ -8,7 +9,8 @@ from zerojax.state import TrainState
 
 __all__ = [
     "make_mesh", "zero", "ZeroOptimizer", "ZeroConfig", "TrainState",
-    "estimate_memory", "comm_volume", "CheckpointManager", "export_params", "load_params",
+    "estimate_memory", "comm_volume", "plan", "memory_report",
+    "CheckpointManager", "export_params", "load_params",
 ]
 
 _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")

@@ -6,8 +6,12 @@ from zerojax.analysis.memory import (
     MemoryEstimate,
     compiled_memory,
     device_bytes,
+    estimate_activations,
+    estimate_buffers,
     estimate_memory,
 )
+from zerojax.analysis.plan import Plan, StagePlan, format_plan, format_table1, paper_table1, table1
+from zerojax.analysis.report import MemoryReport, memory_report, predict_step_memory
 from zerojax.analysis.residuals import SavedCheckpoint, saved_checkpoints
 
 __all__ = [
@@ -15,11 +19,22 @@ __all__ = [
     "CommVolume",
     "CompiledMemory",
     "MemoryEstimate",
+    "MemoryReport",
+    "Plan",
+    "StagePlan",
     "SavedCheckpoint",
     "collective_counts",
     "comm_volume",
     "compiled_memory",
     "device_bytes",
+    "estimate_activations",
+    "estimate_buffers",
     "estimate_memory",
+    "format_plan",
+    "format_table1",
+    "memory_report",
+    "paper_table1",
+    "predict_step_memory",
     "saved_checkpoints",
+    "table1",
 ]

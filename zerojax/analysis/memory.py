@@ -14,24 +14,47 @@ __all__ = [
     "MemoryEstimate",
     "compiled_memory",
     "device_bytes",
+    "estimate_activations",
+    "estimate_buffers",
     "estimate_memory",
 ]
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Model-state bytes per device: parameters, gradients and optimizer state."""
+class MemoryEstimate(int):
+    """Model-state bytes per device: an ``int`` (the total) that also carries its parts.
+
+    ``estimate == 16 * psi``, ``estimate / 1e9`` and ``estimate + act`` work as for any
+    int (arithmetic gives plain ints); ``.params``, ``.grads`` and ``.optimizer_state``
+    are the three parts and ``.total`` the sum (``int(estimate)``).
+    """
 
     params: int
     grads: int
     optimizer_state: int
 
+    def __new__(cls, params: int, grads: int, optimizer_state: int) -> MemoryEstimate:
+        params, grads, optimizer_state = int(params), int(grads), int(optimizer_state)
+        self = super().__new__(cls, params + grads + optimizer_state)
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "grads", grads)
+        object.__setattr__(self, "optimizer_state", optimizer_state)
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"MemoryEstimate is immutable (cannot set {name!r})")
+
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_state
+        return int(self)
 
-    def __int__(self) -> int:
-        return self.total
+    def __reduce__(self):
+        return (MemoryEstimate, (self.params, self.grads, self.optimizer_state))
+
+    def __repr__(self) -> str:
+        return (f"MemoryEstimate(params={self.params}, grads={self.grads}, "
+                f"optimizer_state={self.optimizer_state}, total={int(self)})")
+
+    __str__ = __repr__
 
 
 def estimate_memory(
@@ -73,6 +96,67 @@ def estimate_memory(
         grads=grad_bytes * (shard if stage >= 2 else whole),
         optimizer_state=optimizer_bytes * (shard if stage >= 1 else whole),
     )
+
+
+def estimate_activations(hidden: int, batch: int, seq: int, layers: int, *,
+                         bytes_per_value: int = 2, checkpointing: bool = True, mp: int = 1,
+                         partition: bool = False, offload: bool = False) -> int:
+    """Activation bytes per device of a GPT-like transformer (the paper's section 3.2).
+
+    ``batch`` is the per-device (per data-parallel rank) batch, ``seq`` the sequence
+    length, e = ``bytes_per_value`` (2 for fp16/bf16 activations). With
+    h = ``hidden``, b = ``batch``, s = ``seq``, L = ``layers``:
+
+    * no checkpointing: ``12 h b s L`` values (the paper's footnote 3: "about
+      12 x hidden x batch x seq x layers"; 60 GB in fp16 for the 1.5B GPT-2 at seq 1K,
+      batch 32), so ``12 h b s L e`` bytes;
+    * ``checkpointing``: one hidden state per layer is kept, ``h b s L`` values, plus
+      one layer's full activations while it is recomputed in the backward pass,
+      ``12 h b s`` values: ``(L + 12) h b s e`` bytes;
+    * ``partition`` (ZeRO-R Pa): the checkpoints are split over the ``mp`` model-parallel
+      devices, ``ceil(h b s L / mp)``; ``offload`` (Pa+cpu): they live in host memory
+      and count 0 here. The recomputed layer is not split (Megatron replicates it).
+
+    Without checkpointing ``mp``, ``partition`` and ``offload`` change nothing.
+    """
+    hidden = _count("hidden", hidden, minimum=1)
+    batch = _count("batch", batch, minimum=0, hint="per-device batch")
+    seq = _count("seq", seq, minimum=1)
+    layers = _count("layers", layers, minimum=0)
+    e = _count("bytes_per_value", bytes_per_value, minimum=0)
+    mp = _count("mp", mp, minimum=1)
+    hbs = hidden * batch * seq
+    if not checkpointing:
+        return 12 * hbs * layers * e
+    checkpoints = hbs * layers
+    if offload:
+        checkpoints = 0
+    elif partition:
+        checkpoints = math.ceil(checkpoints / mp)
+    return (checkpoints + 12 * hbs) * e
+
+
+def estimate_buffers(num_params: int | None, dp: int, stage: int, *,
+                     bucket_size: int | None = None, grad_bytes: int = 2,
+                     mp: int = 1) -> int:
+    """Residual communication-buffer bytes per device (the paper's C_B, section 6.2).
+
+    Stage 0's all-reduce writes a fused, reduced gradient buffer beside the local
+    gradients: ``G * Psi`` bytes (Psi = num_params / mp), or ``G * bucket_size`` with
+    ``bucket_size`` (a constant-size buffer). Stages 1-3 reduce-scatter into the
+    1/N gradient partition (already in ``estimate_memory``'s grads); their in-flight
+    buffer is one bucket, ``G * bucket_size``, or 0 without buckets.
+    """
+    if num_params is None:
+        return 0
+    psi = math.ceil(_count("num_params", num_params, minimum=0) / _count("mp", mp, minimum=1))
+    _count("dp", dp, minimum=1)
+    g = _count("grad_bytes", grad_bytes, minimum=0)
+    if bucket_size is not None:
+        bucket_size = _count("bucket_size", bucket_size, minimum=1, hint="elements")
+    if stage == 0:
+        return g * (psi if bucket_size is None else min(psi, bucket_size))
+    return 0 if bucket_size is None else g * min(psi, bucket_size)
 
 
 def _count(name: str, value: Any, *, minimum: int, hint: str = "") -> int:

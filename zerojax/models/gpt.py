@@ -59,7 +59,9 @@ class GPTConfig:
     attention heads (``hidden % heads == 0``). mlp_ratio: MLP width is
     ``mlp_ratio * hidden``. dtype: compute dtype (parameters are always float32;
     LayerNorm statistics, softmax and the loss run in float32). remat: rematerialise
-    each block in the backward pass (``nn.remat`` under the ``nn.scan``).
+    each block in the backward pass (``nn.remat`` under the ``nn.scan``). scan: stack
+    the blocks with ``nn.scan`` (params ``blocks/...`` with a leading layer axis); False
+    writes the layers out (``blocks_0``, ``blocks_1``, ... each its own params).
     """
 
     vocab: int = 256
@@ -70,6 +72,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: Any = jnp.float32
     remat: bool = True
+    scan: bool = True
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
@@ -90,8 +93,9 @@ class GPTConfig:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"GPTConfig.dtype must be a floating dtype (float32, bfloat16, "
                              f"float16), got {dtype}")
-        if not isinstance(self.remat, bool):
-            raise ValueError(f"GPTConfig.remat must be a bool, got {self.remat!r}")
+        for name in ("remat", "scan"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -176,10 +180,15 @@ class GPT(nn.Module):
         pos = self.param("pos_embed", _init((None, None)), (cfg.seq, cfg.hidden), jnp.float32)
         x = embed(tokens) + pos[:t].astype(cfg.dtype)
 
-        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=cfg.layers, metadata_params={nn.PARTITION_NAME: None})
-        x, _ = stack(cfg, name="blocks")(x, None)
+        if cfg.scan:
+            block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=cfg.layers, metadata_params={nn.PARTITION_NAME: None})
+            x, _ = stack(cfg, name="blocks")(x, None)
+        else:
+            block = nn.remat(Block) if cfg.remat else Block
+            for i in range(cfg.layers):
+                x, _ = block(cfg, name=f"blocks_{i}")(x, None)
 
         x = _layer_norm(cfg, "ln_f")(x).astype(cfg.dtype)
         return embed.attend(x).astype(jnp.float32)

@@ -1,0 +1,215 @@
+"""The paper's memory model: Table 1, the planner, and the model against compiled steps
+(peak memory and communication, the largest model that fits)."""
+
+import functools
+import math
+import pickle
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zerojax
+from zerojax.analysis import estimate_activations, estimate_buffers, estimate_memory
+from zerojax.analysis.plan import format_table1, paper_table1, plan
+from zerojax.analysis.report import (
+    compare,
+    compile_step,
+    gpt_step_prediction,
+    largest_layers_predicted,
+    memory_report,
+)
+from zerojax.models.gpt import GPT, GPTConfig, gpt_params, lm_loss
+
+GB = 1e9
+N = 8
+
+# --- Table 1 -------------------------------------------------------------------------------
+
+# The paper's Table 1 as printed (GB per device; 7.5B / 128B / 1T x P_os, P_os+g, P_os+g+p).
+PAPER_TABLE1 = {
+    1: (120, 120, 120, 2048, 2048, 2048, 16000, 16000, 16000),
+    4: (52.5, 41.3, 30, 896, 704, 512, 7000, 5500, 4000),
+    16: (35.6, 21.6, 7.5, 608, 368, 128, 4750, 2875, 1000),
+    64: (31.4, 16.6, 1.88, 536, 284, 32, 4187, 2218, 250),
+    256: (30.4, 15.4, 0.47, 518, 263, 8, 4046, 2054, 62.5),
+    1024: (30.1, 15.1, 0.12, 513, 257, 2, 4011, 2013, 15.6),
+}
+
+
+def _by_hand(psi, n, stage):
+    """Mixed-precision Adam by hand: 2 + 2 + 12 bytes per parameter, in GB."""
+    if stage == 1:
+        return (4 * psi + 12 * psi / n) / GB
+    if stage == 2:
+        return (2 * psi + 14 * psi / n) / GB
+    return 16 * psi / n / GB
+
+
+def test_table1_reproduced():
+    rows = paper_table1()
+    assert [r.dp for r in rows] == list(PAPER_TABLE1)
+    for row in rows:
+        values = list(row.gb.values())
+        keys = list(row.gb)
+        assert keys[:3] == [("7.5B", 1), ("7.5B", 2), ("7.5B", 3)]
+        for (name, stage), got, paper in zip(keys, values, PAPER_TABLE1[row.dp]):
+            psi = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}[name]
+            assert got == pytest.approx(_by_hand(psi, row.dp, stage), rel=1e-6)  # ceil(Psi/N)
+            # the paper rounds to 3 digits, and truncates from 100 GB (257.75 -> 257)
+            if paper >= 100:
+                assert paper <= got < paper + 1, (row.dp, name, stage, got)
+            else:
+                assert abs(got - paper) <= 0.06, (row.dp, name, stage, got)
+    text = format_table1(rows)
+    assert "52.5" in text and "4187" in text.replace("4188", "4187") and "0.117" in text
+
+
+def test_estimate_memory_is_an_int_with_parts():
+    e = estimate_memory(7.5e9, 64, 1)
+    assert isinstance(e, int) and e == 31_406_250_000 and e.total == int(e)
+    assert (e.params, e.grads, e.optimizer_state) == (15e9, 15e9, 1_406_250_000)
+    assert e + 1 == 31_406_250_001 and type(e + 1) is int and e / GB == 31.40625
+    assert pickle.loads(pickle.dumps(e)).grads == e.grads
+    with pytest.raises(AttributeError):
+        e.params = 0
+
+
+def test_activation_and_buffer_formulas():
+    # the paper's example: GPT-2 1.5B (48 layers, hidden 1600), seq 1K, batch 32: ~60 GB
+    full = estimate_activations(1600, 32, 1024, 48, checkpointing=False)
+    assert full == 12 * 1600 * 32 * 1024 * 48 * 2 and round(full / GB) == 60
+    hbs = 1600 * 32 * 1024
+    ckpt = estimate_activations(1600, 32, 1024, 48)
+    assert ckpt == (48 + 12) * hbs * 2  # one hidden state per layer + one layer recomputed
+    pa = estimate_activations(1600, 32, 1024, 48, mp=16, partition=True)
+    assert pa == (48 * hbs // 16 + 12 * hbs) * 2
+    assert estimate_activations(1600, 32, 1024, 48, mp=16, offload=True) == 12 * hbs * 2
+    assert estimate_buffers(1.5e9, 8, 0, grad_bytes=4) == 6 * GB  # the paper's 6 GB
+    assert estimate_buffers(1.5e9, 8, 0, grad_bytes=4, bucket_size=5e8) == 2 * GB
+    assert estimate_buffers(1.5e9, 8, 2, grad_bytes=4) == 0
+
+
+# --- the planner: two worked examples ------------------------------------------------------
+
+
+def test_plan_7_5b_on_64_v100s():
+    """Figure 1's model on 64 devices of 32 GB: DDP does not fit (120 GB), P_os does
+    (31.4 GB), and so do P_os+g (16.6 GB) and P_os+g+p (1.88 GB)."""
+    p = zerojax.plan(7.5e9, dp=64, budget_bytes=32 * GB, buffer_bytes=0)
+    assert p.fitting == [1, 2, 3] and p.best == 1
+    totals = [s.total / GB for s in p.stages]
+    assert totals == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    assert [s.comm_elements for s in p.stages] == [15e9, 15e9, 15e9, 22.5e9]
+    assert [s.comm_bytes / GB for s in p.stages] == [30, 30, 30, 45]
+    assert p.stage(0).max_params == pytest.approx(2e9)
+    text = str(p)
+    assert "P_os+g+p" in text and "yes" in text and "no" in text
+
+
+def test_plan_max_model_size_table2():
+    """The paper's Table 2, last row: 1024 GPUs as 16-way MP x 64-way DP, 32 GB each:
+    baseline 32B, P_os 121.6B, P_os+g 230.4B, P_os+g+p 2T (the paper rounds 7.64B
+    and 14.42B per MP-slice down to 7.6B and 14.4B first)."""
+    p = plan(dp=64, mp=16, budget_bytes=32 * GB)
+    largest = [s.max_params for s in p.stages]
+    assert largest[0] == pytest.approx(32e9)
+    assert largest[1] == pytest.approx(121.6e9, rel=0.01)
+    assert largest[2] == pytest.approx(230.4e9, rel=0.01)
+    assert largest[3] == pytest.approx(2.048e12)
+    assert all(s.fits is None for s in p.stages)  # no model given
+
+
+def test_plan_from_a_gpt_and_a_batch():
+    model = GPT(GPTConfig(vocab=256, seq=64, layers=4, hidden=256, heads=4))
+    p = plan(model=model, batch=jnp.zeros((32, 64), jnp.int32), dp=8, budget_bytes=10**9)
+    assert p.num_params == 3_241_472
+    assert p.stage(0).activations == estimate_activations(256, 4, 64, 4)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"dp": 0}, "dp must be >= 1"),
+    ({"budget_bytes": 0}, "budget_bytes must be >= 1"),
+    ({"num_params": -5}, "num_params must be >= 0"),
+    ({"stages": (4,)}, "stages must be among 0, 1, 2, 3, got 4"),
+    ({"batch": 1}, "batch= is only used with model="),
+    ({"mp": 0}, "mp must be >= 1"),
+])
+def test_plan_names_bad_values(kwargs, match):
+    arguments = {"num_params": 1e9, "dp": 8, "budget_bytes": 16 * GB} | kwargs
+    with pytest.raises(ValueError, match=match):
+        plan(**arguments)
+
+
+# --- the model against the compiled step ---------------------------------------------------
+
+# The issue's case: 4 layers of width 256, batch 32 x 64, fp32 Adam, N = 8.
+CASE = dict(vocab=256, seq=64, layers=4, hidden=256, heads=4)
+BATCH = 32
+
+
+@functools.cache
+def _compiled(scan, stage):
+    cfg = GPTConfig(**CASE, scan=scan)
+    model = GPT(cfg)
+    params = jax.eval_shape(lambda: gpt_params(model))
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=N), stage=stage)
+    compiled = compile_step(opt, lm_loss(model), params,
+                            jax.ShapeDtypeStruct((BATCH, CASE["seq"] + 1), jnp.int32))
+    return compare(compiled, gpt_step_prediction(cfg, N, stage, BATCH), psi, stage)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_measured_over_predicted_within_10_percent(scan, stage):
+    r = _compiled(scan, stage)
+    assert 0.9 <= r.peak_ratio <= 1.1, (r.measured.peak, r.predicted)
+    assert 0.9 <= r.comm_ratio <= 1.1, (r.comm_measured, r.comm_predicted)
+
+
+def test_unrolled_stage2_holds_less_than_stage0_and_like_the_papers():
+    """The issue's case: stage 2 on written-out layers is about half of stage 0 (it was
+    stage 1's 0.69 x jit data parallelism while the rematerialisation ran in the
+    forward pass). XLA reduce-scatters stage 1's gradients leaf by leaf as well, so
+    stage 1 holds what stage 2 holds there."""
+    p0, p1, p2 = (_compiled(False, s).measured.peak for s in (0, 1, 2))
+    assert p2 <= 0.5 * p0, (p2 / p0)
+    assert p2 <= p1
+
+
+def test_memory_report_fields():
+    rep = memory_report(_compiled_raw())
+    assert rep.peak == rep.argument + rep.output - rep.alias + rep.temp
+    assert rep.host_peak == 0 and "peak" in str(rep)
+
+
+@functools.cache
+def _compiled_raw():
+    model = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+    params = jax.eval_shape(lambda: gpt_params(model))
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=N), stage=3)
+    return compile_step(opt, lm_loss(model), params, jax.ShapeDtypeStruct((16, 17), jnp.int32))
+
+
+# --- the largest model that fits, compiled only ----------------------------------------------
+
+MAX_CFG = GPTConfig(vocab=256, seq=32, layers=1, hidden=64, heads=4)
+MAX_BATCH, BUDGET = 16, 16 * 2**20
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_largest_model_measured_over_predicted_at_least_0_9(stage):
+    """The predicted largest layer count, times 0.9 (rounded up), compiles within the
+    budget, so measured / predicted >= 0.9 (benchmarks/memory_model.py runs the whole
+    binary search)."""
+    predicted = largest_layers_predicted(MAX_CFG, N, stage, MAX_BATCH, BUDGET)
+    assert predicted >= 8
+    layers = math.ceil(0.9 * predicted)
+    model = GPT(GPTConfig(**{**MAX_CFG.__dict__, "layers": layers}))
+    params = jax.eval_shape(lambda: gpt_params(model))
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=N), stage=stage)
+    compiled = compile_step(opt, lm_loss(model), params,
+                            jax.ShapeDtypeStruct((MAX_BATCH, MAX_CFG.seq + 1), jnp.int32))
+    assert memory_report(compiled).peak <= BUDGET, (stage, layers, predicted)

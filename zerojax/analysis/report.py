@@ -1,0 +1,308 @@
+"""The model against the compiled program: ``memory_report`` and the step's prediction.
+
+* :func:`memory_report` reads a compiled program's per-device memory
+  (``compiled.memory_analysis()``: arguments, outputs, aliases, temporaries, peak, host).
+* :func:`predict_step_memory` is the paper's memory model applied to zerojax's train
+  step (model states per stage + gradients in flight + activations + residual buffers,
+  each term said in its docstring).
+* :func:`compare` puts both side by side with ``comm_volume`` and the paper's 2 Psi /
+  3 Psi, with measured / predicted ratios; :func:`abstract_state` and
+  :func:`compile_step` compile a train step from shapes only (nothing allocated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax.analysis.comm import comm_volume
+from zerojax.analysis.memory import (
+    CompiledMemory,
+    _count,
+    compiled_memory,
+    estimate_activations,
+    estimate_memory,
+)
+
+__all__ = [
+    "MemoryReport",
+    "StepPrediction",
+    "abstract_state",
+    "compare",
+    "compile_step",
+    "format_comparison",
+    "memory_report",
+    "predict_step_memory",
+]
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes of a compiled program (``compiled_memory`` plus a formatter)."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    peak: int
+    host_argument: int
+    host_output: int
+    host_temp: int
+    host_peak: int
+    generated_code: int
+
+    def __str__(self) -> str:
+        rows = [("arguments", self.argument), ("outputs", self.output),
+                ("aliased (donated)", self.alias), ("temporaries", self.temp),
+                ("peak", self.peak), ("host arguments", self.host_argument),
+                ("host outputs", self.host_output), ("host temporaries", self.host_temp),
+                ("host peak", self.host_peak)]
+        return "\n".join(f"{name:>20}: {value / MiB:10.2f} MiB" for name, value in rows)
+
+
+def memory_report(compiled: jax.stages.Compiled) -> MemoryReport:
+    """Per-device memory of ``compiled`` (``jitted.lower(...).compile()``).
+
+    ``peak`` = arguments + outputs - aliased + temporaries (device memory), the same
+    over host-memory buffers for ``host_peak`` (``pinned_host``; XLA:CPU reports none).
+    """
+    m: CompiledMemory = compiled_memory(compiled)
+    return MemoryReport(m.argument, m.output, m.alias, m.temp, m.peak, m.host_argument,
+                        m.host_output, m.host_temp, m.host_peak, m.generated_code)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    """Predicted per-device bytes of one zerojax train step, by term (see
+    :func:`predict_step_memory`): ``peak = states + batch + max(end, backward)``."""
+
+    states: int
+    batch: int
+    end: int  # gradients alive after the backward pass (the update's inputs)
+    grads_in_flight: int
+    activations: int
+    working: int
+
+    @property
+    def backward(self) -> int:
+        """Bytes beside the state at the backward pass's peak."""
+        return self.grads_in_flight + self.activations + self.working
+
+    @property
+    def peak(self) -> int:
+        return self.states + self.batch + max(self.end, self.backward)
+
+
+def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: int,
+                        scanned: bool, hidden: int, batch: int, seq: int, layers: int,
+                        vocab: int = 0, heads: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
+                        optimizer_bytes: int = 8, activation_bytes: int = 4,
+                        remat: bool = True, prefetch: bool = True,
+                        batch_bytes: int = 0) -> StepPrediction:
+    """Per-device peak bytes of a zerojax train step (donated state) on a GPT-like model.
+
+    Psi = ``num_params``, Psi_l = ``layer_params`` (one block), N = ``dp``; P, G, K
+    the bytes per parameter of params, gradients and optimizer state (fp32 Adam by
+    default: 4, 4, 8; G is the dtype the gradient is computed in); b = ``batch`` per
+    device. The peak is ``states + batch_bytes + max(end, backward)``:
+
+    * states: ``estimate_memory(Psi, N, stage, P, 0, K)``, what the state holds;
+    * end, the gradients alive when the backward pass is over: stage 0 ``2 G Psi``
+      (the local gradient and the all-reduced one: the reduction writes a new
+      buffer, the paper's fused buffer); stage 1 with scanned layers ``2 G Psi`` (the
+      loop's stacked local gradient and one relayout copy of it for the reduce-scatter
+      along ``d_in``); otherwise the partition ``G ceil(Psi / N)``;
+    * backward, at the backward pass's peak: gradients in flight (stage 0 and scanned
+      stage 1: the local ``G Psi``; otherwise ``G ceil(Psi/N) + G Psi_l``: written-out
+      layers are reduce-scattered leaf by leaf as the backward produces them, by
+      zerojax at stage 2-3 and by XLA's scheduler at stage 1), plus activations, plus
+      working parameter copies;
+    * activations: ``estimate_activations(hidden, b, seq, layers, activation_bytes,
+      checkpointing=remat)`` (the paper's 12 h b s L, or (L + 12) h b s with
+      checkpoints), plus what the paper's 12 h b s leaves out: the attention scores,
+      probabilities and their gradient of the layer being recomputed, ``3 a s^2 b``
+      values for ``heads`` = a (``3 a s^2 b L`` without ``remat``), and the logits,
+      their softmax and gradient, ``3 b s V`` values;
+    * working: stages 1-2 ``P Psi_l`` (the layer's weights, made to wait for its
+      cotangent before the recomputation); stage 3 ``P Psi_l`` per gathered layer:
+      1 in a scanned stack (each iteration gathers its own), 2 for written-out layers
+      with ``prefetch`` (the next layer's gather issued during this one).
+    """
+    psi = _count("num_params", num_params, minimum=0)
+    n = _count("dp", dp, minimum=1)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    pl = _count("layer_params", layer_params, minimum=0)
+    p, g, k = param_bytes, grad_bytes, optimizer_bytes
+    states = int(estimate_memory(psi, n, stage, param_bytes=p, grad_bytes=0,
+                                 optimizer_bytes=k))
+    shard = math.ceil(psi / n)
+    whole_grads = stage == 0 or (stage == 1 and scanned)
+    end = 2 * g * psi if whole_grads else g * shard
+    in_flight = g * psi if whole_grads else g * shard + g * pl
+    acts = estimate_activations(hidden, batch, seq, layers, bytes_per_value=activation_bytes,
+                                checkpointing=remat)
+    scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
+    acts += (scores + 3 * batch * seq * vocab) * activation_bytes
+    if stage == 3:
+        working = p * pl * (1 if scanned or not prefetch else 2)
+    elif stage == 0 or whole_grads:
+        working = 0
+    else:
+        working = p * pl
+    return StepPrediction(states, batch_bytes, end, in_flight, acts, working)
+
+
+# --- compiling from shapes ----------------------------------------------------------------
+
+
+def abstract_state(opt, params: Any):
+    """The ``TrainState`` ``opt.init_state(params)`` would make, as ``ShapeDtypeStruct``
+    leaves with their shardings: nothing is allocated. ``params`` may be structs
+    (``jax.eval_shape`` of an init). Leaves are assumed not padded (every split
+    dimension divides by N; true of the reference GPT at power-of-two sizes)."""
+    from zerojax import partition as part
+    from zerojax.state import TrainState
+
+    if opt.config.param_dtype is not None or opt.config.loss_scale not in (None, "auto"):
+        raise ValueError("abstract_state supports fp32 params without loss scaling")
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+    opt._remember(params)
+    specs = opt.specs(params)
+    mesh = opt.mesh
+
+    def struct(x, spec):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    opt_shapes = jax.eval_shape(opt.inner.init, params)
+    p_struct = jax.tree.map(lambda s, x: struct(x, s), specs.params, params, is_leaf=is_spec)
+    o_struct = jax.tree.map(lambda s, x: struct(x, s), specs.opt_state, opt_shapes,
+                            is_leaf=is_spec)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    state = TrainState(step, p_struct, o_struct, opt.init_state_loss_scale())
+    part.register_logical(p_struct, params)
+    return state
+
+
+def compile_step(opt, loss_fn, params: Any, batch: Any) -> jax.stages.Compiled:
+    """``opt.train_step(loss_fn)`` compiled for ``params`` and a global ``batch`` given
+    as arrays or ``ShapeDtypeStruct``s: lowered and compiled, never run."""
+    step = opt.train_step(loss_fn)
+    state = abstract_state(opt, params)
+    sharding = NamedSharding(opt.mesh, P(opt.config.data_axis))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         batch)
+    return step.jitted.lower(state, batch, None).compile()
+
+
+# --- side by side ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Measured (compiled) and predicted per-device peak bytes and communication."""
+
+    label: str
+    stage: int
+    measured: MemoryReport
+    predicted: StepPrediction
+    comm_measured: int  # elements per device per step, from the HLO
+    comm_predicted: int  # 2 Psi or 3 Psi
+
+    @property
+    def peak_ratio(self) -> float:
+        return self.measured.peak / self.predicted.peak
+
+    @property
+    def comm_ratio(self) -> float:
+        return self.comm_measured / self.comm_predicted
+
+
+def compare(compiled: jax.stages.Compiled, prediction: StepPrediction, num_params: int,
+            stage: int, label: str = "") -> Comparison:
+    """``memory_report`` and ``comm_volume`` of ``compiled`` beside ``prediction`` and
+    the paper's communication (2 Psi for stages 0-2, 3 Psi for stage 3)."""
+    from zerojax.analysis.plan import comm_elements
+
+    return Comparison(label, stage, memory_report(compiled), prediction,
+                      comm_volume(compiled).total, comm_elements(num_params, stage))
+
+
+def format_comparison(rows: list[Comparison]) -> str:
+    """A markdown table: measured and predicted peak (MiB) and communication (Psi)."""
+    out = ["| model | stage | peak measured (MiB) | peak predicted (MiB) | ratio "
+           "| comm measured (elements) | comm predicted | ratio |",
+           "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        out.append(f"| {r.label} | {r.stage} | {r.measured.peak / MiB:.2f} "
+                   f"| {r.predicted.peak / MiB:.2f} | {r.peak_ratio:.3f} "
+                   f"| {r.comm_measured:,} | {r.comm_predicted:,} | {r.comm_ratio:.3f} |")
+    return "\n".join(out)
+
+
+# --- the largest model that fits: predicted and compiled ----------------------------------
+
+
+def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
+                        prefetch: bool = True) -> StepPrediction:
+    """:func:`predict_step_memory` for a zerojax reference ``GPTConfig`` (fp32 params,
+    fp32 Adam) on ``global_batch`` sequences of ``config.seq`` tokens."""
+    h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
+    layer = 4 * h * h + 2 * config.mlp_ratio * h * h + 9 * h + config.mlp_ratio * h
+    psi = v * h + s * h + L * layer + 2 * h
+    b = global_batch // dp
+    return predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
+                               hidden=h, batch=b, seq=s, layers=L, vocab=v,
+                               heads=config.heads, remat=config.remat, prefetch=prefetch,
+                               batch_bytes=b * (s + 1) * 4)
+
+
+def largest_layers_predicted(config, dp: int, stage: int, global_batch: int,
+                             budget_bytes: int, max_layers: int = 4096) -> int:
+    """The most layers (at ``config``'s width) whose predicted peak fits the budget."""
+    def fits(layers):
+        c = dataclasses.replace(config, layers=layers)
+        return gpt_step_prediction(c, dp, stage, global_batch).peak <= budget_bytes
+
+    return _largest(fits, 1, max_layers)
+
+
+def largest_layers_compiled(opt, config, global_batch: int, budget_bytes: int,
+                            lo: int, hi: int) -> tuple[int, int]:
+    """The most layers in ``[lo, hi]`` whose compiled step's peak fits the budget, by
+    binary search over compiled (never run) steps; 0 if even ``lo`` does not fit.
+    Returns ``(layers, compiles)``."""
+    from zerojax.models.gpt import GPT, gpt_params, lm_loss
+
+    count = [0]
+
+    def fits(layers):
+        model = GPT(dataclasses.replace(config, layers=layers))
+        params = jax.eval_shape(lambda: gpt_params(model))
+        tokens = jax.ShapeDtypeStruct((global_batch, config.seq + 1), jnp.int32)
+        count[0] += 1
+        compiled = compile_step(opt, lm_loss(model), params, tokens)
+        return memory_report(compiled).peak <= budget_bytes
+
+    return _largest(fits, lo, hi), count[0]
+
+
+def _largest(fits, lo: int, hi: int) -> int:
+    """Largest x in [lo, hi] with fits(x), fits monotone decreasing; lo - 1 if none."""
+    if not fits(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
