@@ -201,7 +201,7 @@ def _activations(args: argparse.Namespace) -> None:
 
 def _table1() -> int:
     """The paper's Table 1: per-device model-state GB, mixed-precision Adam (K = 12)."""
-    from zerojax.analysis.plan import table1
+    from zerojax.analysis import table1
 
     print(table1())
     return 0
@@ -221,10 +221,11 @@ examples:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from zerojax.analysis.plan import format_plan, plan
+    import zerojax
+    from zerojax.analysis import format_plan
 
     try:
-        result = plan(args.params, dp=args.devices, budget_bytes=round(args.budget),
+        result = zerojax.plan(args.params, dp=args.devices, budget_bytes=round(args.budget),
                       param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
                       optimizer_bytes=args.optimizer_bytes, mp=args.mp,
                       reserve_bytes=round(args.reserve),
