@@ -105,6 +105,7 @@ class _Ctx:
     remesh: bool = False  # traced under jax.set_mesh: restate shardings on the body's mesh
     uses: dict | None = None  # param_uses: materialisations per params leaf
     in_remat: bool = False
+    in_scan: bool = False  # inside a scan body (the loop orders the recomputation)
     chain: Any = dataclasses.field(default_factory=lambda: _Chain())
     split_regions: list = dataclasses.field(default_factory=list)  # Pa regions found
 
@@ -207,8 +208,9 @@ def eval_jaxpr(jaxpr, consts, args, ctx: _Ctx) -> list:
         ins = [read(v) for v in eqn.invars]
         if any(isinstance(x, _Lazy) for x in ins):
             outs = _eval_lazy_eqn(eqn, ins, scope)
-        elif ((ctx.remat_policy is not None or ctx.remesh)
-              and eqn.primitive.name in _REMAT | _INLINE | {"scan"}):
+        elif (((ctx.remat_policy is not None or ctx.remesh)
+               and eqn.primitive.name in _REMAT | _INLINE | {"scan"})
+              or (eqn.primitive.name in _REMAT and not ctx.in_scan)):
             # reach the checkpoints inside, or re-evaluate the body's equations on
             # the body's mesh
             outs = _eval_lazy_eqn(eqn, ins, scope)
@@ -281,6 +283,12 @@ def _eval_remat(eqn, ins, ctx: _Ctx) -> list:
                                        host=policy_name == "partitioned_host")
     policy = (eqn.params["policy"] if policy_name is None
               else checkpoint_policy(policy_name))
+    if not ctx.in_scan and policy in (None, jax.checkpoint_policies.nothing_saveable):
+        # A written-out layer: jax.checkpoint's barrier is expanded before scheduling
+        # on some backends (XLA:CPU), and the recomputation ran beside the forward
+        # pass, every layer's activations kept twice. The same rule as a custom_vjp
+        # whose backward waits for the cotangent recomputes it there.
+        return _partitioned_checkpoint(fn, [list(r.raws) for r in refs], regulars, [], ctx)
     ckpt = jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"], policy=policy)
     return ckpt([r.raws for r in refs], regulars)
 
@@ -312,7 +320,10 @@ def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx,
         whole = [gather_activation(r, m_axis, m, host) if j in split else r
                  for j, r in enumerate(kept)]
         ct = _instantiate(ct)
-        return _vjp_active(fn, _after(raws, _probe(ct)), whole, active, ct)
+        probe = _probe(ct)
+        whole = [after(r, probe) if probe is not None and hasattr(r, "dtype")
+                 and jnp.issubdtype(r.dtype, jnp.inexact) else r for r in whole]
+        return _vjp_active(fn, _after(raws, probe), whole, active, ct)
 
     layer.defvjp(fwd, bwd, symbolic_zeros=True)
     return layer(raws, regulars)
@@ -344,7 +355,7 @@ def _eval_scan(eqn, ins, scope: _Scope) -> list:
     xs_pos = list(range(nc + nk, len(ins)))
     xs = [ins[i].refs[0].raws if i in pushed else ins[i] for i in xs_pos]
     body = p["jaxpr"]
-    body_ctx = dataclasses.replace(scope.ctx, chain=_Chain())  # a new trace
+    body_ctx = dataclasses.replace(scope.ctx, chain=_Chain(), in_scan=True)  # a new trace
 
     def step(carry_in, xs_in):
         vals = list(consts) + list(carry_in)
