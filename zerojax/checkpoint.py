@@ -234,8 +234,13 @@ class CheckpointManager:
                 compute = part.pad_tree(compute, lays)
             return compute, MasterState(w, inner_state)
 
-        params, opt_state = jax.jit(build, out_shardings=(param_sh, opt_sh))(weights,
-                                                                           inner_state)
+        if mixed:
+            # the restored buffers are donated: the master and the moments pass through
+            # in place, only the compute copy is new (no second copy of the state)
+            params, opt_state = jax.jit(build, out_shardings=(param_sh, opt_sh),
+                                        donate_argnums=(0, 1))(weights, inner_state)
+        else:  # restored straight into their final layout
+            params, opt_state = jax.device_put((weights, inner_state), (param_sh, opt_sh))
         part.register_logical(params, structs)
         loss_scale = None
         if cfg.loss_scale is not None:

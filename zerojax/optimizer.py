@@ -86,7 +86,23 @@ class ZeroOptimizer:
                 model_specs = specs
         if model_specs is not None:
             self._check_model_specs(params, model_specs)
+            model_specs = self._drop_trivial_axes(model_specs)
         return params, model_specs
+
+    def _drop_trivial_axes(self, model_specs: Any) -> Any:
+        """Model splits over mesh axes of size 1 split nothing: drop them, so the
+        dimension stays free for the ``data`` split (a (2, 512) bias split over a
+        size-1 ``model`` axis is split 512 / N, not padded to (N, 512))."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+
+        def entry(e):
+            if e is None:
+                return None
+            names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if sizes.get(n) != 1)
+            return None if not names else names[0] if len(names) == 1 else names
+
+        return jax.tree.map(lambda spec: P(*(entry(e) for e in spec)), model_specs,
+                            is_leaf=lambda x: isinstance(x, P))
 
     def _check_model_specs(self, params: Any, model_specs: Any) -> None:
         names = set(self.mesh.axis_names)
