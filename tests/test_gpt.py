@@ -106,3 +106,38 @@ def test_bad_tokens_raise():
     params = jax.eval_shape(lambda: gpt_params(model, 0))
     with pytest.raises(ValueError, match="lm_loss expects tokens"):
         jax.eval_shape(lm_loss(model), params, jnp.zeros((2, TINY["seq"] + 2), jnp.int32))
+
+
+@pytest.mark.parametrize("stage,scan", [(0, True), (3, True), (2, False)])
+def test_activation_sharding_constrains_the_residual_stream(run, stage, scan):
+    """GPTConfig(activation_sharding=...) changes layouts only: the same loss under the
+    compiler (params replicated), and the same training under zerojax (where a
+    constraint naming ``data`` holds by construction in the per-device body, and jax's
+    mesh-typed avals after it must not meet the body's manual mesh)."""
+    from jax.sharding import NamedSharding
+
+    params, batches, ref = run
+    mesh = zerojax.make_mesh(data=8)
+    split = NamedSharding(mesh, P("data"))
+    plain = lm_loss(_model(scan=scan))
+    constrained = lm_loss(_model(scan=scan, activation_sharding=split))
+    if scan:
+        batch = jax.device_put(batches[0], split)
+        lowered = jax.jit(constrained).lower(params, batch)
+        # after the embedding, and the scanned block's input and output (one body)
+        assert lowered.as_text().count("sharding_constraint") == 3
+        assert "sharding_constraint" not in jax.jit(plain).lower(params, batch).as_text()
+        np.testing.assert_allclose(lowered.compile()(params, batch),
+                                   jax.jit(plain)(params, batch), rtol=1e-6)
+    else:
+        params = gpt_params(_model(scan=False), 0)
+    opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage)
+    runs = []
+    for loss in (plain, constrained):
+        state = opt.init_state(params)
+        step = opt.train_step(loss)
+        for b in batches[:3]:
+            state, _ = step(state, b)
+        runs.append(opt.full_params(state))
+    # the constraint is dropped in the per-device body: the same program, bit for bit
+    jax.tree.map(np.testing.assert_array_equal, runs[0], runs[1])

@@ -574,7 +574,9 @@ def localize_constraints(closed, manual: frozenset):
     A constraint's entries on manual axes are satisfied by construction (each device
     holds its own block of the batch) and are dropped; its entries on the other axes
     (``model``) keep their meaning. A constraint left with no axis at all, on a mesh
-    whose every axis is manual, is removed (its output is its input). Nested jaxprs
+    whose every axis is manual, is removed (its output is its input); shardings jax
+    wrote into other equations (``broadcast_in_dim``'s ``sharding``, ``out_sharding``)
+    that name no axis but manual ones are cleared the same way. Nested jaxprs
     (scan, remat, cond, while, jit bodies) are rewritten too.
     """
     return _localize_closed(closed, manual)
@@ -607,12 +609,36 @@ def _strip(spec, manual) -> tuple:
     return tuple(out)
 
 
+def _unmeshed(sharding, ndim: int):
+    """An aval's sharding with the mesh left out (what tracing outside any mesh gives)."""
+    from jax.sharding import AbstractMesh
+
+    return NamedSharding(AbstractMesh((), ()), P(*[None] * ndim))
+
+
 def _localize_jaxpr(jaxpr, manual):
     subst: dict = {}
     eqns, changed = [], False
 
+    def fresh(v):
+        """``v`` retyped when its aval names the mesh with nothing on a non-manual axis
+        (jax writes the mesh into the types after a constraint; in the per-device body
+        those Auto axes are manual, and ops mixing both meshes fail)."""
+        sh = getattr(v.aval, "sharding", None)
+        if (isinstance(v, jcore.Literal) or not isinstance(sh, NamedSharding) or sh.mesh.empty
+                or any(e is not None and e is not P.UNCONSTRAINED
+                       for e in _strip(sh.spec, manual))):
+            return v
+        if v not in subst:
+            nv = jcore.Var(v.aval.update(sharding=_unmeshed(sh, v.aval.ndim)))
+            subst[v] = nv
+        return subst[v]
+
     def read(v):
         return subst.get(v, v) if not isinstance(v, jcore.Literal) else v
+
+    binders = [fresh(v) for v in (*jaxpr.constvars, *jaxpr.invars)]
+    changed = any(a is not b for a, b in zip(binders, (*jaxpr.constvars, *jaxpr.invars)))
 
     for eqn in jaxpr.eqns:
         invars = [read(v) for v in eqn.invars]
@@ -628,10 +654,24 @@ def _localize_jaxpr(jaxpr, manual):
             spec = P(*_strip(sharding.spec, manual))
             if spec != sharding.spec:
                 params["sharding"] = NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
-        if invars != list(eqn.invars) or any(params[k] is not eqn.params[k] for k in params):
-            eqn = eqn.replace(invars=invars, params=params)
+        else:
+            # shardings jax wrote into other equations' types (a broadcast after a
+            # constraint carries the mesh's Auto axes): with nothing left on a non-manual
+            # axis they say nothing in the per-device body, where the axes are manual
+            for key in ("sharding", "out_sharding"):
+                sh = params.get(key)
+                if isinstance(sh, NamedSharding) and not any(
+                        e is not None and e is not P.UNCONSTRAINED
+                        for e in _strip(sh.spec, manual)):
+                    params[key] = None
+        outvars = [v if isinstance(v, jcore.DropVar) else fresh(v) for v in eqn.outvars]
+        if (invars != list(eqn.invars) or outvars != list(eqn.outvars)
+                or any(params[k] is not eqn.params[k] for k in params)):
+            eqn = eqn.replace(invars=invars, outvars=outvars, params=params)
             changed = True
         eqns.append(eqn)
     if not changed:
         return jaxpr
-    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+    nc = len(jaxpr.constvars)
+    return jaxpr.replace(constvars=binders[:nc], invars=binders[nc:], eqns=eqns,
+                         outvars=[read(v) for v in jaxpr.outvars])

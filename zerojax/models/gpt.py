@@ -62,6 +62,12 @@ class GPTConfig:
     each block in the backward pass (``nn.remat`` under the ``nn.scan``). scan: stack
     the blocks with ``nn.scan`` (params ``blocks/...`` with a leading layer axis); False
     writes the layers out (``blocks_0``, ``blocks_1``, ... each its own params).
+    activation_sharding: ``None`` (default), or a sharding (a ``NamedSharding``, or a
+    ``PartitionSpec`` under ``jax.set_mesh``) that the residual stream ``(batch, t,
+    hidden)`` is constrained to after the embedding and at each block's input and output
+    (``jax.lax.with_sharding_constraint``), as MaxText's logical activation constraints
+    do; e.g. ``NamedSharding(mesh, P("data"))`` keeps the batch split when params are
+    sharded by ``NamedSharding`` alone and the compiler partitions the step.
     """
 
     vocab: int = 256
@@ -73,6 +79,7 @@ class GPTConfig:
     dtype: Any = jnp.float32
     remat: bool = True
     scan: bool = True
+    activation_sharding: Any = None
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
@@ -127,6 +134,12 @@ def _dense(config: GPTConfig, features: int, kernel: tuple, bias: tuple, name: s
                     bias_init=_zeros(bias), name=name)
 
 
+def _constrain(config: GPTConfig, x: jax.Array) -> jax.Array:
+    if config.activation_sharding is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, config.activation_sharding)
+
+
 class Block(nn.Module):
     """One pre-LayerNorm decoder block; ``(x, _) -> (x, None)`` for ``nn.scan``."""
 
@@ -135,7 +148,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         cfg = self.config
-        x = checkpoint_name(x, "layer_input")
+        x = checkpoint_name(_constrain(cfg, x), "layer_input")
         b, t, _h = x.shape
         # GPT-2 scales the residual-output projections by 1/sqrt(2 * layers).
         out_std = _INIT_STD / (2 * cfg.layers) ** 0.5
@@ -158,7 +171,7 @@ class Block(nn.Module):
         h = _dense(cfg, cfg.mlp_hidden, (None, "model"), ("model",), "mlp_in")(h)
         h = nn.gelu(h)
         x = x + _dense(cfg, cfg.hidden, ("model", None), (None,), "mlp_out", out_std)(h)
-        return x, None
+        return _constrain(cfg, x), None
 
 
 class GPT(nn.Module):
@@ -178,7 +191,7 @@ class GPT(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
                          embedding_init=_init(("model", None)), name="embed")
         pos = self.param("pos_embed", _init((None, None)), (cfg.seq, cfg.hidden), jnp.float32)
-        x = embed(tokens) + pos[:t].astype(cfg.dtype)
+        x = _constrain(cfg, embed(tokens) + pos[:t].astype(cfg.dtype))
 
         if cfg.scan:
             block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
@@ -198,12 +211,20 @@ def _dummy_tokens(model: GPT) -> jax.Array:
     return jnp.zeros((1, model.config.seq), jnp.int32)
 
 
+def _unconstrained(model: GPT) -> GPT:
+    """``model`` without activation constraints (the same params; a batch of one dummy
+    sequence could not be split)."""
+    if model.config.activation_sharding is None:
+        return model
+    return GPT(dataclasses.replace(model.config, activation_sharding=None))
+
+
 def gpt_params(model: GPT, rng: jax.Array | int = 0) -> Any:
     """Initialised ``params`` of ``model`` as a plain pytree of arrays (the
     ``nn.Partitioned`` boxes removed), ready for ``zerojax.zero(...).init_state``."""
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    variables = model.init(rng, _dummy_tokens(model))
+    variables = _unconstrained(model).init(rng, _dummy_tokens(model))
     return nn.meta.unbox(variables["params"])
 
 
@@ -212,7 +233,7 @@ def gpt_param_specs(model: GPT, rng: jax.Array | int = 0) -> Any:
     metadata (no arrays are materialised). Same tree structure as :func:`gpt_params`."""
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    variables = jax.eval_shape(model.init, rng, _dummy_tokens(model))
+    variables = jax.eval_shape(_unconstrained(model).init, rng, _dummy_tokens(model))
     return nn.get_partition_spec(variables["params"])
 
 
