@@ -16,9 +16,11 @@ def table():
     import contextlib
     import io
 
+    from zerojax.cli import main as zerojax_main
+
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert bench.main(SMALL) == 0
+    with contextlib.redirect_stdout(out):  # through the console script's entry point
+        assert zerojax_main(["bench", *SMALL]) == 0
     text = out.getvalue()
     rows = {}
     for line in text.splitlines():

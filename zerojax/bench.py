@@ -80,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
                    choices=[0, 1, 2, 3], help="zerojax stages to run")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run first")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (on stderr)")
     return p
 
 
@@ -189,11 +191,18 @@ def run(args: argparse.Namespace) -> int:
                                dtype=jnp.int32)
     tx = optax.adam(args.lr)
 
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=3 + len(args.stages) + args.warmup + args.steps, desc="compiling",
+               unit="", disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
+               file=sys.stderr, leave=False)
     runs: list[_Run] = []
     one = SingleDeviceSharding(jax.devices()[0])
     runs.append(_plain_run(RUN_NAMES[0], tx, loss_fn, params, batch, one, one, one))
+    bar.update()
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     runs.append(_plain_run(RUN_NAMES[1], tx, loss_fn, params, batch, rep, rep, split))
+    bar.update()
     specs = jax.tree.map(lambda x: fsdp_spec(x.shape, n, args.hidden), params)
     opt_specs = optax.tree_map_params(tx, lambda _, s: s, tx.init(params), specs,
                                       transform_non_params=lambda _: P(),
@@ -206,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     fsdp_loss = lm_loss(GPT(dataclasses.replace(cfg, activation_sharding=split)))
     runs.append(_plain_run(RUN_NAMES[2], tx, fsdp_loss, params, batch, as_sh(specs),
                            as_sh(opt_specs), split))
+    bar.update()
     for stage in args.stages:
         opt = zerojax.zero(tx, mesh, stage=stage)
         step = opt.train_step(loss_fn)
@@ -222,14 +232,18 @@ def run(args: argparse.Namespace) -> int:
                          lambda box=box, opt=opt: opt.full_params(box["state"]),
                          device_bytes(box["state"].params, dev)
                          + device_bytes(box["state"].opt_state, dev)))
+        bar.update()
 
+    bar.set_description("stepping (all runs in turn)")
     for i in range(args.warmup + args.steps):
         for r in runs:
             start = time.perf_counter()
             jax.block_until_ready(r.advance())
             if i >= args.warmup:
                 r.times.append(time.perf_counter() - start)
+        bar.update()
 
+    bar.close()
     reference = jax.tree.map(lambda x: jax.device_get(x).astype("float64"), runs[0].params())
 
     def max_diff(tree) -> float:  # in units of the learning rate
