@@ -49,7 +49,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 RUN_NAMES = ("optax, 1 device", "jit DP", "FSDP (MaxText-style)")
