@@ -74,7 +74,7 @@ def test_every_run_trains_like_one_device(table):
 def test_bad_arguments_exit_2(capsys):
     for argv, message in [(["--batch", "12"], "multiple of --devices"),
                           (["--hidden", "30", "--heads", "4"], "multiple of --heads"),
-                          (["--steps", "0"], "--steps must be positive"),
+                          (["--steps", "0"], "argument --steps: '0' must be >= 1"),
                           (["--stages", "4"], "invalid choice")]:
         with pytest.raises(SystemExit) as e:
             bench.main(argv)

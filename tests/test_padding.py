@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import max_rel_err, reference_run
 
 import zerojax
 
@@ -50,18 +51,7 @@ def batches(n=STEPS, rows=16):
 
 
 def single_device(tx):
-    dev = jax.devices()[0]
-    p = jax.device_put(params(), dev)
-    s = tx.init(p)
-
-    @jax.jit
-    def step(p, s, b):
-        u, s = tx.update(jax.grad(loss)(p, b), s, p)
-        return optax.apply_updates(p, u), s
-
-    for b in batches():
-        p, s = step(p, s, jax.device_put(b, dev))
-    return p
+    return reference_run(tx, params(), loss, batches())
 
 
 def jit_data_parallel(tx, n):
@@ -81,11 +71,6 @@ def jit_data_parallel(tx, n):
     for b in batches():
         p, s = step(p, s, jax.device_put(b, NamedSharding(mesh, P("data"))))
     return p
-
-
-def max_rel_err(ref, got):
-    return max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(a)))
-               for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)))
 
 
 def device0_bytes(tree) -> int:

@@ -52,6 +52,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from zerojax.cli import positive_int
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 RUN_NAMES = ("optax, 1 device", "jit DP", "FSDP (MaxText-style)")
 
@@ -64,22 +66,22 @@ def parser() -> argparse.ArgumentParser:
         prog="zerojax bench", description=__doc__.split("\n\n")[0],
         epilog="Step times on simulated CPU devices compare the programs, not hardware.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--devices", type=int, default=8,
+    p.add_argument("--devices", type=positive_int, default=8,
                    help=f"simulated CPU devices (unless XLA_FLAGS sets {DEVICE_COUNT_FLAG} "
                         "or jax has already started); all of them form the data axis")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=256, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
-    p.add_argument("--batch", type=int, default=32,
+    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=positive_int, default=256, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--vocab", type=positive_int, default=256, help="vocabulary size")
+    p.add_argument("--batch", type=positive_int, default=32,
                    help="global batch (sequences); a multiple of --devices")
     p.add_argument("--unrolled", action="store_true",
                    help="written-out layers instead of one scanned block")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
                    choices=[0, 1, 2, 3], help="zerojax stages to run")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run first")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (on stderr)")
@@ -87,9 +89,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("devices", "layers", "hidden", "heads", "seq", "vocab", "batch", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.hidden % args.heads:
@@ -224,8 +223,8 @@ def run(args: argparse.Namespace) -> int:
         placed = step.place_batch(batch)
         compiled = step.lower(box["state"], placed).compile()
 
-        def advance(box=box, step=step, placed=placed):
-            box["state"], metrics = step(box["state"], placed)
+        def advance(box=box, compiled=compiled, placed=placed):  # the program measured
+            box["state"], metrics = compiled(box["state"], placed, None)
             return box["state"], metrics
 
         dev = mesh.devices.flat[0]

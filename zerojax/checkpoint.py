@@ -225,9 +225,7 @@ class CheckpointManager:
         param_sh = part.shardings(mesh, specs.params)
         opt_sh = part.shardings(mesh, specs.opt_state)
 
-        def build(w, inner_state):
-            if not mixed:
-                return w, inner_state
+        def build(w, inner_state):  # mixed precision: the compute copy from the master
             logical = part.unpad_tree(w, w_lays) if w_split else w
             compute = jax.tree.map(lambda x: x.astype(cfg.param_dtype), logical)
             if cfg.stage == 3:

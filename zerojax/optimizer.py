@@ -93,15 +93,9 @@ class ZeroOptimizer:
         """Model splits over mesh axes of size 1 split nothing: drop them, so the
         dimension stays free for the ``data`` split (a (2, 512) bias split over a
         size-1 ``model`` axis is split 512 / N, not padded to (N, 512))."""
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
-
-        def entry(e):
-            if e is None:
-                return None
-            names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if sizes.get(n) != 1)
-            return None if not names else names[0] if len(names) == 1 else names
-
-        return jax.tree.map(lambda spec: P(*(entry(e) for e in spec)), model_specs,
+        trivial = {a for a, size in zip(self.mesh.axis_names, self.mesh.devices.shape)
+                   if size == 1}
+        return jax.tree.map(lambda spec: P(*part.drop_axes(spec, trivial)), model_specs,
                             is_leaf=lambda x: isinstance(x, P))
 
     def _check_model_specs(self, params: Any, model_specs: Any) -> None:

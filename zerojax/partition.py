@@ -111,6 +111,20 @@ class LeafLayout:
         return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=self.dim)
 
 
+def drop_axes(spec: Any, names: Any) -> tuple:
+    """``spec``'s entries without the mesh axes in ``names``: an entry left with no axis
+    is ``None``, a tuple of one is that name; ``None`` and ``P.UNCONSTRAINED`` stay."""
+    out = []
+    for entry in tuple(spec):
+        if entry is None or entry is P.UNCONSTRAINED:
+            out.append(entry)
+            continue
+        kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                     if a not in names)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(out)
+
+
 def choose_dim(shape: tuple[int, ...], n: int, min_shard_size: int,
                taken: tuple = ()) -> int | None:
     """The dimension of ``shape`` to split ``n`` ways, or None to replicate.

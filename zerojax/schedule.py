@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from zerojax.activations import (
     LAYER_INPUT,
@@ -48,6 +48,7 @@ from zerojax.activations import (
     partition_activation,
 )
 from zerojax.collectives import after, make_param_use
+from zerojax.partition import drop_axes
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call"}
 _REMAT = {"remat2", "checkpoint"}
@@ -138,7 +139,7 @@ def _remesh(v, mesh):
             and v.mesh != mesh and v.mesh.axis_names == mesh.axis_names):
         manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
                   if t == jax.sharding.AxisType.Manual}
-        return NamedSharding(mesh, P(*_strip(v.spec, manual)), memory_kind=v.memory_kind)
+        return NamedSharding(mesh, P(*drop_axes(v.spec, manual)), memory_kind=v.memory_kind)
     return v
 
 
@@ -597,41 +598,28 @@ def _localize_param(v, manual):
     return v
 
 
-def _strip(spec, manual) -> tuple:
-    out = []
-    for entry in tuple(spec):
-        if entry is None or entry is P.UNCONSTRAINED:
-            out.append(entry)
-            continue
-        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                      if a not in manual)
-        out.append(None if not names else names[0] if len(names) == 1 else names)
-    return tuple(out)
-
-
-def _unmeshed(sharding, ndim: int):
-    """An aval's sharding with the mesh left out (what tracing outside any mesh gives)."""
-    from jax.sharding import AbstractMesh
-
-    return NamedSharding(AbstractMesh((), ()), P(*[None] * ndim))
+def _manual_only(sharding, manual) -> bool:
+    """A ``NamedSharding`` on a mesh that names no axis outside ``manual``: what jax
+    writes into types and equations after a constraint. In the per-device body those
+    axes are manual, and ops mixing its (Auto) mesh with the body's fail."""
+    return (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+            and all(e is None or e is P.UNCONSTRAINED
+                    for e in drop_axes(sharding.spec, manual)))
 
 
 def _localize_jaxpr(jaxpr, manual):
     subst: dict = {}
-    eqns, changed = [], False
+    eqns: list = []
 
     def fresh(v):
-        """``v`` retyped when its aval names the mesh with nothing on a non-manual axis
-        (jax writes the mesh into the types after a constraint; in the per-device body
-        those Auto axes are manual, and ops mixing both meshes fail)."""
-        sh = getattr(v.aval, "sharding", None)
-        if (isinstance(v, jcore.Literal) or not isinstance(sh, NamedSharding) or sh.mesh.empty
-                or any(e is not None and e is not P.UNCONSTRAINED
-                       for e in _strip(sh.spec, manual))):
+        """``v`` retyped without the mesh (as traced outside any mesh) when its type
+        carries a manual-only sharding."""
+        if isinstance(v, jcore.Literal) or not _manual_only(
+                getattr(v.aval, "sharding", None), manual):
             return v
         if v not in subst:
-            nv = jcore.Var(v.aval.update(sharding=_unmeshed(sh, v.aval.ndim)))
-            subst[v] = nv
+            unmeshed = NamedSharding(AbstractMesh((), ()), P(*[None] * v.aval.ndim))
+            subst[v] = jcore.Var(v.aval.update(sharding=unmeshed))
         return subst[v]
 
     def read(v):
@@ -651,18 +639,13 @@ def _localize_jaxpr(jaxpr, manual):
                 subst[eqn.outvars[0]] = invars[0]
                 changed = True
                 continue
-            spec = P(*_strip(sharding.spec, manual))
+            spec = P(*drop_axes(sharding.spec, manual))
             if spec != sharding.spec:
                 params["sharding"] = NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
         else:
-            # shardings jax wrote into other equations' types (a broadcast after a
-            # constraint carries the mesh's Auto axes): with nothing left on a non-manual
-            # axis they say nothing in the per-device body, where the axes are manual
+            # the same in other equations' parameters (a broadcast after a constraint)
             for key in ("sharding", "out_sharding"):
-                sh = params.get(key)
-                if isinstance(sh, NamedSharding) and not any(
-                        e is not None and e is not P.UNCONSTRAINED
-                        for e in _strip(sh.spec, manual)):
+                if _manual_only(params.get(key), manual):
                     params[key] = None
         outvars = [v if isinstance(v, jcore.DropVar) else fresh(v) for v in eqn.outvars]
         if (invars != list(eqn.invars) or outvars != list(eqn.outvars)
