@@ -95,6 +95,7 @@ def test_block_input_named_and_remat_optional():
     (dict(vocab=64.0), "vocab must be an int"),
     (dict(dtype=jnp.int32), "floating dtype"),
     (dict(remat="yes"), "remat must be a bool"),
+    (dict(activation_sharding="data"), "activation_sharding must be None, a jax.sharding"),
 ])
 def test_bad_config_raises(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -103,6 +103,13 @@ class GPTConfig:
         for name in ("remat", "scan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        sharding = self.activation_sharding
+        if sharding is not None and not isinstance(
+                sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+            raise ValueError(
+                f"GPTConfig.activation_sharding must be None, a jax.sharding.Sharding (e.g. "
+                f"NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
+                f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
 
     @property
     def head_dim(self) -> int:
