@@ -19,7 +19,7 @@ _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
 # Submodules reachable as attributes after a plain `import zerojax`, as the README writes
 # them (`zerojax.distributed.initialize()`, `zerojax.analysis.compiled_memory(...)`):
 # imported on first use, so `import zerojax` stays light (no orbax, no launcher).
-_SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat",
+_SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat", "export",
                "config", "distributed", "mesh", "models", "optimizer", "partition",
                "schedule", "state", "step")
 
@@ -27,9 +27,9 @@ _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "c
 def __getattr__(name):
     # checkpoints import orbax (slow to import); only when asked for
     if name in _CHECKPOINT:
-        from zerojax import checkpoint
+        from zerojax import checkpoint, export
 
-        return getattr(checkpoint, name)
+        return getattr(export if name != "CheckpointManager" else checkpoint, name)
     if name in _SUBMODULES:
         return importlib.import_module(f"zerojax.{name}")
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

@@ -170,7 +170,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from zerojax.checkpoint import CheckpointManager, export_params
+    from zerojax.checkpoint import CheckpointManager
+    from zerojax.export import export_params
 
     if not os.path.isdir(args.ckpt_dir):
         print(f"zerojax export: {args.ckpt_dir} is not a directory (pass the directory "
