@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.checkpoint import _resolve
 
+
 def _name(path) -> str:
     """``blocks.qkv.kernel`` for the key path ``['blocks']['qkv']['kernel']``."""
     parts = []
