@@ -18,7 +18,7 @@ import pytest
 from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 import zerojax
-from zerojax.checkpoint import CheckpointManager, export_params, load_params
+from zerojax.checkpoint import CheckpointError, CheckpointManager, export_params, load_params
 
 HERE = pathlib.Path(__file__).resolve().parent
 BATCHES = regression_batches(10)
@@ -265,7 +265,7 @@ def test_export_streams_leaf_by_leaf(tmp_path):
 
 def test_errors_name_the_leaf_and_the_directory(tmp_path):
     opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=1, min_shard_size=16)
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint.*holds"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint.*does not exist"):
         CheckpointManager(tmp_path / "empty").restore(opt, like=awkward_params())
     mgr = CheckpointManager(tmp_path / "run")
     mgr.save(3, opt.init_state(awkward_params()))
@@ -441,3 +441,153 @@ def test_latest_step_right_after_an_async_save_sees_it(tmp_path):
         restored = mgr.restore(opt, like=awkward_params())
         assert int(restored.step) == int(state.step)
     mgr.close()  # closing twice is fine
+
+
+# -- issue 17: no step dropped or overwritten silently, foreign entries, integrity ------
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A stage-3 Adam state of the awkward params, and a second one with other values."""
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3, min_shard_size=16)
+    a = opt.init_state(awkward_params(0))
+    b = opt.init_state(awkward_params(1))
+    return opt, a, b
+
+
+def _full(opt, state):
+    return [np.asarray(x) for x in jax.tree.leaves(opt.full_params(state))]
+
+
+def _same(opt, x, y):
+    for u, v in zip(_full(opt, x), _full(opt, y)):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_saving_an_existing_or_lower_step_raises_or_rolls_back(tmp_path, small):
+    opt, a, b = small
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    for s in (2, 3, 4):
+        mgr.save(s, a)
+    with pytest.raises(CheckpointError, match=r"step 4 exists.*nothing was written.*overwrite"):
+        mgr.save(4, b)
+    with pytest.raises(CheckpointError, match=r"step 1 is below the newest step 4.*\[2, 3, 4\]"):
+        mgr.save(1, b)
+    assert mgr.all_steps() == [2, 3, 4]
+    _same(opt, mgr.restore(opt, like=awkward_params(), step=4), a)
+    # a rollback: resumed from step 2, the new run saves step 3 again
+    mgr.save(3, b, overwrite=True)
+    assert mgr.all_steps() == [2, 3]
+    _same(opt, mgr.restore(opt, like=awkward_params()), b)
+    mgr.save(3, a, overwrite=True)  # the same step replaced on purpose
+    _same(opt, mgr.restore(opt, like=awkward_params(), step=3), a)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".zerojax")]
+
+
+def test_foreign_entries_are_never_listed_pruned_or_in_the_way(tmp_path, small):
+    opt, a, _ = small
+    for name in ("1", "2", "7", "12"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+    (tmp_path / "5").write_text("a file named like a step")
+    with pytest.warns(UserWarning, match=r"did not write: \['1', '12', '2', '5', '7'\]"):
+        mgr = CheckpointManager(tmp_path, max_to_keep=1)
+        assert mgr.all_steps() == []
+        for s in (3, 4):
+            mgr.save(s, a)
+        assert mgr.all_steps() == [4]
+    for name in ("1", "2", "7", "12"):
+        assert (tmp_path / name / "notes.txt").read_text() == "mine"
+    assert mgr.latest_step() == 4
+
+
+def _largest_data_file(step_dir):
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "empty_meta"])
+def test_a_damaged_step_names_itself_and_the_previous_one_restores(tmp_path, small, damage):
+    opt, a, b = small
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    mgr.save(1, a)
+    mgr.save(2, b)
+    mgr.wait()
+    step2 = tmp_path / "2"
+    if damage == "flip":
+        f = _largest_data_file(step2)
+        data = bytearray(f.read_bytes())
+        mid = len(data) // 2
+        data[mid:mid + 8] = bytes(x ^ 0xFF for x in data[mid:mid + 8])
+        f.write_bytes(bytes(data))
+        want = rf"step 2 .* damaged: file {f.relative_to(step2)} fails its checksum"
+    elif damage == "truncate":
+        f = _largest_data_file(step2)
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        want = rf"step 2 .* damaged: file {f.relative_to(step2)} has \d+ bytes, \d+ were written"
+    elif damage == "delete":
+        f = next((step2 / "state").rglob("manifest.ocdbt"))
+        f.unlink()
+        want = rf"step 2 .* damaged: its file {f.relative_to(step2)} is missing"
+    else:
+        (step2 / "meta.json").write_text("")
+        want = r"step 2 .* damaged: (file )?meta.json (is not valid JSON|has 0 bytes)"
+    with pytest.raises(CheckpointError, match=want):
+        mgr.restore(opt, like=awkward_params())
+    with pytest.warns(UserWarning, match="skipping step 2"):
+        assert mgr.latest_step(verify=True) == 1
+    _same(opt, mgr.restore(opt, like=awkward_params(), step=1), a)
+
+
+def test_restore_argument_errors_name_the_cause(tmp_path, small):
+    opt, a, _ = small
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(4, a)
+    with pytest.raises(TypeError, match=r"step='4' must be a non-negative int"):
+        mgr.restore(opt, like=awkward_params(), step="4")
+    other = zerojax.zero(optax.adabelief(1e-2), zerojax.make_mesh(data=8), stage=3,
+                         min_shard_size=16)
+    with pytest.raises(ValueError, match=r"another optimizer: saved \['ScaleByAdamState'.*"
+                                         r"ScaleByBeliefState"):
+        mgr.restore(other, like=awkward_params())
+    with pytest.raises(TypeError, match="step=-1"):
+        mgr.save(-1, a)
+
+
+def test_a_static_loss_scale_wins_over_the_saved_one(tmp_path):
+    def make(loss_scale):
+        return zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=2,
+                            min_shard_size=16, param_dtype=jnp.float16, loss_scale=loss_scale)
+
+    saved = make("auto")
+    state = saved.init_state(awkward_params())
+    assert float(state.loss_scale.scale) == 2.0**15
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state)
+        static = mgr.restore(make(128.0), like=awkward_params())
+        assert float(static.loss_scale.scale) == 128.0
+        dynamic = mgr.restore(make("auto"), like=awkward_params())
+        assert float(dynamic.loss_scale.scale) == 2.0**15
+
+
+def test_extra_is_per_process_and_a_failed_save_is_not_silent(tmp_path, small, monkeypatch):
+    from zerojax import checkpoint
+
+    opt, a, _ = small
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, a, extra={"data_position": 7})
+    assert mgr.extra() == {"data_position": 7} == mgr.extra(1, process=0)
+    with pytest.raises(FileNotFoundError, match="no extra of process 1.*saved by 1 process"):
+        mgr.extra(1, process=1)
+
+    def broken(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "_checksums", broken)
+    mgr.save(2, a)
+    with pytest.raises(CheckpointError, match="step is NOT saved.*disk full"):
+        mgr.wait()
+    monkeypatch.undo()
+    assert mgr.all_steps() == [1]
+    mgr.save(2, a)  # the failed step's leftovers do not stand in the way
+    assert mgr.all_steps() == [1, 2]

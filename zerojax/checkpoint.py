@@ -1,18 +1,30 @@
 """Sharded checkpoints: save a TrainState as each device's own shards, restore it onto
 any mesh, data or model degree, stage or ``param_dtype``; export whole params.
 
-orbax-checkpoint underneath (tensorstore, OCDBT): every device writes only the shards
-it holds, saves are asynchronous by default, a step directory appears only once it is
-complete (orbax writes to a temporary directory and renames it), and ``max_to_keep``
-prunes old steps.
+On disk (format 2)::
 
-What is saved (one orbax PyTree item ``state`` plus a JSON item ``meta``):
+    DIRECTORY/
+      12/                          a complete step: only this manager's, never anything else
+        zerojax.json               the marker, written last: format, step, every file's
+                                   size and CRC-32 (the integrity check)
+        meta.json                  saving configuration, params shapes, optimizer state kinds
+        extra.process-0.json ...   each process's ``extra``
+        state/                     orbax PyTree item (tensorstore OCDBT): each device's shards
+      .zerojax-tmp-13/             a save in progress (renamed to ``13`` when complete)
 
-* ``step``; ``params`` as stored (stage 3: each leaf's padded split, see
-  :mod:`zerojax.partition`); ``master`` (the fp32 master weights, with
-  ``param_dtype``); ``inner`` (the wrapped optax state); ``loss_scale``;
-* ``meta``: the saving configuration (stage, data degree, dtypes), each params
-  leaf's stored shape and dtype, and the user's ``extra``.
+orbax-checkpoint writes the arrays (every device writes only the shards it holds,
+asynchronously by default); zerojax manages the steps: a step directory appears only
+when everything in it is written and checksummed (a temporary directory renamed into
+place by process 0), only directories holding a zerojax marker count as steps (other
+entries are reported and never listed, pruned or deleted), a step is never overwritten
+or dropped silently (``save`` of an existing step, or of one below the newest, raises
+unless ``overwrite=True``), and ``restore`` verifies each file's checksum first (a
+damaged file is named with its step). Steps written by zerojax's first format (orbax's
+own CheckpointManager layout) are still listed and restored, without checksums.
+
+What is saved in ``state``: ``step``; ``params`` as stored (stage 3: each leaf's padded
+split, see :mod:`zerojax.partition`); ``master`` (the fp32 master weights, with
+``param_dtype``); ``inner`` (the wrapped optax state); ``loss_scale``.
 
 Restore never reuses the saved layout. It builds the target from the *new* optimizer
 (:meth:`ZeroOptimizer.layouts` / ``specs`` on ``like``'s shapes) and asks orbax for
@@ -23,15 +35,26 @@ stored shape, cutting or zero-filling the padding (``ArrayRestoreArgs(global_sha
 strict=False)``); the padding is always zeros, so nothing real is cut or invented.
 The fp32 truth is the master weights when they were saved, else the params; the
 target's params (and master, with ``param_dtype``) are made from it.
+
+Multi-process: ``save`` and ``restore`` are collective (every process calls them with
+the same step); the constructor, ``all_steps``, ``latest_step``, ``meta``, ``extra``
+and :func:`zerojax.export_params` read files only and work from any one process. The
+directory must be one file system shared by every process.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import json
 import os
+import re
+import shutil
 import sys
 import threading
+import time
+import warnings
+import zlib
 from typing import Any
 
 import jax
@@ -43,7 +66,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax import distributed, partition as part
 from zerojax.state import LossScaleState, MasterState, TrainState
 
-FORMAT = 1
+FORMAT = 2
+MARKER = "zerojax.json"
+_TMP = ".zerojax-tmp-"
+_DELETE = ".zerojax-delete-"
+_CHUNK = 16 << 20
+_COMMIT_TIMEOUT = float(os.environ.get("ZEROJAX_CHECKPOINT_COMMIT_TIMEOUT", 1800))
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint step that is damaged (a file missing, truncated or changed) or that
+    cannot be written as asked."""
 
 
 def _paths(tree) -> dict:
@@ -60,22 +93,128 @@ def _data_size(state: TrainState) -> int:
     return 1
 
 
+def _state_kinds(tree, is_leaf=None) -> list[str]:
+    """The optax state's node types, in order (``ScaleByAdamState``, ``EmptyState``...):
+    what tells adam's state from adabelief's when their shapes agree."""
+    kinds: list[str] = []
+
+    def walk(x):
+        if is_leaf is not None and is_leaf(x):
+            return
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            kinds.append(type(x).__name__)
+            for v in x:
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict) and x and all(isinstance(v, (tuple, list)) and hasattr(
+                v, "_fields") for v in x.values()):  # optax.multi_transform's inner states
+            for k in sorted(x, key=str):
+                walk(x[k])
+
+    walk(tree)
+    return kinds
+
+
+def _check_step(step, what: str = "step") -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise TypeError(f"{what}={step!r} must be a non-negative int (a training step).")
+    return int(step)
+
+
+def _read_json(path: str, step: int, directory: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint step {step} in {directory} is damaged: "
+                              f"{os.path.relpath(path, directory)} is missing.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint step {step} in {directory} is damaged: "
+                              f"{os.path.relpath(path, directory)} is not valid JSON ({e})."
+                              ) from None
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _crc(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL: files are hashed in parallel
+            size += len(chunk)
+    return size, crc
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for r, _, fs in os.walk(root):
+        out += [os.path.relpath(os.path.join(r, f), root) for f in fs]
+    return sorted(out)
+
+
+def _checksums(root: str, names: list[str]) -> dict[str, list[int]]:
+    with concurrent.futures.ThreadPoolExecutor(min(16, (os.cpu_count() or 2) + 1)) as ex:
+        sums = list(ex.map(lambda n: _crc(os.path.join(root, n)), names))
+    return {n: [size, crc] for n, (size, crc) in zip(names, sums)}
+
+
+def _sync(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap memory back to the system (glibc keeps freed blocks of large
+    buffers in per-thread arenas otherwise, and the resident size climbs save after
+    save); a no-op where ``malloc_trim`` does not exist."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
 def _finish_at_exit(manager: CheckpointManager) -> None:
     """Finish ``manager``'s pending writes when the interpreter exits (a script that
     ends right after ``save``, or raises). Registered with threading's exit hooks after
     the first save, when orbax's executor exists: they run in reverse order, so this
     runs before concurrent.futures refuses new work, which orbax's background commit
-    needs (a plain atexit hook runs too late and leaves ``*.orbax-checkpoint-tmp``)."""
+    needs (a plain atexit hook runs too late and leaves a temporary directory)."""
     # A strong reference: `CheckpointManager(d).save(step, state)` as the script's last
     # line drops the manager at once, and its writes must still finish.
     def finish():
         if manager._closed:
             return
         try:
-            manager._mgr.wait_until_finished()
+            manager.wait()
         except Exception as e:  # say so: a lost step must not pass silently
             print(f"zerojax.CheckpointManager({manager.directory!r}): pending saves could not "
-                  f"be finished at exit: {e}", file=sys.stderr, flush=True)
+                  f"be finished at exit, the step is NOT saved: {e}", file=sys.stderr,
+                  flush=True)
+            os._exit(distributed.EXIT_FAILURE)
 
     register = getattr(threading, "_register_atexit", None)
     try:
@@ -89,31 +228,44 @@ class CheckpointManager:
     sub-directory per step).
 
     Args:
-      directory: where the steps go (created if missing).
-      max_to_keep: keep the newest this many complete steps (None: all).
+      directory: where the steps go (created at the first save).
+      max_to_keep: keep the newest this many complete steps (None: all). Only steps
+        this class wrote are ever pruned.
       async_save: ``save`` returns once the arrays are copied off the devices and the
         bytes are written in the background (``wait()`` blocks until they are on disk);
         False: ``save`` returns when the step is on disk.
 
     A save is not lost when the script ends right after it (returns or raises): pending
-    writes are finished when the interpreter exits. ``all_steps``, ``latest_step`` and
-    ``restore`` wait for this manager's pending saves first. As a context manager
-    (``with CheckpointManager(d) as mgr:``) it is closed, waiting, at the block's end.
+    writes are finished when the interpreter exits (or it exits non-zero saying the
+    step was not written). ``all_steps``, ``latest_step`` and ``restore`` wait for this
+    manager's pending saves first. As a context manager (``with CheckpointManager(d) as
+    mgr:``) it is closed, waiting, at the block's end.
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
-                 async_save: bool = True):
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+                 async_save: bool = True, _reader: bool = False):
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(
+                max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive int or None.")
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
-        self._mgr = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(f"checkpoint directory {self.directory} is a file.")
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self._ckptr = None  # orbax's, made at the first save
+        self._commit: threading.Thread | None = None
+        self._commit_error: BaseException | None = None
+        self._saves = 0
         self._closed = False
         self._exit_hook = False
+        self._warned_foreign = False
+        if not _reader:  # SIGTERM is noticed (reached_preemption), not fatal at once
+            try:
+                from zerojax import preemption
+            except ImportError:  # TODO(issue 17): zerojax.preemption lands
+                preemption = None
+            if preemption is not None:
+                preemption.install()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -121,63 +273,288 @@ class CheckpointManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep})"
+
+    # -- the steps on disk ------------------------------------------------------------
+    def _scan(self) -> dict[int, int]:
+        """``{step: format}`` of the complete steps this class wrote; warns (once) about
+        anything else found in the directory."""
+        steps, foreign = {}, []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return {}
+        for name in names:
+            path = os.path.join(self.directory, name)
+            if name.startswith((_TMP, _DELETE)):
+                continue
+            fmt = None
+            if re.fullmatch(r"0|[1-9][0-9]*", name) and os.path.isdir(path):
+                if os.path.isfile(os.path.join(path, MARKER)):
+                    fmt = FORMAT
+                elif (os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) and
+                      os.path.isfile(os.path.join(path, "meta", "metadata")) and
+                      os.path.isdir(os.path.join(path, "state"))):
+                    fmt = 1  # zerojax's first format: orbax CheckpointManager's layout
+            if fmt is None:
+                foreign.append(name)
+            else:
+                steps[int(name)] = fmt
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            warnings.warn(
+                f"{self.directory} holds entries zerojax did not write: {sorted(foreign)[:10]}"
+                f"{' ...' if len(foreign) > 10 else ''}. They are not checkpoint steps and "
+                "are never listed, pruned or deleted; keep other files elsewhere.",
+                stacklevel=3)
+        return steps
+
+    def wait(self) -> None:
+        """Block until every save started so far is on disk (complete and checksummed);
+        raises if the last one failed (the step is then not saved)."""
+        distributed.note_progress()  # a long write is not a stalled process
+        t = self._commit
+        if t is not None:
+            t.join()
+            self._commit = None
+        distributed.note_progress()
+        err, self._commit_error = self._commit_error, None
+        if err is not None:
+            raise CheckpointError(f"a save in {self.directory} failed; that step is NOT "
+                                  f"saved: {type(err).__name__}: {err}") from err
+
+    def all_steps(self) -> list[int]:
+        """The complete steps on disk, oldest first (after this manager's pending saves
+        are written). Reads files only: any one process may call it."""
+        self.wait()
+        return sorted(self._scan())
+
+    def latest_step(self, verify: bool = False) -> int | None:
+        """The newest complete step (None if there is none). ``verify=True``: the newest
+        that passes its integrity check (every file's size and CRC-32, reading them all),
+        skipping damaged ones."""
+        steps = self.all_steps()
+        if not verify:
+            return steps[-1] if steps else None
+        for s in reversed(steps):
+            try:
+                self.verify(s)
+                return s
+            except CheckpointError as e:
+                warnings.warn(f"skipping step {s}: {e}", stacklevel=2)
+        return None
+
+    def verify(self, step: int | None = None) -> None:
+        """Check every file of ``step`` (default: the newest) against the size and CRC-32
+        written at save time; raises :class:`CheckpointError` naming the step and the
+        file. Steps of zerojax's first format have no checksums and pass."""
+        step = self._step(step)
+        root = os.path.join(self.directory, str(step))
+        if self._scan().get(step) == 1:
+            return
+        marker = _read_json(os.path.join(root, MARKER), step, self.directory)
+        want = marker.get("files")
+        if not isinstance(want, dict):
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: "
+                                  f"{MARKER} lists no files.")
+        for name in want:
+            if not os.path.isfile(os.path.join(root, name)):
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: "
+                                      f"its file {name} is missing.")
+        got = _checksums(root, list(want))
+        for name, (size, crc) in want.items():
+            if got[name][0] != size:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} is damaged: file {name} has "
+                    f"{got[name][0]} bytes, {size} were written (truncated or overwritten).")
+            if got[name][1] != crc:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} is damaged: file {name} "
+                    f"fails its checksum (CRC-32 {got[name][1]:#010x}, written {crc:#010x}):"
+                    " its bytes changed since the save.")
+        extra = sorted(set(_files(root)) - set(want) - {MARKER})
+        if any(not n.startswith("extra.process-") for n in extra):
+            warnings.warn(f"checkpoint step {step} in {self.directory} holds files written "
+                          f"after the save: {extra[:5]}", stacklevel=2)
+
+    def _step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(_nothing_here(self.directory))
+            return steps[-1]
+        step = _check_step(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory}; complete steps: "
+                f"{steps or 'none'}. " + _listing(self.directory))
+        return step
+
+    def meta(self, step: int | None = None) -> dict:
+        """The saving configuration of ``step`` (default: the newest)."""
+        step = self._step(step)
+        root = os.path.join(self.directory, str(step))
+        if self._scan()[step] == 1:
+            return _read_json(os.path.join(root, "meta", "metadata"), step, self.directory)
+        return _read_json(os.path.join(root, "meta.json"), step, self.directory)
+
+    def extra(self, step: int | None = None, process: int | None = None) -> Any:
+        """The ``extra`` this process (or process ``process``) saved with ``step``
+        (default: the newest step). Each process's ``extra`` is kept."""
+        step = self._step(step)
+        meta = self.meta(step)
+        if meta.get("format", 1) == 1:
+            return meta["extra"]
+        process = jax.process_index() if process is None else _check_step(process, "process")
+        path = os.path.join(self.directory, str(step), f"extra.process-{process}.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"checkpoint step {step} in {self.directory} has no extra of process "
+                f"{process}: it was saved by {meta.get('processes')} process(es); pass "
+                "process= to read another's.")
+        return _read_json(path, step, self.directory)
+
     # -- save -----------------------------------------------------------------------
-    def save(self, step: int, state: TrainState, extra: dict | None = None) -> None:
-        """Save ``state`` as step ``step`` (each device writes its own shards).
+    def save(self, step: int, state: TrainState, extra: Any = None, *,
+             overwrite: bool = False) -> None:
+        """Save ``state`` as step ``step`` (each device writes its own shards). Collective:
+        every process calls it with the same step.
 
         ``extra``: small JSON-able metadata of yours (a data-loader position, say),
-        read back with :meth:`extra`.
+        read back with :meth:`extra`; each process keeps its own.
+
+        A step that exists, or one below the newest on disk, raises unless
+        ``overwrite=True``: then, once the new step is complete, it replaces the old one
+        and every newer step is deleted (a rollback: training resumed from an earlier
+        step owns the steps after it; the newer steps of the abandoned run stay until
+        the new step is on disk).
         """
         distributed.note_progress()
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; make a new one to save.")
         if not isinstance(state, TrainState):
             raise TypeError(f"save() takes the zerojax.TrainState, got {type(state).__name__}.")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int.")
+        step = _check_step(step)
         try:
-            json.dumps(extra)
-        except TypeError as e:
+            extra_json = json.dumps(extra)
+        except (TypeError, ValueError) as e:
             raise ValueError(f"extra must be JSON-able (numbers, strings, lists, dicts): {e}"
                              ) from None
+        self.wait()  # one save in flight; and every process sees the same steps below
+        steps = self._scan()
+        newer = sorted(s for s in steps if s >= step)
+        if newer and not overwrite:
+            what = (f"step {step} exists" if step in steps else
+                    f"step {step} is below the newest step {max(steps)}")
+            raise CheckpointError(
+                f"{what} in {self.directory} (complete steps: {sorted(steps)}); nothing was "
+                f"written. Pass overwrite=True to replace step {step} and delete the newer "
+                f"steps {[s for s in newer if s > step]} once it is written (a rollback), "
+                "or save to another directory.")
         mixed = isinstance(state.opt_state, MasterState)
+        inner_state = state.opt_state.inner if mixed else state.opt_state
         tree: dict[str, Any] = {"step": state.step, "params": state.params,
-                                "inner": state.opt_state.inner if mixed else state.opt_state}
+                                "inner": inner_state}
         if mixed:
             tree["master"] = state.opt_state.master
         if state.loss_scale is not None:
             tree["loss_scale"] = dict(state.loss_scale._asdict())
         meta = {
             "format": FORMAT,
+            "step": step,
+            "processes": jax.process_count(),
             "data": _data_size(state),
             "has_master": mixed,
             "has_loss_scale": state.loss_scale is not None,
+            "optimizer_state": _state_kinds(inner_state),
             "params": {k: {"shape": list(shape), "stored": list(x.shape), "dtype": str(x.dtype)}
                        for (k, x), shape in zip(_paths(state.params).items(),
                                                 part.logical_shapes(state.params))},
-            "extra": extra,
+            "extra": extra if jax.process_index() == 0 else None,
         }
-        self._mgr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta)))
+        tmp = os.path.join(self.directory, f"{_TMP}{step}")
+        os.makedirs(tmp, exist_ok=True)
+        me = jax.process_index()
+        with open(os.path.join(tmp, f"extra.process-{me}.json"), "w") as f:
+            f.write(extra_json)
+        if me == 0:
+            _write_json(os.path.join(tmp, "meta.json"), meta)
+        if self._ckptr is None:
+            self._ckptr = (ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer)(
+                ocp.PyTreeCheckpointHandler())
+        self._saves += 1
+        token = f"{step}:{self._saves}"
+        # the blocking part: the device-to-host copies (orbax writes in the background)
+        self._ckptr.save(os.path.join(tmp, "state"), args=ocp.args.PyTreeSave(tree),
+                         force=True)
         if not self._exit_hook:
             _finish_at_exit(self)
             self._exit_hook = True
+        self._commit = threading.Thread(
+            target=self._finish, args=(step, tmp, token, overwrite), daemon=True,
+            name=f"zerojax-checkpoint-{step}")
+        self._commit.start()
+        if not self.async_save:
+            self.wait()
 
-    def wait(self) -> None:
-        """Block until every save started so far is on disk."""
-        distributed.note_progress()  # a long write is not a stalled process
-        self._mgr.wait_until_finished()
-        distributed.note_progress()
+    def _finish(self, step: int, tmp: str, token: str, overwrite: bool) -> None:
+        try:
+            if self.async_save:
+                self._ckptr.wait_until_finished()
+            final = os.path.join(self.directory, str(step))
+            if jax.process_index() == 0:
+                self._publish(step, tmp, final, token, overwrite)
+            else:
+                self._await_publish(step, final, token)
+        except BaseException as e:  # noqa: BLE001 -- handed to wait()
+            self._commit_error = e
+        finally:
+            _release_freed_memory()
 
-    def all_steps(self) -> list[int]:
-        """The complete steps on disk, oldest first (after this manager's pending saves
-        are written)."""
-        if not self._closed:
-            self._mgr.wait_until_finished()
-        self._mgr.reload()
-        return sorted(self._mgr.all_steps())
+    def _publish(self, step: int, tmp: str, final: str, token: str, overwrite: bool) -> None:
+        """Process 0: checksum every file, write the marker, rename into place, prune."""
+        n = jax.process_count()
+        for name in os.listdir(tmp):  # a crashed earlier run's extra of a larger job
+            m = re.fullmatch(r"extra\.process-(\d+)\.json", name)
+            if m and int(m.group(1)) >= n:
+                os.remove(os.path.join(tmp, name))
+        names = [f for f in _files(tmp) if f != MARKER and not f.endswith(".tmp")]
+        marker = {"zerojax_checkpoint": FORMAT, "step": step, "token": token,
+                  "time": time.time(), "files": _checksums(tmp, names)}
+        _write_json(os.path.join(tmp, MARKER), marker)
+        steps = self._scan()
+        doomed = sorted(s for s in steps if s >= step) if overwrite else []
+        for s in doomed:  # out of the way first: a crash here leaves the older steps
+            os.replace(os.path.join(self.directory, str(s)),
+                       os.path.join(self.directory, f"{_DELETE}{s}-{time.time_ns()}"))
+        os.replace(tmp, final)
+        _sync(self.directory)
+        keep = sorted(self._scan())
+        if self.max_to_keep is not None:
+            for s in keep[:-self.max_to_keep]:
+                os.replace(os.path.join(self.directory, str(s)),
+                           os.path.join(self.directory, f"{_DELETE}{s}-{time.time_ns()}"))
+        for name in os.listdir(self.directory):
+            if name.startswith(_DELETE):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
-    def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+    def _await_publish(self, step: int, final: str, token: str) -> None:
+        """Other processes: wait until process 0 has put this save's step in place."""
+        deadline = time.monotonic() + _COMMIT_TIMEOUT
+        marker = os.path.join(final, MARKER)
+        while time.monotonic() < deadline:
+            try:
+                with open(marker) as f:
+                    if json.load(f).get("token") == token:
+                        return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise CheckpointError(
+            f"process 0 did not complete step {step} in {self.directory} within "
+            f"{_COMMIT_TIMEOUT:.0f} s (ZEROJAX_CHECKPOINT_COMMIT_TIMEOUT); did it fail or "
+            "save a different step?")
 
     def reached_preemption(self, step: int) -> bool:
         """True on every process at the same ``step`` once any process got SIGTERM (what
@@ -191,42 +568,34 @@ class CheckpointManager:
         """Wait for pending saves, then release the manager (idempotent)."""
         if self._closed:
             return
-        self._mgr.wait_until_finished()
-        self._mgr.close()
-        self._closed = True
-
-    def _step(self, step: int | None) -> int:
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(_nothing_here(self.directory))
-            return steps[-1]
-        if step not in steps:
-            raise FileNotFoundError(
-                f"no complete checkpoint for step {step} in {self.directory}; complete steps: "
-                f"{steps or 'none'}. " + _listing(self.directory))
-        return step
-
-    def meta(self, step: int | None = None) -> dict:
-        step = self._step(step)
-        return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-
-    def extra(self, step: int | None = None) -> Any:
-        """The ``extra`` saved with ``step`` (default: the latest step)."""
-        return self.meta(step)["extra"]
+        try:
+            self.wait()
+        finally:
+            if self._ckptr is not None:
+                self._ckptr.close()
+            self._closed = True
 
     # -- restore --------------------------------------------------------------------
-    def restore(self, opt, like: Any, step: int | None = None) -> TrainState:
+    def restore(self, opt, like: Any, step: int | None = None, *,
+                verify: bool = True) -> TrainState:
         """The state saved at ``step`` (default: the latest complete step), laid out by
         ``opt`` (its mesh, data and model degrees, stage, ``param_dtype``, loss scale).
+        Collective: every process calls it.
 
         ``like``: the params tree at its own shapes (arrays or ``jax.ShapeDtypeStruct``;
         flax partitioning boxes are read for the model split), as given to
-        ``opt.init_state``. The optimizer must be the same optax transformation
-        (its state's structure is checked)."""
+        ``opt.init_state``. The optimizer must be the same optax transformation (its
+        state's kinds and structure are checked); a static ``loss_scale`` of ``opt``
+        wins over the saved one (a dynamic one continues from the saved scale).
+        ``verify``: check every file's checksum first (reads the step once more;
+        raises :class:`CheckpointError` naming the damaged file, and the previous step
+        still restores)."""
         distributed.note_progress()  # a long read is not a stalled process
         step = self._step(step)
+        if verify:
+            self.verify(step)
         meta = self.meta(step)
+        root = os.path.join(self.directory, str(step))
         params_like, model_specs = opt._split_model_specs(like)
         structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype),
                                params_like)
@@ -239,6 +608,14 @@ class CheckpointManager:
         specs = opt.specs(structs)
         inner_lays = opt_lays.inner if mixed else opt_lays
         inner_specs = specs.opt_state.inner if mixed else specs.opt_state
+        saved_kinds = meta.get("optimizer_state")
+        kinds = _state_kinds(inner_lays, is_leaf=part.is_layout)
+        if saved_kinds is not None and saved_kinds != kinds:
+            raise ValueError(
+                f"checkpoint step {step} in {self.directory} holds the state of another "
+                f"optimizer: saved {saved_kinds}, {opt!r} wraps {type(opt.inner).__name__} "
+                f"whose state is {kinds}. Restore with the optax transformation it was "
+                "saved with.")
         if mixed:  # the fp32 truth goes where the master weights live
             w_lays, w_specs, w_split = opt_lays.master, specs.opt_state.master, cfg.stage > 0
         else:
@@ -262,7 +639,8 @@ class CheckpointManager:
                   ocp.ArrayRestoreArgs(sharding=rep, global_shape=(), dtype=jnp.int32))
         item = {"step": scalar, ("master" if meta["has_master"] else "params"): w,
                 "inner": inner}
-        restore_loss_scale = cfg.loss_scale is not None and meta["has_loss_scale"]
+        # a static scale is configuration: the optimizer's wins over the saved one
+        restore_loss_scale = cfg.dynamic_loss_scale and meta["has_loss_scale"]
         if restore_loss_scale:
             item["loss_scale"] = {
                 "scale": (jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
@@ -274,13 +652,19 @@ class CheckpointManager:
         abstract = jax.tree.map(lambda t: t[0], item, is_leaf=is_pair)
         args = jax.tree.map(lambda t: t[1], item, is_leaf=is_pair)
         try:
-            got = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=abstract, restore_args=args, partial_restore=True)))["state"]
+            got = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+                os.path.join(root, "state"), args=ocp.args.PyTreeRestore(
+                    item=abstract, restore_args=args, partial_restore=True))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"checkpoint step {step} in {self.directory} does not restore into "
                 f"{opt!r} with {type(opt.inner).__name__}'s state: {e}. The optimizer must "
                 f"be the same optax transformation as the one saved.") from e
+        except Exception as e:  # tensorstore's bare errors name neither step nor file
+            raise CheckpointError(
+                f"reading checkpoint step {step} in {self.directory} failed: "
+                f"{type(e).__name__}: {e}. Check it with CheckpointManager.verify({step}) "
+                "or restore an earlier step.") from e
         weights = got["master" if meta["has_master"] else "params"]
         inner_state = _like_structure(got["inner"], jax.tree.map(lambda t: t[0], inner,
                                                                 is_leaf=is_pair))
@@ -308,7 +692,10 @@ class CheckpointManager:
                 loss_scale = LossScaleState(**got["loss_scale"])
             else:
                 loss_scale = opt.init_state_loss_scale()
-        return TrainState(got["step"], params, opt_state, loss_scale)
+        saved_step = got["step"]
+        del got, weights, inner_state
+        _release_freed_memory()
+        return TrainState(saved_step, params, opt_state, loss_scale)
 
 
 def _like_structure(restored, abstract):
@@ -358,12 +745,11 @@ def _nothing_here(directory: str) -> str:
 
 def _resolve(directory: str | os.PathLike, step: int | None = None) -> tuple[int, str, dict]:
     """``(step, root, meta)`` of the newest (or the given) complete step in
-    ``directory``: ``root`` holds orbax's items ``state`` and ``meta``; ``meta`` is the
+    ``directory``: ``root/state`` is the orbax PyTree item of the arrays; ``meta`` is the
     saved metadata. Reads files only (no collective: any one process may call it)."""
-    mgr = CheckpointManager(directory, max_to_keep=None, async_save=False)
+    mgr = CheckpointManager(directory, max_to_keep=None, async_save=False, _reader=True)
     step = mgr._step(step)
     meta = mgr.meta(step)
-    mgr.close()
     return step, os.path.join(mgr.directory, str(step)), meta
 
 
