@@ -72,8 +72,12 @@ if mode == "train":
         save_npz(os.path.join(out, f"stage{stage}.npz"), opt.full_params(state))
         print(f"stage {stage} loss {float(metrics['loss']):.6f}", flush=True)
     mgr = CheckpointManager(ckpt_save)
-    mgr.save(10, state)
+    mgr.save(10, state, extra={"rank": jax.process_index()})
     mgr.wait()
+    if jax.process_index() == 0:  # file reads only: no collective, no hang
+        alone = CheckpointManager(ckpt_save)
+        print("process 0 alone:", alone.all_steps(), alone.extra(), alone.extra(process=1),
+              flush=True)
     restored = CheckpointManager(ckpt_load).restore(opt, like=awkward_params())
     save_npz(os.path.join(out, "restored.npz"), opt.full_params(restored))
     print("done", flush=True)

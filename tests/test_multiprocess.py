@@ -90,8 +90,12 @@ def test_save_in_two_processes_restore_in_one_and_back(two_process_run):
         np.testing.assert_array_equal(a, b)
     # one process restores what two saved (each wrote its own shards)
     opt = make(3)
-    state = CheckpointManager(d / "from_two").restore(opt, like=awkward_params())
+    mgr = CheckpointManager(d / "from_two")
+    state = mgr.restore(opt, like=awkward_params())
     assert int(state.step) == 10
+    # each process kept its own extra; process 0 read them alone without a hang
+    assert [mgr.extra(process=k) for k in (0, 1)] == [{"rank": 0}, {"rank": 1}]
+    assert "process 0 alone: [10] {'rank': 0} {'rank': 1}" in two_process_run[2]
     for a, b in zip(leaves(d / "stage3.npz"), jax.tree.leaves(opt.full_params(state))):
         np.testing.assert_array_equal(a, np.asarray(b))
 
