@@ -242,8 +242,15 @@ def _rank() -> str:
 def _announce_exit() -> None:
     """At interpreter exit, say so: JAX's shutdown then waits for every peer, and a peer
     still training waits in its next collective for this one; the launcher names the
-    process that left first when the others then fail."""
-    print(f"zerojax.distributed: {_rank()} is exiting (its script ended) after "
+    process that left first when the others then fail. After a preemption stop
+    (:mod:`zerojax.preemption`: every process stopped at the same step) it says so, and
+    the launcher does not count it as leaving early."""
+    from zerojax import preemption
+
+    at = preemption.preempted_at()
+    why = ("(its script ended)" if at is None else
+           f"(it stopped for preemption at step {at}: SIGTERM)")
+    print(f"zerojax.distributed: {_rank()} is exiting {why} after "
           f"{_progress['steps']} training steps.", file=sys.stderr, flush=True)
 
 

@@ -72,6 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the init, batches and sample")
     g.add_argument("--corpus-mb", type=float, default=2.0,
                    help="megabytes of standard-library source to read")
+    g = parser.add_argument_group("checkpoints and preemption")
+    g.add_argument("--ckpt-dir", default=None,
+                   help="save the state here at the end, every --save-every steps, and when "
+                        "the run gets SIGTERM (a scheduler's preemption notice: it then "
+                        "saves that step and exits 0); a run with the same directory "
+                        "resumes from its latest step (one --stage, not 'all')")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="with --ckpt-dir: also save every this many steps (0: only at the "
+                        "end and on SIGTERM)")
     g = parser.add_argument_group("output")
     g.add_argument("--png", default="zerojax-demo-loss.png",
                    help="where to write the loss curve ('' to skip)")
@@ -130,6 +139,13 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         folder = Path(args.png).resolve().parent
         if not folder.is_dir():
             parser.error(f"--png {args.png!r}: folder {folder} does not exist")
+    if args.save_every < 0:
+        parser.error(f"--save-every must be >= 0, got {args.save_every}")
+    if args.ckpt_dir is not None:
+        if args.stage == "all":
+            parser.error("--ckpt-dir saves one stage's run: pass one --stage (0-3), not 'all'")
+        if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
+            parser.error(f"--ckpt-dir {args.ckpt_dir!r} is a file, not a directory")
     args.stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
 
 
@@ -160,6 +176,7 @@ examples:
   zerojax train --stage all --steps 50           # every stage, same batches, same loss
   zerojax train --data 4 --model 2 --layers 4    # ZeRO over 4, Megatron over 2
   zerojax train --steps 20 --sample 0 --png ''   # quick check, no outputs
+  zerojax train --ckpt-dir ckpt --save-every 100 # resumable; SIGTERM saves and exits 0
 """
 
 
@@ -252,8 +269,12 @@ def make_optimizer(args):
     return optax.adamw(schedule, b2=0.99, weight_decay=0.01)
 
 
-def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn) -> dict:
-    """Train ``args.steps`` steps at ``stage``; the losses, timings and final state."""
+def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn,
+                mgr=None) -> dict:
+    """Train ``args.steps`` steps at ``stage``; the losses, timings and final state.
+    With a CheckpointManager ``mgr``: resume from its latest step, save every
+    ``args.save_every`` steps and at the end, and stop at a preemption (SIGTERM) after
+    saving that step (``"preempted"``: the step)."""
     from tqdm.auto import tqdm
 
     import zerojax
@@ -261,11 +282,16 @@ def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn) -
     opt = zerojax.zero(make_optimizer(args), mesh, stage=stage)
     state = opt.init_state(params, model_specs=specs)
     step = opt.train_step(loss_fn)
+    first = 0
+    if mgr is not None and mgr.latest_step() is not None:
+        state = mgr.restore(opt, like=params)  # the model split: remembered by init_state
+        first = int(state.step)
+        print(f"resumed from step {first} of {mgr.directory}")
     tokens_per_step = args.batch * args.seq
-    losses, times = [], []
-    bar = tqdm(range(args.steps), desc=f"stage {stage} ({STAGE_NAMES[stage]})",
+    losses, times, preempted = [], [], None
+    bar = tqdm(range(first, args.steps), desc=f"stage {stage} ({STAGE_NAMES[stage]})",
                unit="step", disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
-               file=sys.stderr)
+               file=sys.stderr, initial=first, total=args.steps)
     log_every = max(1, args.steps // 5)
     start = time.perf_counter()
     for i in bar:
@@ -279,10 +305,23 @@ def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn) -
         tps = f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
         if not args.progress and (i % log_every == 0 or i == args.steps - 1):
-            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s")
+            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s", flush=True)
+        if mgr is None:
+            continue
+        done = i + 1  # steps taken: the state's step
+        if mgr.reached_preemption(done):
+            mgr.save(done, state)
+            preempted = done
+            break
+        if args.save_every and done % args.save_every == 0 and done < args.steps:
+            mgr.save(done, state)
     bar.close()
+    if mgr is not None and preempted is None and first < args.steps:
+        mgr.save(args.steps, state)
+    if mgr is not None:
+        mgr.wait()  # on disk before anything is reported
     return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
-            "times": times}
+            "times": times, "first": first, "preempted": preempted}
 
 
 def held_out_loss(model, params, corpus: Corpus, args, batches: int = 8) -> float:
@@ -333,8 +372,8 @@ def save_plot(path: str, results: list[dict], unigram: float, uniform: float,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    steps = np.arange(1, args.steps + 1)
     for r in results:
+        steps = np.arange(r["first"] + 1, args.steps + 1)  # a resumed run: its own steps
         ax.plot(steps, r["losses"], lw=1.2, label=f"training loss, stage {r['stage']} "
                 f"({STAGE_NAMES[r['stage']]})")
     ax.axhline(uniform, color="gray", ls=":", lw=1,
@@ -469,11 +508,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"loss to beat: uniform guess {uniform:.3f} nats/char, character frequencies "
           f"(unigram) {unigram:.3f}")
 
+    mgr = None
+    if args.ckpt_dir is not None:
+        from zerojax import preemption
+
+        preemption.install()  # SIGTERM: save the step, exit 0 (CheckpointManager does too)
+        mgr = zerojax.CheckpointManager(args.ckpt_dir, max_to_keep=2)
     results = []
     for stage in args.stages:
-        r = train_stage(stage, args, mesh, model, params, specs, corpus, loss_fn)
+        r = train_stage(stage, args, mesh, model, params, specs, corpus, loss_fn, mgr)
         r["chars"] = corpus.chars
         results.append(r)
+        if r["preempted"] is not None:
+            mgr.close()
+            print(f"zerojax train: stopped for preemption (SIGTERM) at step {r['preempted']}; "
+                  f"saved it to {mgr.directory}. Run the same command again to resume.",
+                  flush=True)
+            return 0
+        if not r["losses"]:
+            mgr.close()
+            print(f"zerojax train: {mgr.directory} already holds step {r['first']} of "
+                  f"--steps {args.steps}: nothing left to train.")
+            return 0
         t = r["times"][1:]
         speed = (f", {args.batch * args.seq * len(t) / sum(t):,.0f} tokens/s after "
                  "compilation" if t else "")
@@ -512,6 +568,9 @@ def run(args: argparse.Namespace) -> int:
             rows.append(measure_stage(stage, args, mesh, params, specs, loss_fn, batch, psi,
                                       *((r["opt"], r["state"], r["step"]) if r else ())))
         print_summary(rows, {s: r["losses"][-1] for s, r in trained.items()}, args, psi)
+    if mgr is not None:
+        mgr.close()
+        print(f"checkpoint: step {args.steps} in {mgr.directory}")
     print(f"\ndone in {time.perf_counter() - wall:.0f} s")
     return 0 if ok else 1
 

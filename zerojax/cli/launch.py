@@ -13,6 +13,14 @@ left, and exits non-zero. A process that exits 0 while the others still run is n
 the one that left first when they then fail. A coordinator port in use is refused
 before anything starts. No process outlives the launcher.
 
+SIGTERM to the launcher (what SLURM and cloud schedulers send a job before they kill
+it) is forwarded to every process, which then have ``--term-grace`` seconds (120) to
+save and end (``zerojax.preemption``: every process stops at the same step); the
+launcher exits 0 if every process does, else names the one that failed, and kills
+what still runs after the grace. A second SIGTERM, or SIGINT, kills them at once.
+When only the processes get SIGTERM (a scheduler that signals every task), they stop
+the same way and the launcher exits 0 when they all do.
+
 ``--devices-per-proc N`` runs each process on the CPU backend with N simulated
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, gloo collectives):
 a stand-in for hosts with N accelerators each. Without it the processes see this
@@ -39,6 +47,8 @@ from zerojax.distributed import (
     ENV_PROGRESS,
     port_in_use,
 )
+
+DEFAULT_TERM_GRACE = 120.0  # s: long enough to save a large state; schedulers give 30-120
 
 
 def _free_port() -> int:
@@ -102,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=_positive(float), default=5.0,
                    help="seconds the other processes get to end on their own after one "
                         "fails, before they are killed")
+    p.add_argument("--term-grace", type=_positive(float), default=DEFAULT_TERM_GRACE,
+                   help="seconds the processes get to save a checkpoint and end after the "
+                        "launcher forwards them a SIGTERM it got (a scheduler's preemption "
+                        f"notice), before they are killed (default {DEFAULT_TERM_GRACE:g})")
     p.add_argument("script", help="the Python script each process runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -146,10 +160,11 @@ _ERROR_LINE = re.compile(r"^(zerojax\.distributed: .*|[A-Za-z_][\w.]*(Error|Exce
 
 
 _EXITING = re.compile(r"^zerojax\.distributed: process \d+ of \d+ is exiting")
+_PREEMPTED = re.compile(r"stopped for preemption")
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock, lost: dict, errors: dict,
-          exiting: dict) -> None:
+          exiting: dict, preempted: set) -> None:
     """Copy a process's output lines, prefixed with its rank; note the peers JAX's
     coordination service reports dead (the line after ``_UNHEALTHY`` lists them) and the
     process's last error line (its exception, or zerojax.distributed's own report)."""
@@ -159,6 +174,8 @@ def _pump(rank: int, stream, out, lock: threading.Lock, lost: dict, errors: dict
         match = _ERROR_LINE.match(line.strip())
         if _EXITING.match(line.strip()):
             exiting.setdefault(rank, time.monotonic())
+            if _PREEMPTED.search(line):  # stopped at the agreed step, not early
+                preempted.add(rank)
         elif match and (match.group(1).startswith("zerojax.distributed: ")
                         or not errors.get(rank, "").startswith("zerojax.distributed: ")):
             # zerojax.distributed's report, less its advice: what happened, in one line
@@ -206,16 +223,7 @@ def launch(argv: list[str] | None = None, out=None) -> int:
                              f"{args.devices_per_proc}").strip()
         base["JAX_PLATFORMS"] = "cpu"
     procs, pumps, lock, lost, errors, exiting = [], [], threading.Lock(), {}, {}, {}
-    for rank in range(args.nproc):
-        env = dict(base, **{ENV_PROCESS_ID: str(rank)})
-        proc = subprocess.Popen([sys.executable, "-u", args.script, *args.args], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        procs.append(proc)
-        t = threading.Thread(target=_pump, daemon=True,
-                             args=(rank, proc.stdout, out, lock, lost, errors, exiting))
-        t.start()
-        pumps.append(t)
+    preempted: set[int] = set()  # ranks that announced they stopped for preemption
 
     def kill_all(sig=signal.SIGKILL):
         for p in procs:
@@ -225,11 +233,38 @@ def launch(argv: list[str] | None = None, out=None) -> int:
                 except ProcessLookupError:
                     pass
 
+    term: dict[str, float] = {}  # "at": when the launcher forwarded a SIGTERM it got
+
     def on_signal(signum, frame):
+        if signum == signal.SIGTERM and not term:
+            # A scheduler's notice: pass it on, let the processes save and end.
+            # (no output here: the main thread may hold the output lock)
+            term["at"] = time.monotonic()
+            kill_all(signal.SIGTERM)
+            return
         kill_all()
         raise SystemExit(128 + signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for rank in range(args.nproc):
+            env = dict(base, **{ENV_PROCESS_ID: str(rank)})
+            proc = subprocess.Popen([sys.executable, "-u", args.script, *args.args], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            procs.append(proc)
+            t = threading.Thread(target=_pump, daemon=True,
+                                 args=(rank, proc.stdout, out, lock, lost, errors, exiting,
+                                       preempted))
+            t.start()
+            pumps.append(t)
+    except BaseException:
+        kill_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+        raise
+    if term:  # a SIGTERM while they were starting: the later ones get it too
+        kill_all(signal.SIGTERM)
     ended: dict[int, float] = {}  # rank -> when its process ended (waiter threads)
 
     def waiter(rank, proc):
@@ -243,11 +278,18 @@ def launch(argv: list[str] | None = None, out=None) -> int:
         while True:
             codes = [p.poll() if r in ended else None for r, p in enumerate(procs)]
             running = [r for r, c in enumerate(codes) if c is None]
-            if left is None and first_failure is None and running:
+            if term and "said" not in term:
+                term["said"] = time.monotonic()
+                with lock:
+                    out.write(f"[launch] got SIGTERM: forwarded it to every process; they "
+                              f"get {args.term_grace:g} s to save and end (--term-grace)\n")
+                    out.flush()
+            if left is None and first_failure is None and running and not term:
                 # a script that ended (exit 0, or announced by zerojax.distributed before
                 # JAX's shutdown waits for the peers) while others still run
                 done = {r: ended[r] for r, c in enumerate(codes) if c == 0}
                 done.update({r: t for r, t in exiting.items() if r not in ended})
+                done = {r: t for r, t in done.items() if r not in preempted}
                 if done and [r for r in running if r not in done]:
                     rank = min(done, key=done.get)
                     left = (rank, done[rank])
@@ -283,6 +325,13 @@ def launch(argv: list[str] | None = None, out=None) -> int:
                         out.flush()
             if not running:
                 break
+            if term and "killed" not in term and time.monotonic() > term["at"] + args.term_grace:
+                term["killed"] = time.monotonic()
+                with lock:
+                    out.write(f"[launch] killing processes still running {args.term_grace:g} "
+                              f"s after SIGTERM (--term-grace): {running}\n")
+                    out.flush()
+                kill_all()
             if deadline is not None and time.monotonic() > deadline:
                 with lock:
                     out.write(f"[launch] killing processes still running {grace:g} s after "
@@ -298,6 +347,11 @@ def launch(argv: list[str] | None = None, out=None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     if first_failure is None:
+        if term:
+            with lock:
+                out.write(f"[launch] every process ended with status 0 "
+                          f"{max(ended.values()) - term['at']:.1f} s after SIGTERM\n")
+                out.flush()
         return 0
     rank, code, when = first_failure
     survivors = [r for r in range(args.nproc) if r != rank]
@@ -309,6 +363,9 @@ def launch(argv: list[str] | None = None, out=None) -> int:
             out.write(f"[launch] process {left[0]} left first: its script ended while the "
                       f"others still ran, and {then} (a rank that returns early leaves its "
                       "peers waiting in a collective)\n")
+        if "killed" in term:
+            out.write(f"[launch] the processes did not all end within --term-grace "
+                      f"{args.term_grace:g} s of SIGTERM and were killed\n")
         why = f": {errors[rank]}" if rank in errors else ""
         out.write(f"[launch] process {rank} failed first ({_describe(code)}){why}\n")
         out.write(f"[launch] processes {survivors} ended {time.monotonic() - when:.1f} s "
