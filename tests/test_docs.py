@@ -169,6 +169,39 @@ def _check_checkpoint(ns):
     ns["mgr"].close()
 
 
+def _setup_nnx_export(ns):
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 8, rngs=rngs)
+            self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)])
+
+        def __call__(self, x):
+            x = self.linear(x)
+            for b in self.blocks:
+                x = b(jax.nn.relu(x))
+            return x
+
+    model = MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=-1), stage=3)
+    step = opt.train_step(lambda p, b: jnp.mean(nnx.merge(graphdef, p)(b) ** 2))
+    state, _ = step(opt.init_state(params), x)
+    with zerojax.CheckpointManager("ckpt") as mgr:
+        mgr.save(1, state)
+    trained = nnx.merge(graphdef, jax.tree.map(np.asarray, opt.full_params(state)))
+    ns.update(zerojax=zerojax, model=model, _x=x, _want=np.asarray(trained(x)))
+
+
+def _check_nnx_export(ns):
+    from safetensors.numpy import load_file
+
+    assert {"linear.kernel", "blocks.0.bias"} <= set(load_file("model.safetensors"))
+    np.testing.assert_array_equal(np.asarray(ns["model"](ns["_x"])), ns["_want"])
+
+
 def _setup_multihost(ns):
     model, params, loss_fn = _gpt()
     ns.update(optax=optax, params=params, loss_fn=loss_fn, loader=[_tokens()])
@@ -186,6 +219,7 @@ CASES = {
     "from zerojax.models import GPT, GPTConfig, lm_loss": (_setup_tp, _check_tp),
     "mgr = zerojax.CheckpointManager(": (_setup_checkpoint, _check_checkpoint),
     "import zerojax, zerojax.distributed": (_setup_multihost, _check_multihost),
+    "from flax import nnx": (_setup_nnx_export, _check_nnx_export),
 }
 
 

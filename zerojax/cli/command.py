@@ -290,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Write the whole fp32 params of a zerojax checkpoint (the master weights when "
         "saved, else the params; padding removed) to one safetensors file, leaf by leaf: "
         "host memory stays near the largest leaf. Tensor names are the dot-joined key "
-        "paths (blocks.qkv.kernel); zerojax.load_params reads the file back into a "
-        "params tree.")
+        "paths (blocks.0.qkv.kernel; an nnx State's linear.kernel); zerojax.load_params "
+        "reads the file back into a params tree. Reads files only: run it on one machine "
+        "of a multi-process job.")
     export.add_argument("ckpt_dir", help="the directory given to zerojax.CheckpointManager")
     export.add_argument("out", help="the .safetensors file to write")
     export.add_argument("--step", type=int, default=None,
