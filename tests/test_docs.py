@@ -211,9 +211,40 @@ def _check_multihost(ns):
     assert int(ns["state"].step) == 1 and np.isfinite(float(ns["metrics"]["loss"]))
 
 
+def _setup_preemption(ns):
+    """The scheduler's SIGTERM arrives while the loop fetches step 2's batch."""
+    import signal
+
+    from zerojax import preemption
+
+    preemption.uninstall()
+    model, params, loss_fn = _gpt()
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=-1), stage=2)
+
+    def batches():
+        yield _tokens(seed=0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            yield _tokens(seed=1)
+
+    ns.update(zerojax=zerojax, opt=opt, params=params, state=opt.init_state(params),
+              train_step=opt.train_step(loss_fn), batches=batches(), steps=10)
+
+
+def _check_preemption(ns):
+    from zerojax import preemption
+
+    try:
+        assert int(ns["state"].step) == 2 and ns["mgr"].all_steps() == [2]
+        assert preemption.preempted_at() == 2
+    finally:
+        preemption.uninstall()
+
+
 # keyed by the snippet's first line: what its prose supplies, and what it must do
 CASES = {
     "import optax, zerojax": (_setup_use, _check_use),
+    "# A job the scheduler may stop (SIGTERM):": (_setup_preemption, _check_preemption),
     "def lm_loss(params, batch):": (_setup_weighted, _check_weighted),
     "def loss_fn(params, batch, rng=None):": (_setup_rng, _check_rng),
     "from zerojax.models import GPT, GPTConfig, lm_loss": (_setup_tp, _check_tp),
