@@ -154,19 +154,25 @@ def _check_tp(ns):
 
 
 def _setup_checkpoint(ns):
+    import itertools
+
     model, params, loss_fn = _gpt()
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=-1), stage=3)
-    state = opt.init_state(params)
-    state, _ = opt.train_step(loss_fn)(state, _tokens())
-    ns.update(zerojax=zerojax, opt=opt, state=state, params=params, i=7,
-              _want=jax.tree.map(np.asarray, opt.full_params(state)))
+    train_step = opt.train_step(loss_fn)
+    state, _ = train_step(opt.init_state(params), _tokens())
+    with zerojax.CheckpointManager("ckpt") as mgr:  # an earlier run saved step 1
+        mgr.save(1, state)
+    want, _ = train_step(state, _tokens())
+    ns.update(zerojax=zerojax, opt=opt, state=opt.init_state(params), params=params,
+              train_step=train_step, batches=itertools.repeat(_tokens()), steps=2,
+              save_every=1, _want=jax.tree.map(np.asarray, opt.full_params(want)))
 
 
 def _check_checkpoint(ns):
-    assert int(ns["state"].step) == 1 and ns["mgr"].extra() == {"data_position": 7}
+    mgr = ns["mgr"]  # resumed at step 1, trained and saved step 2
+    assert mgr.all_steps() == [1, 2] and mgr.extra() == {"data_position": 2}
     for a, b in zip(jax.tree.leaves(ns["_want"]), jax.tree.leaves(ns["params"])):
         np.testing.assert_array_equal(a, np.asarray(b))
-    ns["mgr"].close()
 
 
 def _setup_nnx_export(ns):
@@ -248,7 +254,7 @@ CASES = {
     "def lm_loss(params, batch):": (_setup_weighted, _check_weighted),
     "def loss_fn(params, batch, rng=None):": (_setup_rng, _check_rng),
     "from zerojax.models import GPT, GPTConfig, lm_loss": (_setup_tp, _check_tp),
-    "mgr = zerojax.CheckpointManager(": (_setup_checkpoint, _check_checkpoint),
+    "with zerojax.CheckpointManager(": (_setup_checkpoint, _check_checkpoint),
     "import zerojax, zerojax.distributed": (_setup_multihost, _check_multihost),
     "from flax import nnx": (_setup_nnx_export, _check_nnx_export),
 }
