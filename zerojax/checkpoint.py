@@ -260,12 +260,9 @@ class CheckpointManager:
         self._exit_hook = False
         self._warned_foreign = False
         if not _reader:  # SIGTERM is noticed (reached_preemption), not fatal at once
-            try:
-                from zerojax import preemption
-            except ImportError:  # TODO(issue 17): zerojax.preemption lands
-                preemption = None
-            if preemption is not None:
-                preemption.install()
+            from zerojax import preemption
+
+            preemption.install()
 
     def __enter__(self) -> CheckpointManager:
         return self

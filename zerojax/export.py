@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.checkpoint import _resolve
+from zerojax.checkpoint import _release_freed_memory, _resolve
 
 # Restored arrays held at once: the largest leaf, or this many bytes of smaller leaves
 # read in one orbax call (each call costs ~0.1 s of fixed work, whatever it reads).
@@ -261,25 +261,6 @@ def _batches(leaves: list[_Leaf]) -> list[list[_Leaf]]:
         out[-1].append(leaf)
         size += leaf.nbytes
     return out
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap memory back to the system (glibc keeps freed blocks of large
-    leaves in per-thread arenas otherwise, and the export's resident size climbs to
-    several leaves); a no-op where ``malloc_trim`` does not exist."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 def export_params(directory: str | os.PathLike, out: str | os.PathLike,
