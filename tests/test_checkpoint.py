@@ -409,17 +409,22 @@ else:
     CheckpointManager(d).save(1, state)   # async; no wait(), no close()
 if how == "raise":
     raise RuntimeError("the script fails right after saving")
+if how == "sigterm":  # what a scheduler sends; nobody asks reached_preemption here
+    import os, signal, time
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["return", "raise", "with"])
+@pytest.mark.parametrize("how", ["return", "raise", "with", "sigterm"])
 def test_a_save_survives_the_end_of_the_script(tmp_path, how):
     """A script that saves and ends (returns, raises, or leaves a `with` block) leaves
     the step complete and restorable: pending writes finish at interpreter exit."""
     d = tmp_path / "ckpt"
     out = _py(_SAVE_AND_END.format(here=str(HERE)), how, d)
-    assert out.returncode == (1 if how == "raise" else 0), out.stderr[-3000:]
+    want = {"raise": 1, "sigterm": 128 + signal.SIGTERM}.get(how, 0)
+    assert out.returncode == want, out.stderr[-3000:]
     assert "cannot schedule new futures" not in out.stderr, out.stderr[-3000:]
     assert not list(d.glob("*tmp*")), list(d.iterdir())
     opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3, min_shard_size=16)
@@ -534,6 +539,9 @@ def test_a_damaged_step_names_itself_and_the_previous_one_restores(tmp_path, sma
         want = r"step 2 .* damaged: (file )?meta.json (is not valid JSON|has 0 bytes)"
     with pytest.raises(CheckpointError, match=want):
         mgr.restore(opt, like=awkward_params())
+    if damage == "flip":  # an export checks too
+        with pytest.raises(CheckpointError, match=want):
+            export_params(tmp_path, tmp_path / "m.safetensors")
     with pytest.warns(UserWarning, match="skipping step 2"):
         assert mgr.latest_step(verify=True) == 1
     _same(opt, mgr.restore(opt, like=awkward_params(), step=1), a)
@@ -552,6 +560,11 @@ def test_restore_argument_errors_name_the_cause(tmp_path, small):
         mgr.restore(other, like=awkward_params())
     with pytest.raises(TypeError, match="step=-1"):
         mgr.save(-1, a)
+    clash = {"a.b": jnp.ones((4,)), "a": {"b": jnp.zeros((4,))}}
+    sgd = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=1)
+    with pytest.raises(ValueError, match=r"\['a.b'\].*\['a'\]\['b'\]|\['a'\]\['b'\].*\['a.b'\]"):
+        mgr.save(5, sgd.init_state(clash))
+    assert mgr.all_steps() == [4]
 
 
 def test_a_static_loss_scale_wins_over_the_saved_one(tmp_path):

@@ -5,7 +5,7 @@ On disk (format 2)::
 
     DIRECTORY/
       12/                          a complete step: only this manager's, never anything else
-        zerojax.json               the marker, written last: format, step, every file's
+        _zerojax_step.json         the marker, written last: format, step, every file's
                                    size and CRC-32 (the integrity check)
         meta.json                  saving configuration, params shapes, optimizer state kinds
         extra.process-0.json ...   each process's ``extra``
@@ -67,7 +67,7 @@ from zerojax import distributed, partition as part
 from zerojax.state import LossScaleState, MasterState, TrainState
 
 FORMAT = 2
-MARKER = "zerojax.json"
+MARKER = "_zerojax_step.json"
 _TMP = ".zerojax-tmp-"
 _DELETE = ".zerojax-delete-"
 _CHUNK = 16 << 20
@@ -259,6 +259,7 @@ class CheckpointManager:
         self._closed = False
         self._exit_hook = False
         self._warned_foreign = False
+        self._names_checked: set = set()
         if not _reader:  # SIGTERM is noticed (reached_preemption), not fatal at once
             from zerojax import preemption
 
@@ -433,6 +434,12 @@ class CheckpointManager:
         if not isinstance(state, TrainState):
             raise TypeError(f"save() takes the zerojax.TrainState, got {type(state).__name__}.")
         step = _check_step(step)
+        treedef = jax.tree.structure(state.params)
+        if treedef not in self._names_checked:  # orbax stores each leaf by its dotted
+            from zerojax.export import tensor_names  # path: two leaves of one name would
+
+            tensor_names(state.params)  # be one array on disk; refused, naming both
+            self._names_checked.add(treedef)
         try:
             extra_json = json.dumps(extra)
         except (TypeError, ValueError) as e:

@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.checkpoint import _release_freed_memory, _resolve
+from zerojax.checkpoint import CheckpointManager, _release_freed_memory, _resolve
 
 # Restored arrays held at once: the largest leaf, or this many bytes of smaller leaves
 # read in one orbax call (each call costs ~0.1 s of fixed work, whatever it reads).
@@ -264,7 +264,7 @@ def _batches(leaves: list[_Leaf]) -> list[list[_Leaf]]:
 
 
 def export_params(directory: str | os.PathLike, out: str | os.PathLike,
-                  step: int | None = None) -> str:
+                  step: int | None = None, *, verify: bool = True) -> str:
     """Write the whole fp32 params of a checkpoint (the master weights when saved, else
     the params; padding removed) to one safetensors file, a few leaves at a time.
 
@@ -280,8 +280,14 @@ def export_params(directory: str | os.PathLike, out: str | os.PathLike,
     renames it onto ``out`` atomically; a reader never sees a partial file). The file
     is written by this function (the safetensors library writes only whole dicts);
     :func:`load_params` and the safetensors library read it. Returns ``out``.
+
+    ``verify``: check the step's checksums first (:meth:`CheckpointManager.verify`:
+    reads every file of the step once, optimizer state included); a damaged step
+    raises ``CheckpointError`` naming the file.
     """
     step, root, meta = _resolve(directory, step)
+    if verify:
+        CheckpointManager(directory, max_to_keep=None, _reader=True).verify(step)
     state_dir = epath.Path(root) / "state"
     key = "master" if meta["has_master"] else "params"
     handler = ocp.PyTreeCheckpointHandler()  # not a Checkpointer: its restore is a barrier
