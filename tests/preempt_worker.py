@@ -39,6 +39,12 @@ me = jax.process_index()
 opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=-1), stage=3, min_shard_size=16)
 step = opt.train_step(awkward_loss)
 batches = regression_batches(4)
+# awkward_params' shapes drawn with numpy: no jax.random compiles at start-up, and no
+# weak-typed scalar (its jnp.asarray(1.5)), whose state the first step would return
+# strong-typed, compiling the step a second time
+rng = np.random.default_rng(0)
+params = jax.tree.map(lambda x: (rng.normal(size=x.shape) / 4).astype(np.float32),
+                      jax.eval_shape(awkward_params))
 
 
 def train(state, first, mgr=None):
@@ -68,16 +74,15 @@ def save_npz(path, tree):
 
 
 with zerojax.CheckpointManager(ckpt) as mgr:
-    state = opt.init_state(awkward_params())
+    state = opt.init_state(params)
     first = 0
     if mgr.latest_step() is not None:
-        state = mgr.restore(opt, like=awkward_params())
+        state = mgr.restore(opt, like=params)
         first = int(state.step)
     print(f"start at step {first}", flush=True)
     state = train(state, first, mgr)
 if state is not None:
     save_npz(out, opt.full_params(state))
     if os.environ.get("REFERENCE") == "1":
-        save_npz(out + ".reference.npz", opt.full_params(train(opt.init_state(
-            awkward_params()), 0)))
+        save_npz(out + ".reference.npz", opt.full_params(train(opt.init_state(params), 0)))
     print("done", flush=True)
