@@ -153,7 +153,7 @@ def test_two_processes_stop_at_the_same_step_save_and_resume_bitwise(tmp_path):
 
 # --- zerojax train ---------------------------------------------------------------------
 
-TRAIN = ["--steps", "200", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
+TRAIN = ["--steps", "600", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
          "--batch", "8", "--devices", "2", "--sample", "0", "--png", "", "--no-summary",
          "--no-progress", "--corpus-mb", "0.2"]
 
@@ -178,11 +178,23 @@ def test_zerojax_train_stops_for_preemption_and_resumes(tmp_path):
     match = re.search(r"zerojax train: stopped for preemption \(SIGTERM\) at step (\d+)", log)
     assert match, log[-3000:]
     at = int(match.group(1))
-    assert 1 <= at < 200
+    assert 1 <= at < 600  # ~3 ms a step: 2 s for the signal to arrive
     t0 = time.monotonic()
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from step {at} of" in again.stdout
-    assert "checkpoint: step 200 in" in again.stdout and "step   199  loss" in again.stdout
-    print(f"zerojax train: stopped at step {at} ({took1:.1f} s), resumed to 200 "
+    assert "checkpoint: step 600 in" in again.stdout and "step   599  loss" in again.stdout
+    print(f"zerojax train: stopped at step {at} ({took1:.1f} s), resumed to 600 "
           f"({time.monotonic() - t0:.1f} s)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stage", "all", "--ckpt-dir", "ckpt"], "pass one --stage"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+])
+def test_zerojax_train_checkpoint_arguments(argv, message, capsys):
+    from zerojax.cli import demo
+
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
