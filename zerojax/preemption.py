@@ -29,11 +29,12 @@ decision that every process takes at the same step:
   within a second, this module's posts it at the next :func:`reached_preemption` call.
   Tested with jax 0.10.2 and 0.12.0.1 on the CPU backend with gloo.
 
-Cost (measured here, 2 CPU cores, jax 0.10.2 and 0.12.0.1): about 1 microsecond per
-call with no preemption pending, one process or several (a flag, and JAX's local
-mutex-guarded comparison; no message is sent); the call that posts the notice makes one
-key-value store round trip, and one call on each process waits for the barrier (a few
-milliseconds on one machine).
+Cost per call with no preemption pending (measured on 2 shared CPU cores, jax 0.10.2
+and 0.12.0.1): 1.0-1.2 microseconds in one process (a flag), 1.2-2.6 with two
+processes (JAX's local mutex-guarded comparison); no message is sent and nothing waits.
+The call that posts the notice makes one key-value store round trip, and one call on
+each process may wait for the sync manager's barrier (milliseconds on one machine;
+JAX gives it up after 3 minutes if a process is gone, and no stop happens).
 
 The contract: call it on every process once per step, at the same steps (the decision
 is on the number of calls; the ``step`` you pass is what the messages and
@@ -160,8 +161,8 @@ def reached_preemption(step: int) -> bool:
     Call it once per step on every process, at the same steps (pass the step number the
     save will use). One process: True from the first call after SIGTERM. Several:
     JAX's preemption sync manager picks the call at which all return True (see the
-    module docstring). Once True, it stays True. Cost: about 1 microsecond per call
-    while no preemption is pending (no message sent, no collective).
+    module docstring). Once True, it stays True. Cost: 1-3 microseconds per call while
+    no preemption is pending (measured; no message sent, no collective).
     """
     if _state["stopped"] is not None:
         return True
