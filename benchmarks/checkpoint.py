@@ -256,12 +256,12 @@ def main() -> None:
                       flush=True)
                 if case != "sync" or "restore" not in cases:
                     shutil.rmtree(d, ignore_errors=True)
+                if args.json:  # as it goes: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
             shutil.rmtree(os.path.join(root, f"{name}-sync"), ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
     print_tables(results)
 
 
