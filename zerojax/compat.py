@@ -19,6 +19,11 @@ finds rather than for a version string, so a new JAX that keeps either form work
   - mesh-based ``mesh['data'=4,'model'=2] {'data'}`` (jax 0.11+ with Shardy), optionally
     with ``device_ids=...`` (a list or an iota) and sub-axes ``{'data':(1)2}``.
 
+- :func:`memory_kinds` / :func:`to_memory_space`: the memory kinds a device offers
+  (``device.addressable_memories()``; ``device``, ``pinned_host`` and
+  ``unpinned_host`` on CPU and GPU) and moving a value between them inside ``jit``
+  (``jax.memory.Space``, jax 0.6+; before it, ``TransferToMemoryKind``).
+
 ``tests/test_compat.py`` checks each against HLO text captured from jax 0.10.2 and
 jax 0.12.0.1 (``tests/fixtures/hlo/``), so both forms are tested whichever JAX is installed.
 """
@@ -30,10 +35,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 __all__ = ["CALL_PRIMITIVES", "REMAT_PRIMITIVES", "scan_counts", "replica_groups",
-           "replica_groups_attr", "replica_group_size"]
+           "replica_groups_attr", "replica_group_size", "memory_kinds", "to_memory_space"]
 
 # Jaxpr primitives that call a closed sub-jaxpr and are evaluated by inlining it: a
 # nested jax.jit ("pjit" until jax 0.7, "jit" since), and the older call primitives.
@@ -194,3 +200,25 @@ def _mesh_groups(text: str, mesh: re.Match) -> list[list[int]]:
 def replica_group_size(text: str, num_devices: int) -> int:
     """Devices per replica group (the largest, if they differ)."""
     return max(len(group) for group in replica_groups(text, num_devices))
+
+
+def memory_kinds(device) -> frozenset[str]:
+    """The memory kinds ``device`` can hold arrays in (``"device"``, ``"pinned_host"``,
+    ``"unpinned_host"`` on the CPU and CUDA backends); empty where the runtime does not
+    say."""
+    try:
+        return frozenset(m.kind for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, RuntimeError):  # a runtime without them
+        return frozenset()
+
+
+def to_memory_space(x, host: bool):
+    """``x`` moved to host memory (``pinned_host``) or to the device's own memory, its
+    sharding kept: inside ``jit``, the placement XLA's host offloader turns into a
+    transfer (a no-op when ``x`` is already there)."""
+    space = getattr(jax, "memory", None)
+    if space is not None and hasattr(space, "Space"):
+        return jax.device_put(x, space.Space.Host if host else space.Space.Device)
+    from jax._src.sharding_impls import TransferToMemoryKind  # jax < 0.6
+
+    return jax.device_put(x, TransferToMemoryKind("pinned_host" if host else "device"))

@@ -11,7 +11,7 @@ import optax
 from flax.core import meta as flax_meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C, partition as part
+from zerojax import collectives as C, offload, partition as part
 from zerojax.config import ZeroConfig
 from zerojax.mesh import check_mesh, constrain
 from zerojax.state import LossScaleState, MasterState, TrainState
@@ -65,6 +65,9 @@ class ZeroOptimizer:
                 f"axis size {self.data_size}: a bucket holds at least one element per "
                 f"device; use bucket_size >= {self.data_size}."
             )
+        for option in ("offload_optimizer", "offload_params"):
+            if getattr(config, option):
+                offload.check_backend(self.mesh, option)
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.config.stage}, "
@@ -168,6 +171,23 @@ class ZeroOptimizer:
                                            cfg.min_shard_size, cfg.stage, cfg.data_axis, pad),
         )
 
+    def shardings(self, params: Any, pad: bool = True) -> part.StageSpecs:
+        """``NamedSharding`` trees of the params, gradients and optimizer state of this
+        stage (:meth:`specs` on this mesh), in the memory they live in between steps:
+        ``memory_kind="pinned_host"`` for the optimizer state (master weights included)
+        with ``offload_optimizer`` and for the params with ``offload_params``, the
+        device's memory otherwise. Place or restore a state with these and the step
+        finds it where it expects it."""
+        specs = self.specs(params, pad)
+        cfg = self.config
+        return part.StageSpecs(
+            params=offload.with_memory_kind(part.shardings(self.mesh, specs.params),
+                                            offload.HOST if cfg.offload_params else None),
+            grads=part.shardings(self.mesh, specs.grads),
+            opt_state=offload.with_memory_kind(part.shardings(self.mesh, specs.opt_state),
+                                               offload.HOST if cfg.offload_optimizer else None),
+        )
+
     # -- state ----------------------------------------------------------------------
     def init_state(self, params: Any, model_specs: Any = None) -> TrainState:
         """Place ``params`` and create the optimizer state, laid out for this stage.
@@ -178,23 +198,24 @@ class ZeroOptimizer:
         ``model_specs`` (a PartitionSpec tree) gives the same for plain params. The
         state holds plain arrays; the model splits are remembered for the step.
         The caller's ``params`` are copied, never donated: they stay usable.
+        With ``offload_optimizer`` / ``offload_params`` the optimizer state / params are
+        created in host memory (``pinned_host``), never whole on the device.
         """
         params, model_specs = self._split_model_specs(params, model_specs)
         _check_params(params)
         self._remember(params, model_specs)
         cfg = self.config
-        specs = self.specs(params)
+        shardings = self.shardings(params)
         lays = self.layouts(params)
         opt_lays = self.opt_state_layouts(params)
-        param_sh = part.shardings(self.mesh, specs.params)
-        opt_sh = part.shardings(self.mesh, specs.opt_state)
+        param_sh, opt_sh = shardings.params, shardings.opt_state
         replicated = NamedSharding(self.mesh, P())
         # Leaves padded for their split are placed whole first (an uneven split cannot
         # be placed), then padded and split under jit; the others go straight to
         # their split.
         whole_sh = jax.tree.map(
-            lambda lay, sh: NamedSharding(self.mesh, lay.model_spec) if lay.pad else sh,
-            lays, param_sh, is_leaf=part.is_layout)
+            lambda lay, sh: NamedSharding(self.mesh, lay.model_spec) if lay.pad
+            else sh.with_memory_kind(offload.DEVICE), lays, param_sh, is_leaf=part.is_layout)
         stage3 = cfg.stage == 3
 
         # A fresh copy laid out per stage: device_put may hand back the caller's own
@@ -264,7 +285,8 @@ class ZeroOptimizer:
         The result is always new arrays (never the state's own buffers), so it survives
         the donated steps that follow: ``before = opt.full_params(state)`` stays
         readable. One ``jax.jit`` per optimizer and params tree structure, compiled
-        once per set of shapes."""
+        once per set of shapes. Offloaded master weights or params are read from host
+        memory; the result is in device memory."""
         cfg = self.config
         if cfg.param_dtype is not None:
             src = state.opt_state.master
@@ -279,6 +301,7 @@ class ZeroOptimizer:
             lays = self.layouts(logical)
 
             def _full_params(p):
+                p = offload.to_device(p)
                 if partitioned:
                     p = C.gather_params(p, lays, self.mesh, cfg.data_axis, cfg.bucket_size)
                 return jax.tree.map(jnp.copy, p)  # a copy: never the donated buffers

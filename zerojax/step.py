@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C, distributed
+from zerojax import collectives as C, distributed, offload
 from zerojax.mesh import constrain
 from zerojax.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.schedule import apply_partitioned, localize_constraints, param_uses
@@ -561,6 +561,7 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
     cfg, mesh, axis = opt.config, opt.mesh, opt.config.data_axis
     stage = cfg.stage
     mixed = cfg.param_dtype is not None
+    offloading = cfg.offload_optimizer or cfg.offload_params
     grad_fn = build_grad_fn(loss_fn, opt, has_aux, weighted)
     tx = opt.inner
 
@@ -570,9 +571,12 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         lay_tree = opt.layouts(logical)
         opt_lays = opt.opt_state_layouts(logical)
         part_sh = shardings(mesh, partitioned_specs(lay_tree))
-        inner_state = state.opt_state.inner if mixed else state.opt_state
+        opt_state = state.opt_state  # offloaded: host-memory arguments, moved in buckets
+        if cfg.offload_params:
+            state = state.replace(params=offload.to_device(state.params))
+        inner_state = opt_state.inner if mixed else opt_state
         if mixed:
-            owned = state.opt_state.master
+            owned = opt_state.master
         elif stage in (1, 2):
             owned = _slice_params(state.params, lay_tree, mesh, axis)
         else:
@@ -603,31 +607,33 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
                     pad_tree(new_inner, inner_lays))
 
         opt_specs = opt.specs(logical)
-        if any(t == AxisType.Explicit for t in mesh.axis_types):
-            # Explicit axes type every sharding: cutting the padding off a split
-            # dimension is refused there, so the update runs with the axes Auto
-            owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
-                        else part_sh if stage > 0 else shardings(mesh, opt_specs.params))
-            inner_sh = shardings(mesh, opt_specs.opt_state.inner if mixed
-                                 else opt_specs.opt_state)
-            update = jax.sharding.auto_axes(update, out_sharding=(owned_sh, inner_sh))
-        if state.loss_scale is None:
-            finite = jnp.asarray(True)
-            new_owned, new_inner = update((owned, inner_state, grads))
+        inner_sh = shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state)
+        finite = (jnp.asarray(True) if state.loss_scale is None else jnp.isfinite(sum_sq))
+        if offloading:
+            new_owned, new_inner, new_params = _offloaded_update(
+                update, finite, owned, inner_state, grads, opt, logical, lay_tree)
+            new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         else:
-            finite = jnp.isfinite(sum_sq)
-            new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops[:2],
-                                                (owned, inner_state, grads))
-        if stage > 0:
-            new_owned = constrain(new_owned, part_sh)
-        new_inner = constrain(
-            new_inner, shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state))
-        compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
-                   else new_owned)
-        new_params = (C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
-                      if stage in (1, 2) else compute)
-        new_params = constrain(new_params, shardings(mesh, opt_specs.params))
-        new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
+            if any(t == AxisType.Explicit for t in mesh.axis_types):
+                # Explicit axes type every sharding: cutting the padding off a split
+                # dimension is refused there, so the update runs with the axes Auto
+                owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
+                            else part_sh if stage > 0 else shardings(mesh, opt_specs.params))
+                update = jax.sharding.auto_axes(update, out_sharding=(owned_sh, inner_sh))
+            if state.loss_scale is None:
+                new_owned, new_inner = update((owned, inner_state, grads))
+            else:
+                new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops[:2],
+                                                    (owned, inner_state, grads))
+            if stage > 0:
+                new_owned = constrain(new_owned, part_sh)
+            new_inner = constrain(new_inner, inner_sh)
+            compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
+                       else new_owned)
+            new_params = (C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
+                          if stage in (1, 2) else compute)
+            new_params = constrain(new_params, shardings(mesh, opt_specs.params))
+            new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
         if state.loss_scale is not None:
             new_ls = next_loss_scale(state.loss_scale, finite, cfg)
@@ -641,6 +647,77 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
 
     jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
     return TrainStep(jitted, mesh, opt.data_size, axis, cfg.accum_steps, opt)
+
+
+def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree):
+    """The update of a step with offloaded state: ``(new_owned, new_inner,
+    new_params)``, the offloaded ones in host memory.
+
+    :func:`zerojax.offload.update_in_buckets` runs ``update`` with the host-memory
+    operands (optimizer state, master weights; stage-3 params with
+    ``offload_params``) brought to the device bucket by bucket; each bucket's new
+    values are laid out, cast to the compute dtype where needed and written back to
+    host memory there. A step with a non-finite gradient (loss scaling) keeps the old
+    values, selected per leaf on the device (``lax.cond`` would take host-memory
+    operands)."""
+    cfg, mesh, stage = opt.config, opt.mesh, opt.config.stage
+    mixed = cfg.param_dtype is not None
+    specs = opt.specs(logical)
+    placed = opt.shardings(logical)
+    part_sh = shardings(mesh, partitioned_specs(lay_tree))
+    inner_sh = shardings(mesh, specs.opt_state.inner if mixed else specs.opt_state)
+    owned_host = cfg.offload_optimizer if mixed else (stage == 3 and cfg.offload_params)
+    params_host = stage == 3 and cfg.offload_params
+    n_own, n_inner = len(jax.tree.leaves(owned)), len(jax.tree.leaves(inner_state))
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    flat, treedef = jax.tree.flatten((owned, inner_state, grads))
+
+    def fn(*leaves):
+        *leaves, finite = leaves  # an operand: under Explicit axes, of the Auto mesh
+        ops = jax.tree.unflatten(treedef, leaves)
+        new_owned, new_inner = update(ops)
+        new_owned, new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                            (new_owned, new_inner), ops[:2])
+        if not explicit:  # (under Explicit axes, auto_axes' out_sharding lays them out)
+            new_owned = constrain(new_owned, part_sh if stage > 0 else
+                                  shardings(mesh, specs.params))
+            new_inner = constrain(new_inner, inner_sh)
+        compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
+                   else [])
+        return [*jax.tree.leaves(new_owned), *jax.tree.leaves(new_inner),
+                *jax.tree.leaves(compute)]
+
+    on_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
+               + [False] * (len(flat) - n_own - n_inner + 1))
+    out_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
+                + [params_host] * (n_own if mixed else 0))
+
+    def run(flat):
+        return offload.update_in_buckets(fn, flat, on_host, out_host, cfg.bucket_size,
+                                         cfg.min_shard_size)
+
+    if explicit:  # as in the plain update: the padding is cut under Auto axes
+        own_sh = jax.tree.leaves(placed.opt_state.master if mixed else (
+            part_sh if stage > 0 else placed.params))
+        own_sh = [s.with_memory_kind(offload.HOST if owned_host else offload.DEVICE)
+                  for s in own_sh]
+        in_sh = [s.with_memory_kind(offload.HOST if cfg.offload_optimizer else offload.DEVICE)
+                 for s in jax.tree.leaves(inner_sh)]
+        par_sh = [s.with_memory_kind(offload.HOST if params_host else offload.DEVICE)
+                  for s in own_sh] if mixed else []
+        run = jax.sharding.auto_axes(run, out_sharding=[*own_sh, *in_sh, *par_sh])
+    out = run([*flat, finite])
+    own_def = jax.tree.structure(owned)
+    new_owned = jax.tree.unflatten(own_def, out[:n_own])
+    new_inner = jax.tree.unflatten(jax.tree.structure(inner_state), out[n_own:n_own + n_inner])
+    compute = jax.tree.unflatten(own_def, out[n_own + n_inner:]) if mixed else new_owned
+    lay = lay_tree
+    if stage in (1, 2):
+        new_params = C.gather_params(compute, lay, mesh, opt.config.data_axis, cfg.bucket_size)
+        new_params = constrain(new_params, shardings(mesh, specs.params))
+    else:
+        new_params = compute
+    return new_owned, new_inner, new_params
 
 
 def _slice_params(params, lay_tree, mesh, axis):
