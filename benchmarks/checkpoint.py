@@ -14,8 +14,9 @@ Cases, each in its own process (``--cases``):
 * ``sync``: the same with ``async_save=False``;
 * ``restore``: ``restore`` of the step the sync case wrote, after the saving state was
   freed;
-* ``loop``: five async saves in a row, each waited for (``--saves``), the resident set
-  left behind after each.
+* ``loop``: five async saves in a row (``--saves``), a training step before each but
+  the first (a new state each time, the old one donated, as in training), each save
+  waited for; the resident set left behind after each.
 
 "peak growth" is the resident set's peak during the call above its level just before
 it; "left behind" is its level after ``wait()`` (restore: after it returned) above that
@@ -80,7 +81,8 @@ def _settle() -> int:
 
 
 def _build(cfg: dict, cache: str | None):
-    """``(opt, state, like, nbytes)``: the model initialised on the devices, one step."""
+    """``(opt, state, like, nbytes, train)``: the model initialised on the devices, one
+    step taken; ``train(state)`` takes another."""
     import jax
     import numpy as np
     import optax
@@ -102,10 +104,15 @@ def _build(cfg: dict, cache: str | None):
     del params
     n = mesh.shape["data"]
     tokens = np.random.default_rng(0).integers(0, cfg["vocab"], (2 * n, cfg["seq"] + 1))
-    state, _ = opt.train_step(lm_loss(model))(state, tokens.astype(np.int32))
-    jax.block_until_ready(state)  # one step: Adam's moments are not all zeros
+    tokens = tokens.astype(np.int32)
+    step = opt.train_step(lm_loss(model))
+
+    def train(state):
+        return jax.block_until_ready(step(state, tokens)[0])
+
+    state = train(state)  # one step: Adam's moments are not all zeros
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    return opt, state, like, nbytes
+    return opt, state, like, nbytes, train
 
 
 def _save(mgr, step, state, settle=True):
@@ -134,7 +141,7 @@ def child(args) -> dict:
     from zerojax import hostmem
 
     cfg = json.loads(args.config)
-    opt, state, like, nbytes = _build(cfg, args.cache)
+    opt, state, like, nbytes, train = _build(cfg, args.cache)
     out = dict(backend=jax.default_backend(), devices=jax.device_count(),
                device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
                state_bytes=nbytes, built_rss=hostmem.rss())
@@ -170,6 +177,8 @@ def child(args) -> dict:
         first = None
         saves = []
         for step in range(1, args.saves + 1):
+            if step > 1 and args.loop_step:  # as in training: a new state to save (the
+                state = train(state)  # old one donated)
             r = _save(mgr, step, state, settle=step == 1)  # no trim between saves
             first = r["before"] if first is None else first
             r["left_total"] = r["left"] + r["before"] - first  # above the level before save 1
@@ -184,6 +193,8 @@ def child(args) -> dict:
 def run_case(case: str, cfg: dict, d: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--config",
            json.dumps(cfg), "--dir", d, "--saves", str(args.saves)]
+    if not args.loop_step:
+        cmd.append("--no-loop-step")
     if args.cache:
         cmd += ["--cache", args.cache]
     env = dict(os.environ)
@@ -215,6 +226,8 @@ def main() -> None:
                     help="instead of --size: a GPT of at least this many parameters")
     ap.add_argument("--cases", default=",".join(CASES), help=f"from {','.join(CASES)}")
     ap.add_argument("--saves", type=int, default=5, help="saves in the loop case")
+    ap.add_argument("--no-loop-step", dest="loop_step", action="store_false",
+                    help="the loop case saves one state again and again (no training step)")
     ap.add_argument("--devices", type=int, default=8,
                     help="simulated devices on the CPU backend (accelerators: all of them)")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
@@ -303,8 +316,10 @@ def print_tables(results: dict) -> None:
     if loops:
         k = max(len(c["saves"]) for c in loops.values())
         head = " | ".join(f"save {i + 1}" for i in range(k))
-        print("\nAsync saves in a row, each waited for: RSS left behind after each save "
-              "above the level before the first (MB); peak growth per save (MB); blocking (s)\n")
+        print("\nAsync saves in a row (a training step between them unless --no-loop-step), "
+              "each waited for: RSS left behind after each save above the level before the "
+              "first (MB); left by the save itself and its peak growth, above the level just "
+              "before it (MB); blocking (s)\n")
         print(f"| GPT | state (GB) | | {head} |")
         print("|---|--:|---|" + "--:|" * k)
         for name, c in loops.items():
@@ -312,6 +327,7 @@ def print_tables(results: dict) -> None:
             s = c["saves"]
             print(f"| {name} | {n / 1e9:.2f} | left behind | "
                   + " | ".join(mb(x["left_total"]) for x in s) + " |")
+            print("| | | left by the save itself | " + " | ".join(mb(x["left"]) for x in s) + " |")
             print("| | | peak growth | " + " | ".join(mb(x["peak"]) for x in s) + " |")
             print("| | | blocking | " + " | ".join(f"{x['blocking']:.2f}" for x in s) + " |")
 
