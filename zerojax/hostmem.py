@@ -24,7 +24,6 @@ import ctypes
 import os
 import re
 import threading
-import time
 
 __all__ = ["rss", "peak_rss", "reset_peak", "release_freed_memory", "RssSampler"]
 
@@ -103,10 +102,11 @@ class RssSampler:
         self._thread: threading.Thread | None = None
 
     def _poll(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self.peak = max(self.peak, rss())
             self.samples += 1
-            time.sleep(self.interval)
+            if self._stop.wait(self.interval):
+                return
 
     def __enter__(self) -> RssSampler:
         self.exact = reset_peak()
