@@ -41,12 +41,6 @@ SAVES = 5
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/proc/self/statm"),
                        reason="reads the resident set from /proc"),
-    # Remove once CheckpointManager writes uncompressed and checksums through a small
-    # reused buffer (measured on the 240 MB state: async peaks 249-318 MB and 10 -> 44-146
-    # MB left behind over 5 saves; sync peak 235-246 MB; with both changes 11-14 MB
-    # peaks, 7-10 -> 10-12 MB left, sync 13 MB).
-    pytest.mark.xfail(reason="issue 17: CheckpointManager's compressed writes and 16 MiB "
-                             "checksum reads (pending in zerojax/checkpoint.py)", strict=False),
 ]
 
 _CHILD = textwrap.dedent("""

@@ -70,7 +70,7 @@ FORMAT = 2
 MARKER = "_zerojax_step.json"
 _TMP = ".zerojax-tmp-"
 _DELETE = ".zerojax-delete-"
-_CHUNK = 16 << 20
+_CHUNK = 1 << 20  # checksum reads: one reused 1 MiB buffer per thread
 _COMMIT_TIMEOUT = float(os.environ.get("ZEROJAX_CHECKPOINT_COMMIT_TIMEOUT", 1800))
 
 
@@ -145,12 +145,18 @@ def _write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+_buffers = threading.local()
+
+
 def _crc(path: str) -> tuple[int, int]:
+    buf = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = memoryview(bytearray(_CHUNK))
     crc, size = 0, 0
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)  # releases the GIL: files are hashed in parallel
-            size += len(chunk)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(buf[:n], crc)  # releases the GIL: files are hashed in parallel
+            size += n
     return size, crc
 
 
@@ -162,7 +168,7 @@ def _files(root: str) -> list[str]:
 
 
 def _checksums(root: str, names: list[str]) -> dict[str, list[int]]:
-    with concurrent.futures.ThreadPoolExecutor(min(16, (os.cpu_count() or 2) + 1)) as ex:
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 2)) as ex:
         sums = list(ex.map(lambda n: _crc(os.path.join(root, n)), names))
     return {n: [size, crc] for n, (size, crc) in zip(names, sums)}
 
@@ -485,8 +491,10 @@ class CheckpointManager:
         if me == 0:
             _write_json(os.path.join(tmp, "meta.json"), meta)
         if self._ckptr is None:
+            # uncompressed: zstd held a compressed copy of each array in host memory and
+            # cost CPU time for little gain on trained weights (see benchmarks/README.md)
             self._ckptr = (ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer)(
-                ocp.PyTreeCheckpointHandler())
+                ocp.PyTreeCheckpointHandler(use_compression=False))
         self._saves += 1
         token = f"{step}:{self._saves}"
         # the blocking part: the device-to-host copies (orbax writes in the background)
