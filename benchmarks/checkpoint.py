@@ -14,9 +14,12 @@ Cases, each in its own process (``--cases``):
 * ``sync``: the same with ``async_save=False``;
 * ``restore``: ``restore`` of the step the sync case wrote, after the saving state was
   freed;
-* ``loop``: five async saves in a row (``--saves``), a training step before each but
-  the first (a new state each time, the old one donated, as in training), each save
-  waited for; the resident set left behind after each.
+* ``loop``: five async saves in a row (``--saves``), each waited for; the resident set
+  left behind after each. On accelerators a training step comes before each save but
+  the first (a new state each time, the old one donated, as in training: saving one
+  array again would reuse the host copy jax caches on it); on the CPU backend the same
+  state is saved again (a step's buffers are host memory there, and would be counted
+  with the saves). ``--loop-step`` chooses.
 
 "peak growth" is the resident set's peak during the call above its level just before
 it; "left behind" is its level after ``wait()`` (restore: after it returned) above that
@@ -173,12 +176,15 @@ def child(args) -> dict:
         hostmem.release_freed_memory()
         out["left_trimmed"] = hostmem.rss() - before
     elif args.child == "loop":
+        loop_step = args.loop_step == "yes" or (args.loop_step == "auto" and
+                                                out["backend"] != "cpu")
+        out["loop_step"] = loop_step
         mgr = zerojax.CheckpointManager(d, max_to_keep=1, async_save=True)
         first = None
         saves = []
         for step in range(1, args.saves + 1):
-            if step > 1 and args.loop_step:  # as in training: a new state to save (the
-                state = train(state)  # old one donated)
+            if step > 1 and loop_step:  # as in training: a new state to save (the old
+                state = train(state)  # one donated; jax caches a host copy on an array)
             r = _save(mgr, step, state, settle=step == 1)  # no trim between saves
             first = r["before"] if first is None else first
             r["left_total"] = r["left"] + r["before"] - first  # above the level before save 1
@@ -193,8 +199,7 @@ def child(args) -> dict:
 def run_case(case: str, cfg: dict, d: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--config",
            json.dumps(cfg), "--dir", d, "--saves", str(args.saves)]
-    if not args.loop_step:
-        cmd.append("--no-loop-step")
+    cmd += ["--loop-step", args.loop_step]
     if args.cache:
         cmd += ["--cache", args.cache]
     env = dict(os.environ)
@@ -226,8 +231,10 @@ def main() -> None:
                     help="instead of --size: a GPT of at least this many parameters")
     ap.add_argument("--cases", default=",".join(CASES), help=f"from {','.join(CASES)}")
     ap.add_argument("--saves", type=int, default=5, help="saves in the loop case")
-    ap.add_argument("--no-loop-step", dest="loop_step", action="store_false",
-                    help="the loop case saves one state again and again (no training step)")
+    ap.add_argument("--loop-step", choices=("auto", "yes", "no"), default="auto",
+                    help="a training step between the loop's saves (auto: on accelerators; "
+                         "on the CPU backend the step's own buffers are host memory and would "
+                         "be counted with the saves)")
     ap.add_argument("--devices", type=int, default=8,
                     help="simulated devices on the CPU backend (accelerators: all of them)")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
@@ -316,10 +323,12 @@ def print_tables(results: dict) -> None:
     if loops:
         k = max(len(c["saves"]) for c in loops.values())
         head = " | ".join(f"save {i + 1}" for i in range(k))
-        print("\nAsync saves in a row (a training step between them unless --no-loop-step), "
-              "each waited for: RSS left behind after each save above the level before the "
-              "first (MB); left by the save itself and its peak growth, above the level just "
-              "before it (MB); blocking (s)\n")
+        stepped = any(c.get("loop_step") for c in loops.values())
+        print(f"\nAsync saves in a row, each waited for "
+              f"({'a training step between them' if stepped else 'one state saved again'}): "
+              "RSS left behind after each save above the level before the first (MB); left "
+              "by the save itself and its peak growth, above the level just before it (MB); "
+              "blocking (s)\n")
         print(f"| GPT | state (GB) | | {head} |")
         print("|---|--:|---|" + "--:|" * k)
         for name, c in loops.items():
