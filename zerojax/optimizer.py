@@ -221,6 +221,9 @@ class ZeroOptimizer:
         # A fresh copy laid out per stage: device_put may hand back the caller's own
         # buffers (on device 0, say), and the step donates its state.
         def init(p):
+            # weak types dropped: the step returns strong-typed leaves, so a weak-typed
+            # leaf (a `jnp.asarray(1.5)` scale) would compile the step a second time
+            p = jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype), p)
             compute = p if cfg.param_dtype is None else jax.tree.map(
                 lambda x: x.astype(cfg.param_dtype), p)
             compute = jax.tree.map(jnp.copy, part.pad_tree(compute, lays) if stage3 else compute)
