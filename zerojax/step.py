@@ -693,8 +693,9 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
                 + [params_host] * (n_own if mixed else 0))
 
     def run(flat):
-        return offload.update_in_buckets(fn, flat, on_host, out_host, cfg.bucket_size,
-                                         cfg.min_shard_size)
+        return offload.update_in_buckets(
+            fn, flat, on_host, out_host, offload.bucket_elements(cfg.bucket_size, opt.data_size),
+            cfg.min_shard_size)
 
     if explicit:  # as in the plain update: the padding is cut under Auto axes
         own_sh = jax.tree.leaves(placed.opt_state.master if mixed else (

@@ -3,9 +3,11 @@
 from zerojax.analysis.comm import CollectiveOp, CommVolume, collective_counts, comm_volume
 from zerojax.analysis.memory import (
     CompiledMemory,
+    EntryLayout,
     MemoryEstimate,
     compiled_memory,
     device_bytes,
+    entry_layout,
     estimate_activations,
     estimate_buffers,
     estimate_memory,
@@ -18,6 +20,7 @@ __all__ = [
     "CollectiveOp",
     "CommVolume",
     "CompiledMemory",
+    "EntryLayout",
     "MemoryEstimate",
     "MemoryReport",
     "Plan",
@@ -27,6 +30,7 @@ __all__ = [
     "comm_volume",
     "compiled_memory",
     "device_bytes",
+    "entry_layout",
     "estimate_activations",
     "estimate_buffers",
     "estimate_memory",

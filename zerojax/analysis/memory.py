@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +12,11 @@ import jax
 
 __all__ = [
     "CompiledMemory",
+    "EntryLayout",
     "MemoryEstimate",
     "compiled_memory",
     "device_bytes",
+    "entry_layout",
     "estimate_activations",
     "estimate_buffers",
     "estimate_memory",
@@ -176,7 +179,12 @@ class CompiledMemory:
     """Per-device bytes of a compiled executable, from ``compiled.memory_analysis()``.
 
     ``alias`` counts outputs that reuse a donated argument's buffer. ``host_*`` fields are
-    buffers in host memory (e.g. ``pinned_host`` offloading).
+    buffers in host memory (e.g. ``pinned_host`` offloading). XLA:CPU reports
+    host-memory arguments and outputs inside ``argument`` / ``output`` and leaves its
+    ``host_*`` fields at 0; :func:`compiled_memory` then moves them to the ``host_*``
+    fields by the entry computation's layout (:func:`entry_layout`: the buffers it puts
+    in memory space ``S(5)``), so ``argument`` and ``peak`` are device bytes on every
+    backend.
     """
 
     argument: int
@@ -201,7 +209,11 @@ class CompiledMemory:
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> CompiledMemory:
-    """Read the memory figures of ``compiled`` (``jitted.lower(...).compile()``)."""
+    """Read the memory figures of ``compiled`` (``jitted.lower(...).compile()``).
+
+    Where the backend counts host-memory buffers as device bytes (XLA:CPU: its
+    ``host_*`` figures are 0 while the entry layout has ``S(5)`` buffers), the
+    arguments, outputs and aliases in host memory are moved to the ``host_*`` fields."""
     stats = compiled.memory_analysis()
     if stats is None:
         raise ValueError(
@@ -212,26 +224,119 @@ def compiled_memory(compiled: jax.stages.Compiled) -> CompiledMemory:
     def field(name: str) -> int:
         return int(getattr(stats, f"{name}_size_in_bytes", 0))
 
-    return CompiledMemory(
-        argument=field("argument"),
-        output=field("output"),
-        alias=field("alias"),
-        temp=field("temp"),
-        generated_code=field("generated_code"),
-        host_argument=field("host_argument"),
-        host_output=field("host_output"),
-        host_alias=field("host_alias"),
-        host_temp=field("host_temp"),
-    )
+    figures = {name: field(name) for name in (
+        "argument", "output", "alias", "temp", "generated_code", "host_argument",
+        "host_output", "host_alias", "host_temp")}
+    if not any(figures[f"host_{k}"] for k in ("argument", "output", "alias", "temp")):
+        try:
+            layout = entry_layout(compiled)
+        except ValueError:
+            layout = None
+        if layout is not None and (layout.host_argument or layout.host_output):
+            for k in ("argument", "output", "alias"):
+                moved = min(getattr(layout, f"host_{k}"), figures[k])
+                figures[k] -= moved
+                figures[f"host_{k}"] = moved
+    return CompiledMemory(**figures)
 
 
-def device_bytes(tree: Any, device: jax.Device | None = None) -> int:
+HOST_MEMORY_SPACE = 5  # XLA's memory space of host buffers (S(5) in a layout)
+_ENTRY = re.compile(r"entry_computation_layout=\{")
+_BUFFER = re.compile(r"([a-z][a-z0-9]*)\[([\d,\s]*)\](?:\{([^{}]*)\})?")
+_ALIAS = re.compile(r"\{([\d,\s]*)\}\s*:\s*\((\d+)")
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """The per-device buffers of a compiled program's entry computation, read from its
+    HLO (``entry_computation_layout`` and ``input_output_alias``): for each argument
+    and output, ``(bytes, memory space)`` (0: the device's memory; 5: host memory,
+    ``pinned_host``), and which outputs reuse an argument's buffer (donation)."""
+
+    arguments: tuple
+    outputs: tuple
+    aliased_outputs: frozenset  # indices of outputs that alias a donated argument
+
+    def _sum(self, buffers, host: bool, only=None) -> int:
+        return sum(b for i, (b, space) in enumerate(buffers)
+                   if (space == HOST_MEMORY_SPACE) == host and (only is None or i in only))
+
+    @property
+    def host_argument(self) -> int:
+        """Bytes of the arguments the program takes in host memory."""
+        return self._sum(self.arguments, True)
+
+    @property
+    def device_argument(self) -> int:
+        """Bytes of the arguments the program takes in device memory."""
+        return self._sum(self.arguments, False)
+
+    @property
+    def host_output(self) -> int:
+        return self._sum(self.outputs, True)
+
+    @property
+    def device_output(self) -> int:
+        return self._sum(self.outputs, False)
+
+    @property
+    def host_alias(self) -> int:
+        """Bytes of host-memory outputs written into donated host-memory arguments."""
+        return self._sum(self.outputs, True, self.aliased_outputs)
+
+    @property
+    def device_alias(self) -> int:
+        return self._sum(self.outputs, False, self.aliased_outputs)
+
+
+def entry_layout(compiled: Any) -> EntryLayout:
+    """The entry computation's buffers of ``compiled`` (a ``jax.stages.Compiled`` or its
+    HLO text), per device, with their memory spaces: how to tell which arguments a
+    program takes in host memory on a backend (XLA:CPU) whose ``memory_analysis()``
+    does not say."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    header = text[:text.find("\nENTRY") if "\nENTRY" in text else len(text)]
+    at = _ENTRY.search(header)
+    if at is None:
+        raise ValueError("no entry_computation_layout in this HLO module's header")
+    depth, end = 1, at.end()
+    while depth and end < len(header):
+        depth += {"{": 1, "}": -1}.get(header[end], 0)
+        end += 1
+    body = header[at.end():end - 1]
+    args_text, _, outs_text = body.partition(")->")
+
+    def buffers(t: str) -> tuple:
+        t = re.sub(r"/\*.*?\*/", "", t)
+        out = []
+        for dtype, dims, layout in _BUFFER.findall(t):
+            elements = math.prod(int(d) for d in dims.replace(" ", "").split(",") if d)
+            bits = int(m.group(0)) if (m := re.search(r"\d+", dtype)) else 8  # pred: 1 byte
+            space = re.search(r"S\((\d+)\)", layout or "")
+            out.append((math.ceil(elements * bits / 8), int(space.group(1)) if space else 0))
+        return tuple(out)
+
+    aliased = set()
+    alias_at = header.find("input_output_alias={")
+    if alias_at >= 0:
+        alias_text = header[alias_at:header.find("}, ", header.find(" }", alias_at)) + 1]
+        for index, _param in _ALIAS.findall(alias_text):
+            idx = [int(i) for i in index.replace(" ", "").split(",") if i]
+            aliased.add(idx[0] if idx else 0)
+    return EntryLayout(buffers(args_text.lstrip("(")), buffers(outs_text), frozenset(aliased))
+
+
+def device_bytes(tree: Any, device: jax.Device | None = None,
+                 memory_kind: str | None = "device") -> int:
     """Bytes of the placed ``jax.Array`` leaves of ``tree`` held on ``device``.
 
     Sums the addressable shards that live on ``device`` (a replicated array counts in full
     on every device holding it). ``device`` defaults to the device of the first shard of
     the first array leaf. Leaves that are not ``jax.Array`` (numpy arrays, Python
-    scalars) are on no device and count nothing.
+    scalars) are on no device and count nothing. ``memory_kind``: count only arrays in
+    that memory (``"device"``, the default: the device's own memory; ``"pinned_host"``:
+    what ``offload_optimizer`` / ``offload_params`` keep in host memory for it; None:
+    both).
     """
     arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
     if not arrays:
@@ -241,6 +346,7 @@ def device_bytes(tree: Any, device: jax.Device | None = None) -> int:
     return sum(
         shard.data.nbytes
         for array in arrays
+        if memory_kind is None or (array.sharding.memory_kind or "device") == memory_kind
         for shard in array.addressable_shards
         if shard.device == device
     )
