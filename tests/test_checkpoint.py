@@ -604,3 +604,31 @@ def test_extra_is_per_process_and_a_failed_save_is_not_silent(tmp_path, small, m
     assert mgr.all_steps() == [1]
     mgr.save(2, a)  # the failed step's leftovers do not stand in the way
     assert mgr.all_steps() == [1, 2]
+
+
+def test_a_first_format_step_still_lists_and_restores(tmp_path, small):
+    """Steps written by zerojax's first format (orbax's own CheckpointManager, items
+    `state` and `meta`) are still listed and restored (no checksums to verify)."""
+    import orbax.checkpoint as ocp
+
+    from zerojax import partition as part
+    from zerojax.checkpoint import _paths
+
+    opt, a, _ = small
+    tree = {"step": a.step, "params": a.params, "inner": a.opt_state}
+    meta = {"format": 1, "data": 8, "has_master": False, "has_loss_scale": False,
+            "params": {k: {"shape": list(s), "stored": list(x.shape), "dtype": str(x.dtype)}
+                       for (k, x), s in zip(_paths(a.params).items(),
+                                            part.logical_shapes(a.params))},
+            "extra": {"old": True}}
+    old = ocp.CheckpointManager(str(tmp_path), item_handlers={
+        "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    old.save(6, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree),
+                                        meta=ocp.args.JsonSave(meta)))
+    old.wait_until_finished()
+    old.close()
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.all_steps() == [6] and mgr.extra() == {"old": True}
+    _same(opt, mgr.restore(opt, like=awkward_params()), a)
+    mgr.save(7, a)  # a new step beside it, in the new format
+    assert mgr.all_steps() == [6, 7]
