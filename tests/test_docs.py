@@ -248,8 +248,22 @@ def _check_preemption(ns):
 
 
 # keyed by the snippet's first line: what its prose supplies, and what it must do
+def _setup_offload(ns):
+    model, params, loss_fn = _gpt()
+    ns.update(mesh=zerojax.make_mesh(data=-1), params=params, loss_fn=loss_fn,
+              batch=_tokens(), jax=jax, jnp=jnp, optax=optax, zerojax=zerojax)
+
+
+def _check_offload(ns):
+    state = ns["state"]
+    assert ns["kinds"] == {"pinned_host"} and int(state.step) == 1
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"pinned_host"}
+    assert np.isfinite(float(ns["metrics"]["loss"]))
+
+
 CASES = {
     "import optax, zerojax": (_setup_use, _check_use),
+    "# ZeRO-Offload: optimizer state": (_setup_offload, _check_offload),
     "# A job the scheduler may stop (SIGTERM):": (_setup_preemption, _check_preemption),
     "def lm_loss(params, batch):": (_setup_weighted, _check_weighted),
     "def loss_fn(params, batch, rng=None):": (_setup_rng, _check_rng),

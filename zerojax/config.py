@@ -76,6 +76,9 @@ class ZeroConfig:
         buffer grows with the model. Stages 0-1 fuse whole gradient trees; stages 2-3
         reduce each parameter's gradient when it is produced and split only leaves
         larger than a bucket. None: one collective per leaf (XLA may still combine).
+        With ``offload_optimizer`` / ``offload_params`` it is also the number of
+        elements of offloaded state the update brings to the device at once (None:
+        2**24 per device).
       prefetch: stage 3: let each layer's all-gather start while the layer before it
         computes (its gather waits for the previous layer's input instead of its own),
         so at most about two layers' gathered weights are live. Applies to layers
@@ -100,19 +103,22 @@ class ZeroConfig:
       offload_optimizer: ZeRO-Offload's CPU tier (stages 1-3): the partitioned
         optimizer state, and with ``param_dtype`` the fp32 master weights, live in
         host memory (the ``pinned_host`` memory kind: their ``NamedSharding``s carry
-        ``memory_kind="pinned_host"``) between steps. The compiled step takes them as
-        host-memory arguments, brings them to the device for the update and writes
-        the new state back to host memory, so the device holds 12 Psi/N bytes less
-        between steps (fp32 Adam with master weights). See :mod:`zerojax.offload` for
-        what is on the device during the update. Stage 0 is refused: its state is
-        replicated, so every device's host copy would be whole (N copies in one
-        host's memory); use stage 1, the same step traffic with 1/N of the state.
-      offload_params: ZeRO-Infinity's CPU tier for parameters (stage 3 only, where
-        each device holds a 1/N shard of them): the partitioned params
-        (``TrainState.params``) live in ``pinned_host`` memory too, and each
-        parameter's shard is brought to the device at its first use in the step,
-        just before its all-gather. Combine with ``offload_optimizer=True`` to move
-        the whole model state off the device.
+        ``memory_kind="pinned_host"``, see ``ZeroOptimizer.shardings``) between
+        steps, so the device holds 12 Psi/N bytes less (fp32 Adam with master
+        weights). The step takes them as host-memory arguments and runs the update
+        on the device in buckets of ``bucket_size`` elements (default 2**24 per
+        device), writing each bucket's new state back to host memory before the
+        bucket after next comes in; see :mod:`zerojax.offload` for what was measured.
+        Stage 0 is refused: its state is replicated, so every device's host copy
+        would be whole (N copies in one host's memory); use stage 1, the same step
+        traffic with 1/N of the state. Not a bool (DeepSpeed's ``{"device": "cpu"}``)
+        is refused; so is a backend without ``pinned_host`` memory.
+      offload_params: stage 3 only (where each device holds a 1/N shard of the
+        parameters): the partitioned params (``TrainState.params``) live in
+        ``pinned_host`` memory between steps too. The step brings the shards to the
+        device at its start and writes the new ones back at its end (ZeRO-Infinity's
+        per-layer fetch is not implemented). Combine with ``offload_optimizer=True``
+        to keep the whole model state off the device between steps.
     """
 
     stage: int = 1

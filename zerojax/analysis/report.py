@@ -175,17 +175,18 @@ def abstract_state(opt, params: Any):
         raise ValueError("abstract_state supports fp32 params without loss scaling")
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
     opt._remember(params)
-    specs = opt.specs(params)
+    shardings = opt.shardings(params)  # in host memory where the state is offloaded
     mesh = opt.mesh
 
-    def struct(x, spec):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    def struct(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    is_sharding = lambda s: isinstance(s, NamedSharding)  # noqa: E731
     opt_shapes = jax.eval_shape(opt.inner.init, params)
-    p_struct = jax.tree.map(lambda s, x: struct(x, s), specs.params, params, is_leaf=is_spec)
-    o_struct = jax.tree.map(lambda s, x: struct(x, s), specs.opt_state, opt_shapes,
-                            is_leaf=is_spec)
+    p_struct = jax.tree.map(lambda s, x: struct(x, s), shardings.params, params,
+                            is_leaf=is_sharding)
+    o_struct = jax.tree.map(lambda s, x: struct(x, s), shardings.opt_state, opt_shapes,
+                            is_leaf=is_sharding)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     state = TrainState(step, p_struct, o_struct, opt.init_state_loss_scale())
     part.register_logical(p_struct, params)
