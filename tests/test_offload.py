@@ -244,3 +244,32 @@ def test_a_backend_without_host_memory_is_refused(mesh, monkeypatch):
                                          "offload_optimizer=True"):
         zerojax.zero(optax.adam(1e-2), mesh, stage=1, offload_optimizer=True)
     zerojax.zero(optax.adam(1e-2), mesh, stage=1)  # without offload: fine
+
+
+# -- checkpoints -----------------------------------------------------------------------
+def test_checkpoints_go_between_offloaded_and_device_configurations(mesh, tmp_path):
+    batches = regression_batches(2)
+    both = dict(offload_optimizer=True, offload_params=True)
+
+    def make(**options):
+        return zerojax.zero(optax.adam(1e-2), mesh, stage=3, min_shard_size=16,
+                            param_dtype=jnp.bfloat16, **options)
+
+    plain = make()
+    state = plain.init_state(awkward_params())
+    step = plain.train_step(awkward_loss)
+    for b in batches:
+        state, _ = step(state, b)
+    want = plain.full_params(state)
+    for i, (saving, restoring) in enumerate([(both, {}), ({}, both)]):
+        opt = make(**saving)
+        state, _ = opt.train_step(awkward_loss)(opt.init_state(awkward_params()), batches[0])
+        with zerojax.CheckpointManager(tmp_path / str(i)) as mgr:
+            mgr.save(1, state)
+        opt = make(**restoring)
+        with zerojax.CheckpointManager(tmp_path / str(i)) as mgr:
+            state = mgr.restore(opt, like=awkward_params())
+        state, _ = opt.train_step(awkward_loss)(state, batches[1])
+        got = opt.full_params(state)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), want, got))
+        assert bool(_host_leaves(state.opt_state)) == bool(restoring)
