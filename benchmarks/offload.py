@@ -252,13 +252,18 @@ def _table(rows, n, measured_peak: bool) -> None:
         if not r.get("fits"):
             print(f"| {r['stage']} | {r['config']} | (did not run: {r.get('error', '')}) |")
             continue
-        b = base.get(r["stage"], r)
-        moved = b["device_argument"] - r["device_argument"]
+        b = base.get(r["stage"])  # None: no run without offload to compare with
         formula = moved_formula(r["psi"], n, r["config"])
-        ratio = f"{moved / formula:.4f}" if formula else "-"
+        if b is None:
+            moved = ratio = vs = "-"
+        else:
+            moved_bytes = b["device_argument"] - r["device_argument"]
+            moved = f"{moved_bytes / MiB:.2f}"
+            ratio = f"{moved_bytes / formula:.4f}" if formula else "-"
+            vs = f"{r['peak'] / b['peak']:.2f}"
         line = (f"| {r['stage']} | {r['config']} | {r['device_argument'] / MiB:.2f} "
-                f"| {r['host_argument'] / MiB:.2f} | {moved / MiB:.2f} | {formula / MiB:.2f} "
-                f"| {ratio} | {r['peak'] / MiB:.2f} | {r['peak'] / b['peak']:.2f} ")
+                f"| {r['host_argument'] / MiB:.2f} | {moved} | {formula / MiB:.2f} "
+                f"| {ratio} | {r['peak'] / MiB:.2f} | {vs} ")
         if measured_peak:
             mp = r.get("measured_peak")
             line += f"| {mp / GiB:.2f} " if mp else "| - "
