@@ -236,6 +236,12 @@ def test_bad_combinations_are_refused_naming_the_fix(mesh, options, fix):
         zerojax.zero(optax.adam(1e-2), mesh, **options)
 
 
+def test_the_optax_interface_refuses_offload(mesh):
+    opt = zerojax.zero(optax.adam(1e-2), mesh, stage=1, offload_optimizer=True)
+    with pytest.raises(ValueError, match="opt.tx does not offload.*opt.train_step"):
+        _ = opt.tx
+
+
 def test_a_backend_without_host_memory_is_refused(mesh, monkeypatch):
     from zerojax import compat
 

@@ -328,6 +328,11 @@ class ZeroOptimizer:
                 "to hold the master weights and the scale); use opt.train_step, or build "
                 "the optimizer without those options for a hand-written step."
             )
+        if self.config.offload_optimizer or self.config.offload_params:
+            raise ValueError(
+                "opt.tx does not offload (its state is laid out by your own jit step, in "
+                "device memory); use opt.train_step for offload_optimizer / "
+                "offload_params, or build the optimizer without them for a hand-written step.")
         mesh, inner = self.mesh, self.inner
 
         def init(params):
