@@ -65,7 +65,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import distributed, hostmem, partition as part
+from zerojax import distributed, hostmem, offload, partition as part
 from zerojax.state import LossScaleState, MasterState, TrainState
 
 FORMAT = 2
@@ -646,9 +646,7 @@ class CheckpointManager:
         mixed = cfg.param_dtype is not None
         lays = opt.layouts(structs)
         opt_lays = opt.opt_state_layouts(structs)
-        specs = opt.specs(structs)
         inner_lays = opt_lays.inner if mixed else opt_lays
-        inner_specs = specs.opt_state.inner if mixed else specs.opt_state
         saved_kinds = meta.get("optimizer_state")
         kinds = _state_kinds(inner_lays, is_leaf=part.is_layout)
         if saved_kinds is not None and saved_kinds != kinds:
@@ -657,24 +655,26 @@ class CheckpointManager:
                 f"optimizer: saved {saved_kinds}, {opt!r} wraps {type(opt.inner).__name__} "
                 f"whose state is {kinds}. Restore with the optax transformation it was "
                 "saved with.")
+        # where each leaf lives between steps (pinned_host with offload): read into it
+        shs = opt.shardings(structs)
+        inner_shs = shs.opt_state.inner if mixed else shs.opt_state
         if mixed:  # the fp32 truth goes where the master weights live
-            w_lays, w_specs, w_split = opt_lays.master, specs.opt_state.master, cfg.stage > 0
+            w_lays, w_shs, w_split = opt_lays.master, shs.opt_state.master, cfg.stage > 0
         else:
-            w_lays, w_specs, w_split = lays, specs.params, cfg.stage == 3
+            w_lays, w_shs, w_split = lays, shs.params, cfg.stage == 3
         dtypes = jax.tree.map(lambda x: x.dtype, structs)
 
-        def target(lay, spec, dtype, split):
+        def target(lay, sharding, dtype, split):
             shape = lay.padded_shape if split and lay.sharded else lay.shape
-            sharding = NamedSharding(mesh, spec)
             return (jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
                     ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype,
                                          strict=False))
 
         is_lay = part.is_layout
-        w = jax.tree.map(lambda lay, spec, dt: target(lay, spec, dt, w_split), w_lays, w_specs,
+        w = jax.tree.map(lambda lay, sh, dt: target(lay, sh, dt, w_split), w_lays, w_shs,
                          dtypes, is_leaf=is_lay)
-        inner = jax.tree.map(lambda lay, spec: target(lay, spec, lay.dtype, cfg.stage > 0),
-                             inner_lays, inner_specs, is_leaf=is_lay)
+        inner = jax.tree.map(lambda lay, sh: target(lay, sh, lay.dtype, cfg.stage > 0),
+                             inner_lays, inner_shs, is_leaf=is_lay)
         rep = NamedSharding(mesh, P())
         scalar = (jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                   ocp.ArrayRestoreArgs(sharding=rep, global_shape=(), dtype=jnp.int32))
@@ -715,11 +715,12 @@ class CheckpointManager:
         weights = got["master" if meta["has_master"] else "params"]
         inner_state = _like_structure(got["inner"], jax.tree.map(lambda t: t[0], inner,
                                                                 is_leaf=is_pair))
-        param_sh = part.shardings(mesh, specs.params)
-        opt_sh = part.shardings(mesh, specs.opt_state)
+        param_sh, opt_sh = shs.params, shs.opt_state
 
         def build(w, inner_state):  # mixed precision: the compute copy from the master
-            logical = part.unpad_tree(w, w_lays) if w_split else w
+            # (read on the device; with offload the master itself stays in host memory)
+            dev = offload.to_device(w)
+            logical = part.unpad_tree(dev, w_lays) if w_split else dev
             compute = jax.tree.map(lambda x: x.astype(cfg.param_dtype), logical)
             if cfg.stage == 3:
                 compute = part.pad_tree(compute, lays)
