@@ -304,17 +304,17 @@ def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn,
         # tokens/s over the last steps; "-" until one has run after the compilation
         tps = f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
+        if mgr is not None:  # asked before the step's line: a SIGTERM after the first
+            done = i + 1     # line is always a preemption notice, never fatal
+            if mgr.reached_preemption(done):
+                mgr.save(done, state)
+                preempted = done
+            elif args.save_every and done % args.save_every == 0 and done < args.steps:
+                mgr.save(done, state)
         if not args.progress and (i % log_every == 0 or i == args.steps - 1):
             print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s", flush=True)
-        if mgr is None:
-            continue
-        done = i + 1  # steps taken: the state's step
-        if mgr.reached_preemption(done):
-            mgr.save(done, state)
-            preempted = done
+        if preempted is not None:
             break
-        if args.save_every and done % args.save_every == 0 and done < args.steps:
-            mgr.save(done, state)
     bar.close()
     if mgr is not None and preempted is None and first < args.steps:
         mgr.save(args.steps, state)
