@@ -125,7 +125,7 @@ def test_two_processes_stop_at_the_same_step_save_and_resume_bitwise(tmp_path):
     assert "[launch] every process ended with status 0" in log, log[-3000:]
     assert "left first" not in log and "still run" not in log, log[-3000:]
     first = _stopped_at(log)
-    assert 3 < first < total, log[-3000:]
+    assert 3 <= first < total, log[-3000:]  # the call at the signal's step may see it
     assert (f"[1] zerojax.distributed: process 1 of 2 is exiting (it stopped for preemption "
             f"at step {first}: SIGTERM)") in log, log[-3000:]
     assert CheckpointManager(ckpt).all_steps() == [first]
@@ -136,7 +136,7 @@ def test_two_processes_stop_at_the_same_step_save_and_resume_bitwise(tmp_path):
     assert f"[0] start at step {first}" in log and f"[1] start at step {first}" in log
     assert "[launch] got SIGTERM" not in log
     second = _stopped_at(log)
-    assert first + 2 < second < total, log[-3000:]
+    assert first + 2 <= second < total, log[-3000:]
     assert CheckpointManager(ckpt).latest_step() == second
     # 3. resume to the end; the uninterrupted run in the same processes
     proc, took3 = _launch(ckpt, total, out, REFERENCE=1)
