@@ -186,10 +186,6 @@ def _sync(path: str) -> None:
         pass
 
 
-def _release_freed_memory() -> None:
-    hostmem.release_freed_memory()
-
-
 def _finish_at_exit(manager: CheckpointManager) -> None:
     """Finish ``manager``'s pending writes when the interpreter exits (a script that
     ends right after ``save``, or raises). Registered with threading's exit hooks after
@@ -551,7 +547,7 @@ class CheckpointManager:
         except BaseException as e:  # noqa: BLE001 -- handed to wait()
             self._commit_error = e
         finally:
-            _release_freed_memory()
+            hostmem.release_freed_memory()
 
     def _publish(self, step: int, tmp: str, final: str, token: str, overwrite: bool) -> None:
         """Process 0: checksum every file, write the marker, rename into place, prune."""
@@ -743,7 +739,7 @@ class CheckpointManager:
         saved_step = got["step"]
         jax.block_until_ready((params, opt_state))  # the read buffers are free only now
         del got, weights, inner_state
-        _release_freed_memory()
+        hostmem.release_freed_memory()
         return TrainState(saved_step, params, opt_state, loss_scale)
 
 

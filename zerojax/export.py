@@ -29,7 +29,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.checkpoint import CheckpointManager, _release_freed_memory, _resolve
+from zerojax import hostmem
+from zerojax.checkpoint import CheckpointManager, _resolve
 
 # Restored arrays held at once: the largest leaf, or this many bytes of smaller leaves
 # read in one orbax call (each call costs ~0.1 s of fixed work, whatever it reads).
@@ -321,7 +322,7 @@ def export_params(directory: str | os.PathLike, out: str | os.PathLike,
                     f.write(memoryview(np.ascontiguousarray(x)).cast("B"))  # no extra copy
                     del x
                 del got
-                _release_freed_memory()
+                hostmem.release_freed_memory()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
