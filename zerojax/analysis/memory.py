@@ -20,6 +20,7 @@ __all__ = [
     "estimate_activations",
     "estimate_buffers",
     "estimate_memory",
+    "state_bytes",
 ]
 
 
@@ -28,19 +29,27 @@ class MemoryEstimate(int):
 
     ``estimate == 16 * psi``, ``estimate / 1e9`` and ``estimate + act`` work as for any
     int (arithmetic gives plain ints); ``.params``, ``.grads`` and ``.optimizer_state``
-    are the three parts and ``.total`` the sum (``int(estimate)``).
+    are the three parts in the device's memory and ``.total`` their sum (``int(estimate)``).
+    ``.host_params`` / ``.host_optimizer_state`` are what ``offload_params`` /
+    ``offload_optimizer`` keep in host memory for this device (not in the total);
+    ``.state`` is what ``init_state`` places (params + optimizer state, device and host).
     """
 
     params: int
     grads: int
     optimizer_state: int
+    host_params: int
+    host_optimizer_state: int
 
-    def __new__(cls, params: int, grads: int, optimizer_state: int) -> MemoryEstimate:
+    def __new__(cls, params: int, grads: int, optimizer_state: int, host_params: int = 0,
+                host_optimizer_state: int = 0) -> MemoryEstimate:
         params, grads, optimizer_state = int(params), int(grads), int(optimizer_state)
         self = super().__new__(cls, params + grads + optimizer_state)
         object.__setattr__(self, "params", params)
         object.__setattr__(self, "grads", grads)
         object.__setattr__(self, "optimizer_state", optimizer_state)
+        object.__setattr__(self, "host_params", int(host_params))
+        object.__setattr__(self, "host_optimizer_state", int(host_optimizer_state))
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -50,34 +59,84 @@ class MemoryEstimate(int):
     def total(self) -> int:
         return int(self)
 
+    @property
+    def host(self) -> int:
+        """Bytes kept in host memory for this device (offloaded state)."""
+        return self.host_params + self.host_optimizer_state
+
+    @property
+    def state(self) -> int:
+        """What ``zero(...).init_state(params)`` places for this device: params and
+        optimizer state (step counter and loss scale included), device and host."""
+        return self.params + self.optimizer_state + self.host
+
     def __reduce__(self):
-        return (MemoryEstimate, (self.params, self.grads, self.optimizer_state))
+        return (MemoryEstimate, (self.params, self.grads, self.optimizer_state,
+                                 self.host_params, self.host_optimizer_state))
 
     def __repr__(self) -> str:
+        host = (f", host_params={self.host_params}, host_optimizer_state="
+                f"{self.host_optimizer_state}" if self.host else "")
         return (f"MemoryEstimate(params={self.params}, grads={self.grads}, "
-                f"optimizer_state={self.optimizer_state}, total={int(self)})")
+                f"optimizer_state={self.optimizer_state}{host}, total={int(self)})")
 
     __str__ = __repr__
 
 
 def estimate_memory(
-    num_params: int,
+    num_params: Any,
     dp: int,
     stage: int,
     *,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    optimizer_bytes: int = 12,
+    param_bytes: float | None = None,
+    grad_bytes: float | None = None,
+    optimizer_bytes: float | None = None,
     mp: int = 1,
+    tx: Any = None,
+    param_dtype: Any = None,
+    model_specs: Any = None,
+    **options: Any,
 ) -> MemoryEstimate:
-    """Model-state bytes per device for ZeRO ``stage`` (Rajbhandari et al., Figure 1).
+    """Model-state bytes one device holds at ZeRO ``stage`` over ``dp`` data-parallel devices.
 
-    With Psi = ``num_params``, N = ``dp``, P/G/K = param/grad/optimizer bytes per parameter:
-    stage 0 holds (P+G+K) Psi; stage 1 (P+G) Psi + K Psi/N; stage 2 P Psi + (G+K) Psi/N;
-    stage 3 (P+G+K) Psi/N. ``mp`` (model-parallel degree) first divides Psi. Partitioned
-    states hold ceil(Psi/N) elements (ZeRO pads to a multiple of N). The defaults are
-    mixed-precision Adam (2 + 2 + 12 bytes); full fp32 Adam is 4, 4, 8.
+    Two forms:
+
+    * ``estimate_memory(params, dp, stage, tx=tx, param_dtype=None, **options)``:
+      ``params`` a pytree of arrays or ``jax.ShapeDtypeStruct`` (flax partitioning
+      boxes read as model splits, or ``model_specs``), ``tx`` the optax transformation,
+      ``options`` as :func:`zerojax.zero` takes them (``offload_optimizer``,
+      ``offload_params``, ``min_shard_size``, ``accum_steps``, ...). The bytes are those
+      ``zero(tx, mesh, stage=stage, ...).init_state(params)`` places on one device:
+      the optimizer state is ``jax.eval_shape(tx.init, params)`` (any optax chain,
+      masked or factored states), each leaf laid out by :mod:`zerojax.partition` (the
+      padding of an uneven split, the replicated leaves under ``min_shard_size``), the
+      fp32 master weights with ``param_dtype``, the step counter and loss scale, a
+      ``model`` axis of size ``mp`` dividing the leaves split over it. See
+      :func:`state_bytes`.
+    * ``estimate_memory(num_params, dp, stage)``: the paper's formula (Rajbhandari et
+      al., Figure 1). With Psi = ``num_params``, N = ``dp``, P/G/K = param/grad/optimizer
+      bytes per parameter: stage 0 holds (P+G+K) Psi; stage 1 (P+G) Psi + K Psi/N;
+      stage 2 P Psi + (G+K) Psi/N; stage 3 (P+G+K) Psi/N. ``mp`` first divides Psi.
+      Partitioned states hold ceil(Psi/N) elements. The defaults are mixed-precision
+      Adam (2 + 2 + 12 bytes); full fp32 Adam is 4, 4, 8; bytes may be fractional
+      (Adafactor's factored moments: about 4 (r + c) / (r c) per parameter), products
+      are rounded up to whole bytes.
     """
+    if not isinstance(num_params, numbers.Real) or isinstance(num_params, bool):
+        if any(v is not None for v in (param_bytes, grad_bytes, optimizer_bytes)):
+            raise TypeError("param_bytes / grad_bytes / optimizer_bytes are the paper-formula "
+                            "form's (a parameter count); with a params tree the bytes come "
+                            "from the dtypes and tx")
+        return state_bytes(num_params, dp, stage, tx=tx, param_dtype=param_dtype, mp=mp,
+                           model_specs=model_specs, **options)
+    if tx is not None or param_dtype is not None or options or model_specs is not None:
+        raise TypeError(
+            "tx=, param_dtype= and zero()'s options need the params (a pytree of arrays or "
+            "jax.ShapeDtypeStruct), not a parameter count: estimate_memory(params, dp, "
+            "stage, tx=tx)")
+    param_bytes = 2 if param_bytes is None else param_bytes
+    grad_bytes = 2 if grad_bytes is None else grad_bytes
+    optimizer_bytes = 12 if optimizer_bytes is None else optimizer_bytes
     num_params = _count("num_params", num_params, minimum=0)
     dp = _count("dp", dp, minimum=1, hint="the data-parallel degree (devices on 'data')")
     mp = _count("mp", mp, minimum=1, hint="the model-parallel degree (1 without a 'model' axis)")
@@ -86,19 +145,122 @@ def estimate_memory(
         ("grad_bytes", grad_bytes),
         ("optimizer_bytes", optimizer_bytes),
     ):
-        _count(name, value, minimum=0, hint="bytes per parameter, e.g. 2 for bf16")
+        _per_param(name, value)
+    _check_stage(stage)
+    whole = math.ceil(num_params / mp)
+    shard = math.ceil(whole / dp)
+    return MemoryEstimate(
+        params=math.ceil(param_bytes * (shard if stage >= 3 else whole)),
+        grads=math.ceil(grad_bytes * (shard if stage >= 2 else whole)),
+        optimizer_state=math.ceil(optimizer_bytes * (shard if stage >= 1 else whole)),
+    )
+
+
+def _check_stage(stage: Any) -> None:
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(
             f"stage must be 0, 1, 2 or 3, got {stage!r}: 0 = plain data parallel, "
             "1 = partition optimizer state, 2 = + gradients, 3 = + parameters."
         )
-    whole = math.ceil(num_params / mp)
-    shard = math.ceil(whole / dp)
-    return MemoryEstimate(
-        params=param_bytes * (shard if stage >= 3 else whole),
-        grads=grad_bytes * (shard if stage >= 2 else whole),
-        optimizer_state=optimizer_bytes * (shard if stage >= 1 else whole),
-    )
+
+
+def _per_param(name: str, value: Any) -> float:
+    """Bytes per parameter: a real number >= 0 (Adafactor's 0.41 included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be an integer or a real number of bytes per parameter "
+                        f"(e.g. 2 for bf16, 0.41), got {value!r}.")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be >= 0 (bytes per parameter, e.g. 2 for bf16), "
+                         f"got {value!r}.")
+    return value
+
+
+def _leaf_bytes(shape: tuple, dtype: Any, model: tuple, mp: int) -> int:
+    """Bytes of one device's block of a leaf of (per-device data shard) ``shape``:
+    dimensions split over a model axis are divided by ``mp`` (rounded up)."""
+    import numpy as np
+
+    dims = [math.ceil(d / mp) if model and i < len(model) and model[i] is not None else d
+            for i, d in enumerate(shape)]
+    return math.prod(dims) * np.dtype(dtype).itemsize
+
+
+def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any = None,
+                mp: int = 1, model_specs: Any = None, **options: Any) -> MemoryEstimate:
+    """Per-device model-state bytes of ``zero(tx, mesh, stage=stage, param_dtype=...,
+    **options)`` for ``params`` (arrays or ``ShapeDtypeStruct``s), on a mesh with
+    ``data`` = ``dp`` and ``model`` = ``mp``; nothing is allocated.
+
+    * params: each leaf in ``param_dtype`` (else its own dtype); stage 3 holds its data
+      shard (``LeafLayout.shard_shape``: ceil(size / N) rows of a padded leaf), stages
+      0-2 the whole leaf; leaves under ``min_shard_size`` whole at every stage.
+    * optimizer state: ``jax.eval_shape(tx.init, params)`` (fp32 params), plus the
+      fp32 master weights with ``param_dtype``, each leaf laid out by
+      :func:`zerojax.partition.opt_state_layouts` (stages 1-3 split it, stage 0 keeps
+      it whole); plus the int32 step counter and, with loss scaling, its 12-byte state
+      (both always on the device).
+    * grads (not placed by ``init_state``; what the update is handed): the compute
+      dtype (float32 or wider when ``accum_steps`` > 1), whole at stages 0-1, the data
+      shard at stages 2-3.
+    * ``offload_optimizer`` / ``offload_params``: those parts are counted in
+      ``host_optimizer_state`` / ``host_params`` instead (0 on the device).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax.core import meta as flax_meta
+    from jax.sharding import PartitionSpec as P
+
+    from zerojax import partition as part
+    from zerojax.config import ZeroConfig
+    from zerojax.state import MasterState
+
+    if tx is None or not hasattr(tx, "init"):
+        raise TypeError(f"estimate_memory(params, ...) needs tx= (the optax transformation "
+                        f"zero() wraps, e.g. optax.adamw(1e-3)), got {tx!r}")
+    dp = _count("dp", dp, minimum=1, hint="the data-parallel degree (devices on 'data')")
+    mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
+    _check_stage(stage)
+    cfg = ZeroConfig.from_kwargs(stage=stage, param_dtype=param_dtype, **options)
+    is_box = lambda x: isinstance(x, flax_meta.AxisMetadata)  # noqa: E731
+    if any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+        if model_specs is None:
+            model_specs = flax_meta.get_partition_spec(params)
+        params = flax_meta.unbox(params)
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+    if not jax.tree.leaves(structs):
+        raise ValueError("params has no array leaves; pass the model's parameter pytree.")
+    if model_specs is not None and mp == 1:  # splits over a size-1 axis split nothing
+        model_specs = jax.tree.map(lambda s: P(*(None,) * len(tuple(s))), model_specs,
+                                   is_leaf=lambda x: isinstance(x, P))
+    axis, n, small = cfg.data_axis, dp, cfg.min_shard_size
+    lays = part.layouts(structs, n, small, axis, model_specs)
+    opt_shapes = jax.eval_shape(tx.init, structs)
+    if cfg.param_dtype is not None:
+        opt_shapes = MasterState(structs, opt_shapes)
+    opt_lays = part.opt_state_layouts(opt_shapes, lays, n, small, stage, axis)
+    is_lay = part.is_layout
+
+    def held(lay, split: bool, dtype) -> int:
+        shape = lay.shard_shape(n) if split and lay.dim is not None else lay.shape
+        return _leaf_bytes(shape, dtype, lay.model, mp)
+
+    compute = lambda lay: cfg.param_dtype if cfg.param_dtype is not None else lay.dtype  # noqa: E731
+    p_bytes = sum(held(lay, stage == 3, compute(lay))
+                  for lay in jax.tree.leaves(lays, is_leaf=is_lay))
+    opt = sum(held(lay, stage >= 1, lay.dtype)
+              for lay in jax.tree.leaves(opt_lays, is_leaf=is_lay))
+    # the step counter and the loss scale (scale, good steps, hysteresis) stay on device
+    bookkeeping = 4 + (12 if cfg.loss_scale is not None else 0)
+
+    def grad_dtype(lay):
+        dt = jnp.dtype(compute(lay))
+        return jnp.promote_types(dt, jnp.float32) if cfg.accum_steps > 1 else dt
+
+    g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay))
+                  for lay in jax.tree.leaves(lays, is_leaf=is_lay))
+    host_p = p_bytes if cfg.offload_params else 0
+    host_o = opt if cfg.offload_optimizer else 0
+    return MemoryEstimate(p_bytes - host_p, g_bytes, opt - host_o + bookkeeping, host_p, host_o)
 
 
 def estimate_activations(hidden: int, batch: int, seq: int, layers: int, *,

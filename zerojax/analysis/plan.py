@@ -321,7 +321,10 @@ def format_table1(rows: list[Table1Row] | None = None) -> str:
     header = ["DP"] + [f"{name} {STAGE_NAMES[s]}" for name, s in keys]
     body = [[str(r.dp)] + [_paper_round(r.gb[k]) for k in keys] for r in rows]
     return ("Table 1 (Rajbhandari et al., SC20): model-state GB per device, mixed-precision "
-            "Adam (2 + 2 + 12 bytes per parameter)\n" + _table(header, body))
+            "Adam (2 + 2 + 12 bytes per parameter)\n" + _table(header, body)
+            + "\n(printed as computed, 3 significant figures, whole GB from 1000 GB; the paper "
+            "rounds the same way below 100 GB, but from 100 GB the paper truncates: it "
+            "prints 4187 for 4187.5, 257 for 257.75)")
 
 
 def table1() -> str:
@@ -330,7 +333,8 @@ def table1() -> str:
 
 
 def _paper_round(gb: float) -> str:
-    """Three significant figures (as the paper: 52.5, 0.47, 4187)."""
+    """Three significant figures, whole numbers from 1000 (52.5, 0.469, 4188: the paper
+    prints 0.47 and truncates 4187.5 to 4187)."""
     if gb >= 1000:
         return f"{gb:.0f}"
     return f"{gb:.3g}"
