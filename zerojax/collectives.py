@@ -191,9 +191,46 @@ def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None) -> list:
     return out
 
 
+# -- the collectives of a partitioned parameter's use (hooks) ----------------------
+# Every stage-3 weight gather and every gradient reduce-scatter of a partitioned leaf
+# goes through these two functions (make_param_use, the stage-1 and tied-leaf
+# reductions of step.py); the second level of a hierarchical reduction through
+# ``reduce_across``. A compressed collective (ZeRO++ qwZ / qgZ) replaces them here and
+# nowhere else.
+
+
+def param_gather(shards: list, dims: list[int], axis, bucket_size: int | None) -> list:
+    """The all-gather of partitioned parameters before their use (stage 3): the whole
+    leaves (padded) from this device's shards over ``axis`` (a mesh axis or a tuple)."""
+    return gather_buckets(shards, dims, axis, bucket_size)
+
+
+def grad_reduce_scatter(xs: list, dims: list[int], axis, bucket_size: int | None) -> list:
+    """The reduce-scatter of whole (padded) gradients into this device's shards over
+    ``axis`` (stages 1-3; with a replica axis, the first level: inside the node)."""
+    return reduce_scatter_buckets(xs, dims, axis, bucket_size)
+
+
+def reduce_across(shards: list, dims: list[int], axis: str, op: str,
+                  bucket_size: int | None) -> list:
+    """The second level of a hierarchical gradient reduction: the gradient shards,
+    already reduce-scattered inside each node, reduced across the node axis ``axis``.
+
+    ``op="all_reduce"`` (HSDP / MiCS: the state is replicated over ``axis``, every
+    node keeps the whole shard: 2 Psi/D per device) or ``"reduce_scatter"`` (hpZ: the
+    optimizer state is partitioned over ``axis`` too; each device keeps 1/R of its
+    node shard: Psi/D per device, giving the ``(data, replica)`` partition)."""
+    if op == "all_reduce":
+        return all_reduce_buckets(shards, axis, bucket_size)
+    if op == "reduce_scatter":
+        return reduce_scatter_buckets(shards, dims, axis, bucket_size)
+    raise ValueError(f"reduce_across: op={op!r} is not 'all_reduce' or 'reduce_scatter'.")
+
+
 def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,
                    bucket_size: int | None = None, model_spec: P | None = None,
-                   reduce: bool = True, size: int | None = None):
+                   reduce: bool = True, size: int | None = None,
+                   padded: int | None = None):
     """``use(param, zero_shard) -> whole parameter``, whose gradient goes, reduce-scattered,
     to ``zero_shard``.
 
@@ -212,7 +249,9 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     the uses' cotangents on the device and reduce-scatters them once). ``size``: the
     leaf's own length along ``dim`` when its stored form is padded (the gathered
     parameter is cut to it; the cotangent is padded with zeros before the
-    reduce-scatter).
+    reduce-scatter). ``padded``: the padded length (default ``size`` rounded up to a
+    multiple of the ``axis`` size; hpZ pads for the finer partition of its optimizer
+    state, a multiple of replica x data).
     """
 
     model_spec = P() if model_spec is None else model_spec
@@ -222,7 +261,7 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
         del zero_shard
         if not gather:
             return param
-        whole = model_local(lambda p: gather_buckets([p], [dim], axis, bucket_size)[0],
+        whole = model_local(lambda p: param_gather([p], [dim], axis, bucket_size)[0],
                             (model_spec,), model_spec)(param)
         return whole if size is None else jax.lax.slice_in_dim(whole, 0, size, axis=dim)
 
@@ -235,8 +274,10 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
         if reduce_dtype is not None:
             ct = ct.astype(reduce_dtype)
         if size is not None:
-            ct = _pad_dim(ct, dim, -size % jax.lax.axis_size(axis))
-        shard = model_local(lambda c: reduce_scatter_buckets([c], [dim], axis, bucket_size)[0],
+            pad = (padded - size if padded is not None
+                   else -size % jax.lax.axis_size(axis))
+            ct = _pad_dim(ct, dim, pad)
+        shard = model_local(lambda c: grad_reduce_scatter([c], [dim], axis, bucket_size)[0],
                             (model_spec,), model_spec)(ct)
         return None, shard.astype(grad_dtype)
 
@@ -276,6 +317,55 @@ def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
     return jax.tree.unflatten(treedef, out)
 
 
+def refresh_secondary(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh: Mesh,
+                      replica_axis: str, bucket_size: int | None = None) -> Any:
+    """ZeRO++ hpZ: the secondary copy of the parameters (each leaf split over ``data``
+    only, ``secondary_layouts``) from the primary partition (``layout_tree``, split over
+    ``(data, replica)``): one all-gather of every shard across ``replica_axis``.
+
+    Device (r, d) holds block ``d * R + r`` of the primary partition, so gathering
+    over ``replica`` gives it blocks ``d * R .. d * R + R - 1``: its node's ``data``
+    shard. Padding is kept (the secondary copy is stored padded, as stage-3 params)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    lays = treedef.flatten_up_to(layout_tree)
+    secs = treedef.flatten_up_to(secondary_layouts)
+    sharded = [i for i, lay in enumerate(lays) if lay.sharded]
+
+    def body(*shards):
+        out = list(shards)
+        gathered = param_gather([shards[i] for i in sharded], [lays[i].dim for i in sharded],
+                                replica_axis, bucket_size)
+        for i, g in zip(sharded, gathered):
+            out[i] = g
+        return tuple(out)
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=tuple(lay.spec for lay in lays),
+                        out_specs=tuple(sec.spec for sec in secs), check_vma=False)(*leaves)
+    return jax.tree.unflatten(treedef, out)
+
+
+def primary_slice(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh: Mesh,
+                  replica_axis: str) -> Any:
+    """ZeRO++ hpZ: this device's primary shards (split over ``(data, replica)``), cut
+    from the secondary copy (split over ``data``) with no communication: block ``r``
+    of the node's shard on the device of replica index ``r``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    lays = treedef.flatten_up_to(layout_tree)
+    secs = treedef.flatten_up_to(secondary_layouts)
+
+    def cut(x, lay):
+        if not lay.sharded:
+            return x
+        size = x.shape[lay.dim] // jax.lax.axis_size(replica_axis)
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(replica_axis) * size, size,
+                                            lay.dim)
+
+    out = jax.shard_map(lambda *xs: tuple(cut(x, lay) for x, lay in zip(xs, lays)),
+                        mesh=mesh, in_specs=tuple(sec.spec for sec in secs),
+                        out_specs=tuple(lay.spec for lay in lays), check_vma=False)(*leaves)
+    return jax.tree.unflatten(treedef, list(out))
+
+
 def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
     """This device's slice of a replicated leaf (no communication)."""
     if not lay.sharded:
@@ -288,7 +378,8 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 __all__ = [
     "model_local", "after", "all_reduce_local", "reduce_scatter_local", "gather_local",
-    "make_param_use",
+    "make_param_use", "param_gather", "grad_reduce_scatter", "reduce_across",
+    "refresh_secondary", "primary_slice",
     "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",
     "gather_params", "slice_local",
 ]

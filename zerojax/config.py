@@ -119,6 +119,24 @@ class ZeroConfig:
         device at its start and writes the new ones back at its end (ZeRO-Infinity's
         per-layer fetch is not implemented). Combine with ``offload_optimizer=True``
         to keep the whole model state off the device between steps.
+      replica_axis: hierarchical sharding, HSDP / MiCS (stages 1-3): the name of the
+        mesh's outer (node) axis, e.g. ``"replica"`` of ``make_mesh(replica=2,
+        data=4)``. The model states are then partitioned over ``data_axis`` only
+        (inside a node) and replicated over ``replica_axis``; the batch is split over
+        both. Per step and device, stage 3 moves 2 Psi of all-gathers and Psi of
+        reduce-scatter inside ``data_axis`` and all-reduces the Psi/D gradient shard
+        across ``replica_axis`` (2 Psi/D); model-state bytes are the stage's formula
+        with N = D. None (the default): plain ZeRO, partitioned over every device of
+        the batch axes (``replica`` x ``data`` when the mesh has a ``replica`` axis).
+        With ``hpz=True`` it names the axis hpZ uses (default ``"replica"``).
+      hpz: ZeRO++ hpZ (stage 3 only, needs a replica axis of size > 1): the optimizer
+        state (and master weights) are partitioned over all ``replica`` x ``data``
+        devices as in plain stage 3, while ``TrainState.params`` is a secondary copy
+        partitioned over ``data`` only, which the forward and backward passes gather
+        inside the node; after each update it is refreshed by one all-gather of the
+        new shards across ``replica``. Gradients are reduce-scattered over ``data``,
+        then over ``replica``. Per step and device: 3 Psi inside ``data``, 2 Psi/D
+        across ``replica``, at the cost of params held at 1/D instead of 1/(R D).
     """
 
     stage: int = 1
@@ -142,6 +160,8 @@ class ZeroConfig:
     has_aux: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
+    replica_axis: str | None = None
+    hpz: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -220,6 +240,42 @@ class ZeroConfig:
             )
         if not isinstance(self.data_axis, str) or not self.data_axis:
             raise ValueError(f"data_axis={self.data_axis!r} must be a mesh axis name.")
+        self._check_hierarchical()
+
+    def _check_hierarchical(self) -> None:
+        """``replica_axis`` / ``hpz`` on their own; the mesh is checked by ``zero()``."""
+        if not isinstance(self.hpz, bool):
+            raise ValueError(
+                f"hpz={self.hpz!r} must be True or False: True keeps a secondary copy of the "
+                "stage-3 parameters partitioned inside each node (ZeRO++ hpZ), e.g. "
+                "zero(tx, mesh, stage=3, hpz=True).")
+        if self.replica_axis is not None and (not isinstance(self.replica_axis, str)
+                                              or not self.replica_axis):
+            raise ValueError(
+                f"replica_axis={self.replica_axis!r} must be the name of a mesh axis (e.g. "
+                "'replica' of zerojax.make_mesh(replica=2, data=4)) or None.")
+        if self.replica_axis is not None and self.replica_axis == self.data_axis:
+            raise ValueError(
+                f"replica_axis={self.replica_axis!r} is the data axis itself: it must name the "
+                f"outer (node) axis the model states are replicated over, e.g. "
+                f"make_mesh(replica=2, data=4) and replica_axis='replica'.")
+        if self.hpz and self.stage != 3:
+            raise ValueError(
+                f"hpz=True needs stage=3 (got stage={self.stage}): hpZ keeps a secondary copy "
+                "of the partitioned parameters, which only stage 3 partitions. Use "
+                "zero(tx, mesh, stage=3, hpz=True), or replica_axis='replica' (HSDP) at "
+                f"stage {self.stage}.")
+        if self.replica_axis is not None and self.stage == 0 and not self.hpz:
+            raise ValueError(
+                f"replica_axis={self.replica_axis!r} needs stage 1, 2 or 3: stage 0 partitions "
+                "nothing, so there is nothing to keep inside a node. Drop replica_axis (stage "
+                "0 all-reduces the gradients over every device) or use stage=1.")
+        if (self.hpz or self.replica_axis is not None) and (
+                self.offload_optimizer or self.offload_params):
+            opt = "hpz=True" if self.hpz else f"replica_axis={self.replica_axis!r}"
+            raise ValueError(
+                f"{opt} with offload_optimizer / offload_params is not implemented: use "
+                "hierarchical sharding or offloading, not both.")
 
     @property
     def dynamic_loss_scale(self) -> bool:

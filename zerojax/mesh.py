@@ -8,14 +8,25 @@ from jax.sharding import AxisType, Mesh
 
 DATA = "data"
 MODEL = "model"
+REPLICA = "replica"  # the outer (node) axis of hierarchical sharding
 
 
-def make_mesh(data: int = -1, model: int = 1, *, devices=None) -> Mesh:
-    """A ``jax.sharding.Mesh`` with axes ``("data", "model")``.
+def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
+              devices=None) -> Mesh:
+    """A ``jax.sharding.Mesh`` with axes ``("data", "model")``, or
+    ``("replica", "data", "model")`` when ``replica`` is given.
 
     Args:
-      data: data-parallel degree; -1 takes all devices left after ``model``.
+      data: data-parallel degree (with ``replica``: devices per node); -1 takes all
+        devices left after ``replica`` and ``model``.
       model: model-parallel (tensor-parallel) degree.
+      replica: the outer (node) axis of hierarchical sharding, HSDP / MiCS and ZeRO++
+        hpZ (``zero(..., replica_axis="replica")``, ``zero(..., hpz=True)``). None (the
+        default): no replica axis, the two-axis mesh of before. An int (1 included):
+        a ``replica`` axis of that size, outermost, so each replica's ``data`` x
+        ``model`` devices are consecutive in ``devices`` (on a multi-host pod, one
+        replica per node). The batch is split over ``replica`` x ``data``; plain ZeRO
+        partitions over both (``PartitionSpec(("replica", "data"))``).
       devices: the devices to use (default: ``jax.devices()``, all processes).
 
     Raises:
@@ -24,28 +35,41 @@ def make_mesh(data: int = -1, model: int = 1, *, devices=None) -> Mesh:
     devs = list(jax.devices() if devices is None else devices)
     n = len(devs)
     for name, val in (("data", data), ("model", model)):
-        if not isinstance(val, int) or (val < 1 and val != -1):
+        if isinstance(val, bool) or not isinstance(val, int) or (val < 1 and val != -1):
             raise ValueError(f"make_mesh: {name}={val!r} must be a positive int or -1.")
+    if replica is not None and (isinstance(replica, bool) or not isinstance(replica, int)
+                                or replica < 1):
+        raise ValueError(
+            f"make_mesh: replica={replica!r} must be a positive int (the number of nodes "
+            "the model state is replicated over) or None for no replica axis.")
+    r = 1 if replica is None else replica
     if model == -1 and data == -1:
         raise ValueError("make_mesh: only one of data, model may be -1.")
     if data == -1:
-        if n % model:
+        if n % (model * r):
             raise ValueError(
-                f"make_mesh: {n} devices do not divide by model={model}; "
-                f"choose a model degree that divides {n}."
+                f"make_mesh: {n} devices do not divide by "
+                f"{'' if replica is None else f'replica={r} x '}model={model}; "
+                f"choose degrees whose product divides {n}."
             )
-        data = n // model
+        data = n // (model * r)
     if model == -1:
-        if n % data:
-            raise ValueError(f"make_mesh: {n} devices do not divide by data={data}.")
-        model = n // data
-    if data * model != n:
+        if n % (data * r):
+            raise ValueError(f"make_mesh: {n} devices do not divide by data={data}"
+                             f"{'' if replica is None else f' x replica={r}'}.")
+        model = n // (data * r)
+    if data * model * r != n:
+        what = f"data={data} x model={model}" if replica is None else (
+            f"replica={r} x data={data} x model={model}")
         raise ValueError(
-            f"make_mesh: data={data} x model={model} = {data * model} but there are {n} "
+            f"make_mesh: {what} = {data * model * r} but there are {n} "
             "devices; pass data=-1 to use the rest, or pass devices=... with that many."
         )
-    return Mesh(np.array(devs).reshape(data, model), (DATA, MODEL),
-                axis_types=(AxisType.Auto, AxisType.Auto))
+    if replica is None:
+        return Mesh(np.array(devs).reshape(data, model), (DATA, MODEL),
+                    axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(np.array(devs).reshape(r, data, model), (REPLICA, DATA, MODEL),
+                axis_types=(AxisType.Auto,) * 3)
 
 
 def check_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C, offload, partition as part
 from zerojax.config import ZeroConfig
-from zerojax.mesh import check_mesh, constrain
+from zerojax.mesh import REPLICA, check_mesh, constrain
 from zerojax.state import LossScaleState, MasterState, TrainState
 from zerojax.step import TrainStep, build_train_step
 
@@ -35,6 +37,10 @@ def _check_params(params: Any) -> None:
             )
 
 
+def _axes_size(mesh: Mesh, axes) -> int:
+    return math.prod(int(mesh.shape[a]) for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+
 class ZeroOptimizer:
     """An optax optimizer partitioned ZeRO-style over the ``data`` axis of a mesh.
 
@@ -53,7 +59,7 @@ class ZeroOptimizer:
         self.inner = tx
         self.config = config
         self.mesh = check_mesh(mesh, config.data_axis)
-        self.data_size = int(self.mesh.shape[config.data_axis])
+        self._resolve_axes()
         self._model_specs = None  # (treedef, PartitionSpec tree) from init_state
         # params treedef -> their own shapes (ShapeDtypeStructs), from init_state: the
         # stored stage-3 params of a padded leaf have the padded shape
@@ -69,9 +75,71 @@ class ZeroOptimizer:
             if getattr(config, option):
                 offload.check_backend(self.mesh, option)
 
+    def _resolve_axes(self) -> None:
+        """Where the model states are partitioned and the batch split (hierarchical
+        sharding decides here, once; everything else reads these attributes).
+
+        * ``zero_axis``: the mesh axis, or tuple of axes, the partitioned layout splits
+          over (``LeafLayout.axis``): ``data``; ``("replica", "data")`` for plain ZeRO
+          on a mesh with a ``replica`` axis; ``data`` for HSDP; ``("data",
+          "replica")`` for hpZ's primary partition (data-major, so that device (r, d)'s
+          shard is block r of its node's ``data`` shard: the secondary copy is one
+          all-gather over ``replica`` away and the primary a local slice of it);
+        * ``data_size``: the number of shards of that layout (N of the formulas);
+        * ``batch_axes`` / ``batch_size``: the axes the batch is split over and their
+          device count (``data``, or ``("replica", "data")``);
+        * ``replica_axis``: the node axis of HSDP / hpZ (None for plain ZeRO);
+        * ``param_axis`` / ``param_size``: where stage-3 params are held between steps
+          and gathered from, and where gradients are reduce-scattered first (hpZ:
+          ``data``; otherwise ``zero_axis``).
+        """
+        cfg, mesh = self.config, self.mesh
+        data = cfg.data_axis
+        shape = dict(mesh.shape)
+        rep = cfg.replica_axis if cfg.replica_axis is not None else (
+            REPLICA if cfg.hpz or REPLICA in shape else None)
+        if rep is not None and rep not in shape:
+            given = (f"replica_axis={cfg.replica_axis!r}" if cfg.replica_axis is not None
+                     else "hpz=True")
+            raise ValueError(
+                f"{given}: the mesh has axes {mesh.axis_names} and no {rep!r} axis; build it "
+                f"with zerojax.make_mesh(replica=R, data=D) (R nodes of D devices) or pass "
+                f"replica_axis= one of its axis names.")
+        if cfg.hpz and shape[rep] < 2:
+            raise ValueError(
+                f"hpz=True needs a replica axis of size > 1, but {rep!r} has size "
+                f"{shape[rep]} in mesh {shape}: with one node the secondary copy is the "
+                f"partition itself. Use plain stage 3 (drop hpz), or make_mesh(replica=R, "
+                f"data=D) with R > 1.")
+        self.batch_axes = (rep, data) if rep is not None else data
+        if rep is None:
+            self.zero_axis, self.replica_axis, self.mode = data, None, "plain"
+        elif cfg.hpz:
+            self.zero_axis, self.replica_axis, self.mode = (data, rep), rep, "hpz"
+        elif cfg.replica_axis is not None:
+            self.zero_axis, self.replica_axis, self.mode = data, rep, "hsdp"
+        else:  # plain ZeRO over every device of a mesh with a replica axis
+            self.zero_axis, self.replica_axis, self.mode = (rep, data), None, "plain"
+        self.param_axis = data if cfg.hpz else self.zero_axis
+        self.data_size = _axes_size(mesh, self.zero_axis)
+        self.batch_size = _axes_size(mesh, self.batch_axes)
+        self.param_size = _axes_size(mesh, self.param_axis)
+
+    def param_layouts(self, layouts: Any) -> Any:
+        """The layouts of ``TrainState.params`` (stage 3) for the partitioned
+        ``layouts``: the same, except under hpZ, where the params are the secondary
+        copy: the same dimension and padding, split over ``data`` only."""
+        if self.mode != "hpz":
+            return layouts
+        axis = self.param_axis
+        return jax.tree.map(lambda lay: dataclasses.replace(lay, axis=axis), layouts,
+                            is_leaf=part.is_layout)
+
     def __repr__(self) -> str:
-        return (f"ZeroOptimizer(stage={self.config.stage}, "
-                f"{self.config.data_axis}={self.data_size}, mesh={dict(self.mesh.shape)})")
+        axis = self.zero_axis if isinstance(self.zero_axis, str) else "x".join(self.zero_axis)
+        mode = "" if self.mode == "plain" else f"{self.mode}, "
+        return (f"ZeroOptimizer(stage={self.config.stage}, {mode}"
+                f"{axis}={self.data_size}, mesh={dict(self.mesh.shape)})")
 
     # -- layout ---------------------------------------------------------------------
     def _split_model_specs(self, params: Any, model_specs: Any = None):
@@ -126,7 +194,7 @@ class ZeroOptimizer:
         ``pad=False``: a leaf with no divisible dimension stays replicated."""
         params, model_specs = self._split_model_specs(params)
         return part.layouts(params, self.data_size, self.config.min_shard_size,
-                            self.config.data_axis, model_specs, pad)
+                            self.zero_axis, model_specs, pad)
 
     def logical_params(self, params: Any) -> Any:
         """ShapeDtypeStructs of ``params`` at their own (unpadded) shapes: as given to
@@ -153,7 +221,7 @@ class ZeroOptimizer:
         params = self._split_model_specs(params)[0]
         cfg = self.config
         return part.opt_state_layouts(self._opt_shapes(params), lay, self.data_size,
-                                      cfg.min_shard_size, cfg.stage, cfg.data_axis, pad)
+                                      cfg.min_shard_size, cfg.stage, self.zero_axis, pad)
 
     def specs(self, params: Any, pad: bool = True) -> part.StageSpecs:
         """PartitionSpec trees of the params, gradients and optimizer state of this stage.
@@ -165,10 +233,10 @@ class ZeroOptimizer:
         params = self._split_model_specs(params)[0]
         cfg = self.config
         return part.StageSpecs(
-            params=part.stage_param_specs(lay, cfg.stage),
+            params=part.stage_param_specs(self.param_layouts(lay), cfg.stage),
             grads=part.stage_grad_specs(lay, cfg.stage),
             opt_state=part.opt_state_specs(self._opt_shapes(params), lay, self.data_size,
-                                           cfg.min_shard_size, cfg.stage, cfg.data_axis, pad),
+                                           cfg.min_shard_size, cfg.stage, self.zero_axis, pad),
         )
 
     def shardings(self, params: Any, pad: bool = True) -> part.StageSpecs:
@@ -302,11 +370,14 @@ class ZeroOptimizer:
         fn = self._full_params_fns.get((treedef, partitioned))
         if fn is None:
             lays = self.layouts(logical)
+            if cfg.param_dtype is None:  # hpZ: the params are the secondary copy
+                lays = self.param_layouts(lays)
+            axis = self.param_axis if cfg.param_dtype is None else self.zero_axis
 
             def _full_params(p):
                 p = offload.to_device(p)
                 if partitioned:
-                    p = C.gather_params(p, lays, self.mesh, cfg.data_axis, cfg.bucket_size)
+                    p = C.gather_params(p, lays, self.mesh, axis, cfg.bucket_size)
                 return jax.tree.map(jnp.copy, p)  # a copy: never the donated buffers
 
             fn = self._full_params_fns[(treedef, partitioned)] = jax.jit(_full_params)
@@ -333,6 +404,11 @@ class ZeroOptimizer:
                 "opt.tx does not offload (its state is laid out by your own jit step, in "
                 "device memory); use opt.train_step for offload_optimizer / "
                 "offload_params, or build the optimizer without them for a hand-written step.")
+        if self.mode == "hpz":
+            raise ValueError(
+                "opt.tx does not implement hpz=True (its params are a secondary copy laid "
+                "out apart from the optimizer state, refreshed by the step); use "
+                "opt.train_step, or replica_axis='replica' (HSDP) for a hand-written step.")
         mesh, inner = self.mesh, self.inner
 
         def init(params):

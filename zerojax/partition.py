@@ -40,7 +40,9 @@ class LeafLayout:
     shape: tuple[int, ...]
     dtype: Any
     dim: int | None  # dimension split over the data axis; None = replicated
-    axis: str = "data"
+    # the mesh axis (or tuple of axes: ("replica", "data") for plain ZeRO over a replica
+    # axis, ("data", "replica") for hpZ's primary partition) the split goes on
+    axis: Any = "data"
     model: tuple = ()  # per-dim model-parallel axes ("model" or None); () = none
     pad: int = 0  # zeros appended along ``dim`` so that it divides by the data degree
 
@@ -175,9 +177,10 @@ def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data",
                 model_spec: Any = None, path: str = "", pad: bool = True) -> LeafLayout:
     shape = tuple(int(s) for s in x.shape)
     model = _model_entries(model_spec, len(shape), path)
+    zero_axes = axis if isinstance(axis, tuple) else (axis,)
     for m in model:
         names = m if isinstance(m, tuple) else (m,)
-        if axis in names:
+        if any(a in names for a in zero_axes):
             raise ValueError(
                 f"params leaf {path} is already split over {axis!r} by its sharding metadata "
                 f"({model_spec}); ZeRO decides the {axis!r} split: annotate only model axes."

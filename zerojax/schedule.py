@@ -97,7 +97,7 @@ class _Lazy:
 @dataclasses.dataclass(frozen=True)
 class _Ctx:
     stage: int
-    axis: str
+    axis: Any  # a mesh axis or a tuple: where stage-3 shards are gathered from
     reduce_dtype: Any = None
     bucket_size: int | None = None
     prefetch: bool = False
@@ -121,10 +121,14 @@ class _Ctx:
                 shape[ref.dim] = (ref.size if ref.size is not None
                                   else shape[ref.dim] * jax.lax.axis_size(self.axis))
             return jnp.zeros(shape, param.dtype)
+        # the stored (padded) length: the zero shard's rows times the axis size (hpZ
+        # pads for its finer optimizer-state partition, not for this axis alone)
+        padded = (None if ref.full_grad or ref.size is None
+                  else zero_shard.shape[ref.dim] * jax.lax.axis_size(self.axis))
         use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
                              grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
                              bucket_size=self.bucket_size, model_spec=P(*ref.model),
-                             reduce=not ref.full_grad, size=ref.size)
+                             reduce=not ref.full_grad, size=ref.size, padded=padded)
         return use(param, zero_shard)
 
 

@@ -143,17 +143,30 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     float32 and divided by the total weight at the end, so the result is
     ``sum(loss_sum) / sum(weight)`` over the global batch, as one device computes it.
     """
-    cfg, mesh, axis, n = opt.config, opt.mesh, opt.config.data_axis, opt.data_size
+    cfg, mesh = opt.config, opt.mesh
     stage, k, reduce_dtype = cfg.stage, cfg.accum_steps, cfg.reduce_dtype
-    model_axis = next((a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1), None)
+    # Hierarchical sharding (the optimizer decides the axes, optimizer._resolve_axes):
+    # ``axis``: where stage-3 shards are gathered from and gradients reduce-scattered
+    # first (``data`` for HSDP and hpZ: inside the node); ``zero_axis``: the partition
+    # of the gradients handed to optax; ``batch_axes``: the batch split (and the
+    # all-reduce of replicated leaves); ``across``: the second level of the gradient
+    # reduction over the replica axis (HSDP: all-reduce; hpZ: reduce-scatter).
+    axis, zero_axis, batch_axes = opt.param_axis, opt.zero_axis, opt.batch_axes
+    n = opt.batch_size  # devices the batch is split over
+    n_in = opt.param_size  # shards of ``axis``
+    across = {"hsdp": "all_reduce", "hpz": "reduce_scatter"}.get(opt.mode)
+    batch_names = set(batch_axes if isinstance(batch_axes, tuple) else (batch_axes,))
+    model_axis = next((a for a in mesh.axis_names if a not in batch_names
+                       and mesh.shape[a] > 1), None)
     model_size = int(mesh.shape[model_axis]) if model_axis else 1
 
     def grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng=None):
         leaves, treedef = jax.tree.flatten(params)
         lays = treedef.flatten_up_to(lay_tree)
+        in_lays = treedef.flatten_up_to(opt.param_layouts(lay_tree))  # hpZ: secondary
         # manual over data only: model splits stay with the compiler (in_specs and
         # out_specs name the data split alone)
-        param_specs = tuple(lay.data_spec if stage == 3 else P() for lay in lays)
+        param_specs = tuple(lay.data_spec if stage == 3 else P() for lay in in_lays)
         grad_specs = tuple(lay.data_spec if stage > 0 else P() for lay in lays)
         sharded = [i for i, lay in enumerate(lays) if lay.sharded]
         replicated = [i for i, lay in enumerate(lays) if not lay.sharded]
@@ -161,7 +174,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
         red_dtypes = [jnp.dtype(reduce_dtype or lay.dtype) for lay in lays]
         scaled = scale is not None
         # Axes of size > 1 other than data (the model axis) stay with the compiler.
-        manual = {a for a in mesh.axis_names if a == axis or mesh.shape[a] == 1}
+        manual = {a for a in mesh.axis_names if a in batch_names or mesh.shape[a] == 1}
 
         # The loss traced once, here (outside the shard_map), on whole-shape params and
         # one device's micro-batch; its sharding annotations are then made valid in the
@@ -202,7 +215,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
         def body(param_leaves, local_batch, scale, rng):
             # each device, and each micro-batch on it, gets its own key
-            dev_key = jax.random.fold_in(rng, jax.lax.axis_index(axis)) if keyed else None
+            dev_key = (jax.random.fold_in(rng, jax.lax.axis_index(batch_axes)) if keyed
+                       else None)
 
             def micro_key(m):
                 return jax.random.fold_in(dev_key, m) if keyed else None
@@ -226,7 +240,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
                 out, vjp, (loss, weight, aux) = jax.vjp(g, *primals, has_aux=True)
                 if weighted:
-                    w = jax.lax.psum(weight, axis)  # this micro-batch's global weight
+                    w = jax.lax.psum(weight, batch_axes)  # this micro-batch's global weight
                     c = jnp.where(w > 0, 1.0 / jnp.where(w > 0, w, 1.0), 0.0)
                 else:
                     w, c = None, jnp.asarray(1.0 / (n * k), jnp.float32)
@@ -251,7 +265,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                 # uses on the device, reduce-scattered once below (not once per use)
                 sd = jax.ShapeDtypeStruct
                 uses = param_uses(
-                    closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(n), x.dtype))
+                    closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(n_in), x.dtype))
                              if lays[i].sharded else (sd(x.shape, x.dtype),)
                              for i, x in enumerate(param_leaves)],
                     [sd(x.shape, x.dtype) for x in jax.tree.leaves(local_struct)] + key_struct,
@@ -259,7 +273,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                 full_grad = frozenset(i for i, c in uses.items() if c > 1)
                 acc_dtypes = [_acc_dtype(grad_dtypes[i], k) if lays[i].sharded
                               else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
-                zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(n)
+                zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(n_in)
                                for i in range(len(lays))]
 
                 def micro_grads(mb):
@@ -313,14 +327,15 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             reduced = list(range(len(g))) if stage == 0 else replicated
             specs = tuple(lays[i].model_spec for i in reduced)
             out = C.model_local(
-                lambda *xs: tuple(C.all_reduce_buckets(list(xs), axis, bucket)), specs, specs,
+                lambda *xs: tuple(C.all_reduce_buckets(list(xs), batch_axes, bucket)), specs,
+                specs,
             )(*[g[i].astype(red_dtypes[i]) for i in reduced])
             # stage 1: every partitioned leaf; stages 2-3: the leaves used more than once
             scattered = sharded if stage == 1 else sorted(full_grad)
             if scattered:
                 specs = tuple(lays[i].model_spec for i in scattered)
                 part = C.model_local(
-                    lambda *xs: tuple(C.reduce_scatter_buckets(
+                    lambda *xs: tuple(C.grad_reduce_scatter(
                         list(xs), [lays[i].dim for i in scattered], axis, bucket)), specs,
                     specs,
                 )(*[lays[i].pad_to_split(g[i].astype(red_dtypes[i])) for i in scattered])
@@ -328,6 +343,17 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                     g[i] = x
             for i, x in zip(reduced, out):
                 g[i] = x
+            if across is not None and sharded:
+                # hierarchical: the node's gradient shards reduced across the replica
+                # axis, once per step (after the micro-batches), in reduce_dtype
+                specs = tuple(lays[i].model_spec for i in sharded)
+                crossed = C.model_local(
+                    lambda *xs: tuple(C.reduce_across(
+                        list(xs), [lays[i].dim for i in sharded], opt.replica_axis, across,
+                        bucket)), specs, specs,
+                )(*[g[i].astype(red_dtypes[i]) for i in sharded])
+                for i, x in zip(sharded, crossed):
+                    g[i] = x
             g = [x.astype(dt) for x, dt in zip(g, grad_dtypes)]
             if scaled:
                 g = [x / scale.astype(x.dtype) for x in g]
@@ -339,8 +365,9 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             # replicated leaves, identical everywhere
             part_sq = sq([g[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
             rep_sq = sq([g[i] for i in (replicated if stage > 0 else range(len(g)))])
-            sum_sq = (jax.lax.psum(part_sq, axis) if stage > 0 and sharded else 0.0) + rep_sq
-            loss_sum = jax.lax.psum(loss_sum, axis)
+            sum_sq = ((jax.lax.psum(part_sq, zero_axis) if stage > 0 and sharded else 0.0)
+                      + rep_sq)
+            loss_sum = jax.lax.psum(loss_sum, batch_axes)
             if weighted:
                 loss = jnp.where(w_total > 0, loss_sum / jnp.where(w_total > 0, w_total, 1.0),
                                  0.0)
@@ -349,11 +376,12 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
             return tuple(g), loss, aux, sum_sq
 
-        batch_spec = P(axis) if k == 1 else P(None, axis)
+        batch_spec = P(batch_axes) if k == 1 else P(None, batch_axes)
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
             body, mesh=mesh, in_specs=(param_specs, batch_spec, P(), P()),
-            out_specs=(grad_specs, P(), P(axis), P()), axis_names=manual, check_vma=False,
+            out_specs=(grad_specs, P(), P(batch_axes), P()), axis_names=manual,
+            check_vma=False,
         )(tuple(leaves), batch, scale_arg, rng)
         return jax.tree.unflatten(treedef, list(g)), loss, aux, sum_sq
 
@@ -558,8 +586,9 @@ def check_state_matches(state: TrainState, opt) -> None:
 
 def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
                      ) -> TrainStep:
-    cfg, mesh, axis = opt.config, opt.mesh, opt.config.data_axis
+    cfg, mesh, axis = opt.config, opt.mesh, opt.zero_axis
     stage = cfg.stage
+    hpz = opt.mode == "hpz"
     mixed = cfg.param_dtype is not None
     offloading = cfg.offload_optimizer or cfg.offload_params
     grad_fn = build_grad_fn(loss_fn, opt, has_aux, weighted)
@@ -579,6 +608,9 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
             owned = opt_state.master
         elif stage in (1, 2):
             owned = _slice_params(state.params, lay_tree, mesh, axis)
+        elif hpz:  # the primary shards: a local slice of the secondary copy
+            owned = C.primary_slice(state.params, lay_tree, opt.param_layouts(lay_tree), mesh,
+                                    opt.replica_axis)
         else:
             owned = state.params
         grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
@@ -630,8 +662,13 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
             new_inner = constrain(new_inner, inner_sh)
             compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
                        else new_owned)
-            new_params = (C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
-                          if stage in (1, 2) else compute)
+            if stage in (1, 2):
+                new_params = C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
+            elif hpz:  # the secondary copy: one all-gather across the replica axis
+                new_params = C.refresh_secondary(compute, lay_tree, opt.param_layouts(lay_tree),
+                                                 mesh, opt.replica_axis, cfg.bucket_size)
+            else:
+                new_params = compute
             new_params = constrain(new_params, shardings(mesh, opt_specs.params))
             new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
@@ -646,7 +683,7 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         return new_state, metrics
 
     jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
-    return TrainStep(jitted, mesh, opt.data_size, axis, cfg.accum_steps, opt)
+    return TrainStep(jitted, mesh, opt.batch_size, opt.batch_axes, cfg.accum_steps, opt)
 
 
 def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree):
@@ -714,7 +751,7 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     compute = jax.tree.unflatten(own_def, out[n_own + n_inner:]) if mixed else new_owned
     lay = lay_tree
     if stage in (1, 2):
-        new_params = C.gather_params(compute, lay, mesh, opt.config.data_axis, cfg.bucket_size)
+        new_params = C.gather_params(compute, lay, mesh, opt.zero_axis, cfg.bucket_size)
         new_params = constrain(new_params, shardings(mesh, specs.params))
     else:
         new_params = compute

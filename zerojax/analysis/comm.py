@@ -23,6 +23,15 @@ wrapping a collective, ...) are counted once, at the start. Tuple-shaped (combin
 collectives count the sum of their operands. Collectives whose replica groups have a
 single member move nothing and are left out. Replica groups are read in every format
 XLA prints (explicit, iota, mesh-based: :mod:`zerojax.compat`).
+
+Bytes: each op also carries the bytes of its payload (``CollectiveOp.bytes``, by the
+same rule: all-reduce twice), so a bf16 gather counts half an fp32 one and an int8
+one a quarter. With ``comm_volume(compiled, mesh=mesh)`` each op is also mapped to
+the mesh axes its replica groups span (``CollectiveOp.axes``; device ``i`` of the
+groups is the mesh's ``i``-th device in ``mesh.devices.flat`` order, the order ``jit``
+assigns a mesh's devices), and :meth:`CommVolume.by_axes` splits the volume: on
+``make_mesh(replica=2, data=4)`` HSDP's gathers land under ``("data",)`` (inside a
+node) and its gradient all-reduce under ``("replica",)`` (across nodes).
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Protocol
 
-from zerojax.compat import replica_group_size, replica_groups_attr
+import numpy as np
+
+from zerojax.compat import replica_group_size, replica_groups, replica_groups_attr
 
 __all__ = ["CollectiveOp", "CommVolume", "collective_counts", "comm_volume"]
 
@@ -91,12 +102,20 @@ class CollectiveOp:
     dtype: str
     group_size: int
     replica_groups: str
+    nbytes: int = 0  # bytes of ``elements`` (the payload), per execution
+    axes: tuple[str, ...] | None = None  # mesh axes the groups span (None: no mesh given)
 
     @property
     def volume(self) -> int:
         """Elements moved per device over all executions (2x for all-reduce)."""
         factor = 2 if self.kind == "all_reduce" else 1
         return factor * self.elements * self.trips
+
+    @property
+    def bytes(self) -> int:
+        """Bytes moved per device over all executions, by the same rule as ``volume``."""
+        factor = 2 if self.kind == "all_reduce" else 1
+        return factor * self.nbytes * self.trips
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +141,44 @@ class CommVolume:
     def total(self) -> int:
         """All kinds together."""
         return sum(getattr(self, kind) for kind in KINDS)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes moved per device, all kinds together (all-reduce counted twice)."""
+        return sum(op.bytes for op in self.ops)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes moved per device, by kind."""
+        totals = dict.fromkeys(KINDS, 0)
+        for op in self.ops:
+            totals[op.kind] += op.bytes
+        return totals
+
+    def by_axes(self) -> dict[tuple[str, ...], CommVolume]:
+        """Split by the mesh axes each collective's groups span, e.g. ``("data",)``
+        (inside a node), ``("replica",)`` (across nodes), ``("replica", "data")`` (a
+        collective over both), in the mesh's axis order. Needs the volume to have been
+        read with ``comm_volume(..., mesh=mesh)``."""
+        if any(op.axes is None for op in self.ops):
+            raise ValueError(
+                "by_axes needs the mesh: read the volume with comm_volume(compiled, "
+                "mesh=mesh), which maps each collective's replica groups to mesh axes.")
+        keys = sorted({op.axes for op in self.ops}, key=lambda a: (len(a), a))
+        return {key: CommVolume.from_ops(tuple(op for op in self.ops if op.axes == key))
+                for key in keys}
+
+    def across(self, axis: str) -> CommVolume:
+        """The collectives whose groups span ``axis`` (alone or with other axes): the
+        traffic that crosses it, e.g. ``across("replica")`` for cross-node traffic."""
+        if any(op.axes is None for op in self.ops):
+            raise ValueError("across needs comm_volume(compiled, mesh=mesh).")
+        return CommVolume.from_ops(tuple(op for op in self.ops if axis in op.axes))
+
+    def within(self, axis: str) -> CommVolume:
+        """The collectives whose groups span ``axis`` and no other mesh axis."""
+        if any(op.axes is None for op in self.ops):
+            raise ValueError("within needs comm_volume(compiled, mesh=mesh).")
+        return CommVolume.from_ops(tuple(op for op in self.ops if op.axes == (axis,)))
 
     def in_units_of(self, num_params: float) -> dict[str, float]:
         """Volumes divided by ``num_params`` (Psi), keyed by kind and ``"total"``."""
@@ -153,12 +210,15 @@ class CommVolume:
         return counts
 
 
-def comm_volume(compiled_or_hlo_text: _HasAsText | str, *, min_elements: int = 2) -> CommVolume:
+def comm_volume(compiled_or_hlo_text: _HasAsText | str, *, min_elements: int = 2,
+                mesh=None) -> CommVolume:
     """Per-device communication volume of a compiled program (see the module docstring).
 
     ``compiled_or_hlo_text`` is a ``jax.stages.Compiled`` (its ``as_text()`` is read) or the
     text of an optimized HLO module. Collectives of fewer than ``min_elements`` elements per
-    execution (scalar reductions such as a loss mean) are skipped.
+    execution (scalar reductions such as a loss mean) are skipped. ``mesh``: the
+    ``jax.sharding.Mesh`` the program was compiled for; each op then records the mesh
+    axes its groups span (``CollectiveOp.axes``, :meth:`CommVolume.by_axes`).
     """
     if isinstance(compiled_or_hlo_text, str):
         text = compiled_or_hlo_text
@@ -172,7 +232,32 @@ def comm_volume(compiled_or_hlo_text: _HasAsText | str, *, min_elements: int = 2
         )
     module = _Module(text)
     ops = tuple(op for op in module.collectives() if op.elements >= min_elements)
+    if mesh is not None:
+        ops = tuple(dataclasses.replace(op, axes=_mesh_axes(op, mesh, module.num_devices))
+                    for op in ops)
     return CommVolume.from_ops(ops)
+
+
+def _mesh_axes(op: CollectiveOp, mesh, num_devices: int) -> tuple[str, ...]:
+    """The mesh axes along which members of one of ``op``'s groups differ."""
+    shape = tuple(int(s) for s in mesh.devices.shape)
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"comm_volume(mesh=...): the mesh has {math.prod(shape)} devices "
+            f"({dict(mesh.shape)}) but the program runs on {num_devices}; pass the mesh it "
+            "was compiled for.")
+    if op.kind == "collective_permute":
+        groups = [[int(a), int(b)] for a, b in
+                  re.findall(r"\{(\d+),\s*(\d+)\}", op.replica_groups)]
+    else:
+        groups = replica_groups(op.replica_groups, num_devices)
+    spanned = set()
+    for group in groups:
+        coords = [np.unravel_index(i, shape) for i in group]
+        for d in range(len(shape)):
+            if len({c[d] for c in coords}) > 1:
+                spanned.add(d)
+    return tuple(mesh.axis_names[d] for d in sorted(spanned))
 
 
 def collective_counts(
@@ -288,6 +373,7 @@ class _Module:
             kind=kind,
             name=inst.name,
             elements=sum(_num_elements(dims) for _, dims in arrays),
+            nbytes=sum(_num_bytes(dtype, dims) for dtype, dims in arrays),
             trips=1,
             dtype=",".join(sorted({dtype for dtype, _ in arrays})),
             group_size=group_size,
@@ -410,6 +496,17 @@ def _operand_shape(operand: str, shapes: dict[str, str]) -> str:
 
 def _num_elements(dims: str) -> int:
     return math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
+
+
+def _num_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array: ``f32`` 4 per element, ``bf16`` 2, ``s8`` 1, ``s4`` half
+    (rounded up), ``pred`` 1, ``c64`` 8, ``f8e4m3fn`` 1."""
+    if dtype == "pred":
+        bits = 8
+    else:
+        match = re.match(r"[a-z]+(\d+)", dtype)
+        bits = int(match.group(1)) if match else 8
+    return -(-_num_elements(dims) * bits // 8)
 
 
 def _largest_component(pairs: str) -> int:

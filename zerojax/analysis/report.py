@@ -37,6 +37,8 @@ __all__ = [
     "compile_step",
     "format_comparison",
     "memory_report",
+    "gpt_param_shapes",
+    "gpt_step_prediction",
     "predict_step_memory",
 ]
 
@@ -105,7 +107,8 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
                         vocab: int = 0, heads: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
                         optimizer_bytes: int = 8, activation_bytes: int = 4,
                         remat: bool = True, prefetch: bool = True,
-                        batch_bytes: int = 0) -> StepPrediction:
+                        batch_bytes: int = 0, states: int | None = None,
+                        softmax_bytes: int = 4, accum_steps: int = 1) -> StepPrediction:
     """Per-device peak bytes of a zerojax train step (donated state) on a GPT-like model.
 
     Psi = ``num_params``, Psi_l = ``layer_params`` (one block), N = ``dp``; P, G, K
@@ -113,7 +116,9 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     default: 4, 4, 8; G is the dtype the gradient is computed in); b = ``batch`` per
     device. The peak is ``states + batch_bytes + max(end, backward)``:
 
-    * states: ``estimate_memory(Psi, N, stage, P, 0, K)``, what the state holds;
+    * states: ``estimate_memory(Psi, N, stage, P, 0, K)``, what the state holds, or
+      ``states`` (bytes) when given: ``estimate_memory(params, N, stage, tx=tx).params +
+      .optimizer_state``, the bytes ``init_state`` places (any optimizer, dtype, option);
     * end, the gradients alive when the backward pass is over: stage 0 ``2 G Psi``
       (the local gradient and the all-reduced one: the reduction writes a new
       buffer, the paper's fused buffer); stage 1 with scanned layers ``2 G Psi`` (the
@@ -129,7 +134,11 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
       checkpoints), plus what the paper's 12 h b s leaves out: the attention scores,
       probabilities and their gradient of the layer being recomputed, ``3 a s^2 b``
       values for ``heads`` = a (``3 a s^2 b L`` without ``remat``), and the logits,
-      their softmax and gradient, ``3 b s V`` values;
+      their softmax and gradient, ``3 b s V`` values; these two are float32 in the
+      reference GPT whatever its compute dtype (``softmax_bytes``, default 4);
+    * ``accum_steps`` = k > 1: activations of one micro-batch (b / k), the gradients
+      accumulated in float32 (G = 4 or wider) and one float32 accumulator beside the
+      micro-batch's gradient (whole at stages 0-1, the shard at 2-3);
     * working: stages 1-2 ``P Psi_l`` (the layer's weights, made to wait for its
       cotangent before the recomputation); stage 3 ``P Psi_l`` per gathered layer:
       1 in a scanned stack (each iteration gathers its own), 2 for written-out layers
@@ -141,16 +150,23 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     pl = _count("layer_params", layer_params, minimum=0)
     p, g, k = param_bytes, grad_bytes, optimizer_bytes
-    states = int(estimate_memory(psi, n, stage, param_bytes=p, grad_bytes=0,
-                                 optimizer_bytes=k))
+    if states is None:
+        states = int(estimate_memory(psi, n, stage, param_bytes=p, grad_bytes=0,
+                                     optimizer_bytes=k))
+    states = _count("states", states, minimum=0)
+    accum = _count("accum_steps", accum_steps, minimum=1)
     shard = math.ceil(psi / n)
     whole_grads = stage == 0 or (stage == 1 and scanned)
     end = 2 * g * psi if whole_grads else g * shard
     in_flight = g * psi if whole_grads else g * shard + g * pl
+    if accum > 1:
+        batch = -(-batch // accum)
+        acc = 4 * (psi if stage < 2 else shard)
+        end, in_flight = end + acc, in_flight + acc
     acts = estimate_activations(hidden, batch, seq, layers, bytes_per_value=activation_bytes,
                                 checkpointing=remat)
     scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
-    acts += (scores + 3 * batch * seq * vocab) * activation_bytes
+    acts += (scores + 3 * batch * seq * vocab) * softmax_bytes
     if stage == 3:
         working = p * pl * (1 if scanned or not prefetch else 2)
     elif stage == 0 or whole_grads:
@@ -166,27 +182,30 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
 def abstract_state(opt, params: Any):
     """The ``TrainState`` ``opt.init_state(params)`` would make, as ``ShapeDtypeStruct``
     leaves with their shardings: nothing is allocated. ``params`` may be structs
-    (``jax.eval_shape`` of an init). Leaves are assumed not padded (every split
-    dimension divides by N; true of the reference GPT at power-of-two sizes)."""
+    (``jax.eval_shape`` of an init). ``param_dtype`` (a ``MasterState`` with the fp32
+    master weights) and padded leaves (stored at their padded shapes) as ``init_state``
+    makes them."""
     from zerojax import partition as part
     from zerojax.state import TrainState
 
-    if opt.config.param_dtype is not None or opt.config.loss_scale not in (None, "auto"):
-        raise ValueError("abstract_state supports fp32 params without loss scaling")
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
     opt._remember(params)
+    cfg = opt.config
     shardings = opt.shardings(params)  # in host memory where the state is offloaded
+    lays = opt.layouts(params)
+    opt_lays = opt.opt_state_layouts(params)
     mesh = opt.mesh
+    is_lay = part.is_layout
 
-    def struct(x, sharding):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    def struct(lay, sharding, dtype, stored):
+        shape = lay.padded_shape if stored else lay.shape
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    is_sharding = lambda s: isinstance(s, NamedSharding)  # noqa: E731
-    opt_shapes = jax.eval_shape(opt.inner.init, params)
-    p_struct = jax.tree.map(lambda s, x: struct(x, s), shardings.params, params,
-                            is_leaf=is_sharding)
-    o_struct = jax.tree.map(lambda s, x: struct(x, s), shardings.opt_state, opt_shapes,
-                            is_leaf=is_sharding)
+    compute = lambda lay: cfg.param_dtype if cfg.param_dtype is not None else lay.dtype  # noqa: E731
+    p_struct = jax.tree.map(lambda lay, sh: struct(lay, sh, compute(lay), cfg.stage == 3),
+                            lays, shardings.params, is_leaf=is_lay)
+    o_struct = jax.tree.map(lambda lay, sh: struct(lay, sh, lay.dtype, True),
+                            opt_lays, shardings.opt_state, is_leaf=is_lay)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     state = TrainState(step, p_struct, o_struct, opt.init_state_loss_scale())
     part.register_logical(p_struct, params)
@@ -198,7 +217,7 @@ def compile_step(opt, loss_fn, params: Any, batch: Any) -> jax.stages.Compiled:
     as arrays or ``ShapeDtypeStruct``s: lowered and compiled, never run."""
     step = opt.train_step(loss_fn)
     state = abstract_state(opt, params)
-    sharding = NamedSharding(opt.mesh, P(opt.config.data_axis))
+    sharding = NamedSharding(opt.mesh, P(opt.batch_axes))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                          batch)
     return step.jitted.lower(state, batch, None).compile()
@@ -252,18 +271,67 @@ def format_comparison(rows: list[Comparison]) -> str:
 # --- the largest model that fits: predicted and compiled ----------------------------------
 
 
+def gpt_param_shapes(config, dtype: Any = jnp.float32) -> dict:
+    """The params of a zerojax reference ``GPT(config)`` (``config.scan``: the blocks
+    stacked on a leading layer axis) as ``ShapeDtypeStruct``s, without tracing the
+    model (the same tree as ``jax.eval_shape(lambda: gpt_params(GPT(config)))``)."""
+    h, v, s, L, f = (config.hidden, config.vocab, config.seq, config.layers,
+                     config.mlp_ratio * config.hidden)
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
+
+    def block(*lead):
+        return {"attn_out": {"bias": sd(*lead, h), "kernel": sd(*lead, h, h)},
+                "ln_1": {"bias": sd(*lead, h), "scale": sd(*lead, h)},
+                "ln_2": {"bias": sd(*lead, h), "scale": sd(*lead, h)},
+                "mlp_in": {"bias": sd(*lead, f), "kernel": sd(*lead, h, f)},
+                "mlp_out": {"bias": sd(*lead, h), "kernel": sd(*lead, f, h)},
+                "qkv": {"bias": sd(*lead, 3 * h), "kernel": sd(*lead, h, 3 * h)}}
+
+    out = {"embed": {"embedding": sd(v, h)}, "ln_f": {"bias": sd(h), "scale": sd(h)},
+           "pos_embed": sd(s, h)}
+    if config.scan:
+        out["blocks"] = block(L)
+    else:
+        out.update({f"blocks_{i}": block() for i in range(L)})
+    return out
+
+
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
-                        prefetch: bool = True) -> StepPrediction:
-    """:func:`predict_step_memory` for a zerojax reference ``GPTConfig`` (fp32 params,
-    fp32 Adam) on ``global_batch`` sequences of ``config.seq`` tokens."""
+                        prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
+                        **options: Any) -> StepPrediction:
+    """:func:`predict_step_memory` for a zerojax reference ``GPTConfig`` on
+    ``global_batch`` sequences of ``config.seq`` tokens, trained by ``zero(tx, mesh,
+    stage=stage, param_dtype=param_dtype, **options)`` (default: fp32 Adam). The
+    model states are :func:`~zerojax.analysis.memory.estimate_memory` of the params'
+    shapes with ``tx`` (what ``init_state`` places, offloaded parts excluded);
+    gradients and activations are in the compute dtype (``param_dtype``, else
+    ``config.dtype``), the attention softmax and logits in float32."""
+    import optax
+
+    tx = optax.adam(1e-3) if tx is None else tx
     h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
-    layer = 4 * h * h + 2 * config.mlp_ratio * h * h + 9 * h + config.mlp_ratio * h
+    f = config.mlp_ratio * h
+    layer = 4 * h * h + 2 * f * h + 9 * h + f
     psi = v * h + s * h + L * layer + 2 * h
     b = global_batch // dp
+    e = estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
+                        **options)
+    compute = jnp.dtype(param_dtype if param_dtype is not None else config.dtype).itemsize
+    accum = options.get("accum_steps", 1)
+    working = 0
+    if options.get("offload_optimizer") or options.get("offload_params"):
+        # the update brings bucket_size elements of offloaded state per leaf at once
+        # (default 2**24), two buckets in flight: master, moments and new values
+        bucket = options.get("bucket_size") or 2**24
+        per_element = 3 * 4 + compute  # fp32 state in, fp32 out, the new compute copy
+        working = 2 * min(bucket, math.ceil(psi / dp)) * per_element
     return predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=config.remat, prefetch=prefetch,
-                               batch_bytes=b * (s + 1) * 4)
+                               batch_bytes=b * (s + 1) * 4 + working,
+                               states=e.params + e.optimizer_state,
+                               param_bytes=compute, grad_bytes=compute,
+                               activation_bytes=compute, accum_steps=accum)
 
 
 def largest_layers_predicted(config, dp: int, stage: int, global_batch: int,
