@@ -6,7 +6,7 @@ tuple of them), like ``jax.lax.all_gather`` / ``jax.lax.psum_scatter``:
 * :func:`quantize_blocks` / :func:`dequantize_blocks`: symmetric per-block absmax
   quantization. A tensor is flattened, zero-padded to a whole number of blocks of
   ``block`` elements, and each block ``b`` gets one float32 scale ``s_b = max|x_b| / Q``
-  (``Q = 127`` for int8, ``7`` for int4); ``q = clip(round(x / s_b), -Q, Q)``. So
+  (``Q = 127`` for int8, ``7`` for int4; computed as ``max|x_b| * float32(1/Q)``); ``q = clip(round(x / s_b), -Q, Q)``. So
   ``|x - q s_b| <= s_b / 2`` for every element (plus float32 rounding of the division and
   the product, at most ``max|x_b| * 2**-23``). int4 values are packed two per ``uint8``
   byte, so what is sent really is half of int8. A block of zeros has scale 0 and comes back
@@ -125,7 +125,8 @@ def _quantize_rows(x: jax.Array, bits: int, block: int):
         xf = jnp.pad(xf, [(0, 0)] * len(lead) + [(0, pad)])
     xb = xf.reshape(*lead, nb, b)
     amax = jnp.max(jnp.abs(xb), axis=-1)  # NaN propagates, inf stays inf
-    scales = amax / jnp.float32(qmax)
+    # times the float32 constant 1/Q (XLA rewrites a division by a constant so anyway)
+    scales = amax * np.float32(1 / qmax)
     ok = jnp.isfinite(scales) & (scales > 0)
     safe = jnp.where(ok, scales, jnp.float32(1))[..., None]
     q = jnp.clip(jnp.round(xb / safe), -qmax, qmax)
@@ -278,7 +279,7 @@ _qag.defvjp(_qag_fwd, _qag_bwd)
 
 def quantized_reduce_scatter(g: jax.Array, axis_name, *, bits: int = 8,
                              block: int = DEFAULT_BLOCK,
-                             scatter_dimension: int = 0) -> jax.Array:
+                             scatter_dimension: int = 0, hierarchical: bool = True) -> jax.Array:
     """ZeRO++ qgZ: ``jax.lax.psum_scatter(g, axis_name, scatter_dimension=...,
     tiled=True)`` computed by quantized all-to-all.
 
@@ -306,12 +307,15 @@ def quantized_reduce_scatter(g: jax.Array, axis_name, *, bits: int = 8,
     if not -g.ndim <= scatter_dimension < g.ndim:
         raise ValueError(f"scatter_dimension {scatter_dimension} is out of range for shape "
                          f"{g.shape}; pass one in [{-g.ndim}, {g.ndim - 1}]")
-    return _qrs(g, _axes(axis_name), bits, block, scatter_dimension % g.ndim)
+    axes = _axes(axis_name)
+    levels = tuple((a,) for a in axes) if hierarchical else (axes,)
+    return _qrs(g, levels, bits, block, scatter_dimension % g.ndim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _qrs(g, axes, bits, block, dim):
-    sizes = [jax.lax.axis_size(a) for a in axes]
+def _qrs(g, levels, bits, block, dim):
+    axes = sum(levels, ())
+    sizes = [math.prod(jax.lax.axis_size(a) for a in level) for level in levels]
     n = math.prod(sizes)
     moved = jnp.moveaxis(g, dim, 0)
     if moved.shape[0] % n:
@@ -321,21 +325,21 @@ def _qrs(g, axes, bits, block, dim):
     shard_shape = (moved.shape[0] // n, *moved.shape[1:])
     chunk = math.prod(shard_shape)
     x = moved.reshape(*sizes, chunk)
-    # Innermost axis first: x keeps one dimension per axis still to be reduced.
-    for j in reversed(range(len(axes))):
+    # Innermost level first: x keeps one dimension per level still to be reduced.
+    for j in reversed(range(len(levels))):
         q, scales = _quantize_rows(x, bits, block)
-        q = jax.lax.all_to_all(q, axes[j], j, j, tiled=True)
-        scales = jax.lax.all_to_all(scales, axes[j], j, j, tiled=True)
+        q = jax.lax.all_to_all(q, _name(levels[j]), j, j, tiled=True)
+        scales = jax.lax.all_to_all(scales, _name(levels[j]), j, j, tiled=True)
         x = jnp.sum(_dequantize_rows(q, scales, chunk), axis=j)
     return jnp.moveaxis(x.reshape(shard_shape).astype(g.dtype), 0, dim)
 
 
-def _qrs_fwd(g, axes, bits, block, dim):
-    return _qrs(g, axes, bits, block, dim), None
+def _qrs_fwd(g, levels, bits, block, dim):
+    return _qrs(g, levels, bits, block, dim), None
 
 
-def _qrs_bwd(axes, bits, block, dim, _, ct):
-    return (jax.lax.all_gather(ct, _name(axes), axis=dim, tiled=True),)
+def _qrs_bwd(levels, bits, block, dim, _, ct):
+    return (jax.lax.all_gather(ct, _name(sum(levels, ())), axis=dim, tiled=True),)
 
 
 _qrs.defvjp(_qrs_fwd, _qrs_bwd)
