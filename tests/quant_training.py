@@ -14,7 +14,6 @@ from below, so losses are compared at a level well above 0.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P

@@ -6,9 +6,10 @@ tuple of them), like ``jax.lax.all_gather`` / ``jax.lax.psum_scatter``:
 * :func:`quantize_blocks` / :func:`dequantize_blocks`: symmetric per-block absmax
   quantization. A tensor is flattened, zero-padded to a whole number of blocks of
   ``block`` elements, and each block ``b`` gets one float32 scale ``s_b = max|x_b| / Q``
-  (``Q = 127`` for int8, ``7`` for int4; computed as ``max|x_b| * float32(1/Q)``); ``q = clip(round(x / s_b), -Q, Q)``. So
-  ``|x - q s_b| <= s_b / 2`` for every element (plus float32 rounding of the division and
-  the product, at most ``max|x_b| * 2**-23``). int4 values are packed two per ``uint8``
+  (``Q = 127`` for int8, ``7`` for int4; computed as ``max|x_b| * float32(1/Q)``) and
+  ``q = clip(round(x / s_b), -Q, Q)``. So ``|x - q s_b| <= s_b / 2`` for every element,
+  plus float32 rounding of the division and the product, at most
+  ``(max|x_b| + s_b) * 2**-23``. int4 values are packed two per ``uint8``
   byte, so what is sent really is half of int8. A block of zeros has scale 0 and comes back
   as zeros (no 0/0). A block holding inf or NaN gets a non-finite scale, its ``q`` is 0,
   and it dequantizes to NaN (``0 * inf``): an overflow still reaches the loss scaler's
