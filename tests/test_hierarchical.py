@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+from helpers import awkward_params, max_rel_err, reference_run, regression_batches
 from jax.sharding import PartitionSpec as P
 
 import zerojax
@@ -253,18 +253,23 @@ def test_hpz_gathers_inside_and_crosses_at_most_1_25_psi():
 def test_comm_volume_bytes_and_axes_from_hlo_text():
     """A bf16 all-gather inside the node and an int8 one across: bytes by dtype, groups
     mapped to the mesh axes they span (explicit and iota replica groups)."""
-    hlo = """HloModule m, num_partitions=8
-
-ENTRY %main (p: bf16[4,8], q: s8[4,8]) -> (bf16[16,8], s8[8,8], f32[8]) {
-  %p = bf16[4,8]{1,0} parameter(0)
-  %q = s8[4,8]{1,0} parameter(1)
-  %ag = bf16[16,8]{1,0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
-  %ag2 = s8[8,8]{1,0} all-gather(%q), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true
-  %z = f32[8]{0} constant({0,0,0,0,0,0,0,0})
-  %ar = f32[8]{0} all-reduce(%z), channel_id=3, replica_groups=[1,8]<=[8], to_apply=%add, use_global_device_ids=true
-  ROOT %t = (bf16[16,8]{1,0}, s8[8,8]{1,0}, f32[8]{0}) tuple(%ag, %ag2, %ar)
-}
-"""
+    tail = "dimensions={0}, use_global_device_ids=true"
+    hlo = "\n".join([
+        "HloModule m, num_partitions=8",
+        "",
+        "ENTRY %main (p: bf16[4,8], q: s8[4,8]) -> (bf16[16,8], s8[8,8], f32[8]) {",
+        "  %p = bf16[4,8]{1,0} parameter(0)",
+        "  %q = s8[4,8]{1,0} parameter(1)",
+        "  %ag = bf16[16,8]{1,0} all-gather(%p), channel_id=1, "
+        f"replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, {tail}",
+        "  %ag2 = s8[8,8]{1,0} all-gather(%q), channel_id=2, "
+        f"replica_groups=[4,2]<=[2,4]T(1,0), {tail}",
+        "  %z = f32[8]{0} constant({0,0,0,0,0,0,0,0})",
+        "  %ar = f32[8]{0} all-reduce(%z), channel_id=3, replica_groups=[1,8]<=[8], "
+        "to_apply=%add, use_global_device_ids=true",
+        "  ROOT %t = (bf16[16,8]{1,0}, s8[8,8]{1,0}, f32[8]{0}) tuple(%ag, %ag2, %ar)",
+        "}",
+        ""])
     vol = zerojax.comm_volume(hlo, mesh=_mesh())
     by = vol.by_axes()
     assert set(by) == {("data",), ("replica",), ("replica", "data")}
@@ -359,4 +364,4 @@ def test_bad_combinations_are_refused(mesh_kind, options, match):
 def test_hpz_has_no_optax_interface():
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=3, hpz=True)
     with pytest.raises(ValueError, match="opt.tx does not implement hpz=True"):
-        opt.tx
+        _ = opt.tx
