@@ -261,6 +261,23 @@ def _check_offload(ns):
     assert np.isfinite(float(ns["metrics"]["loss"]))
 
 
+def _setup_hierarchical(ns):
+    model, params, loss_fn = _gpt()
+    ns.update(zerojax=zerojax, optax=optax, params=params, loss_fn=loss_fn, batch=_tokens())
+
+
+def _check_hierarchical(ns):
+    """One HSDP step; the weight gathers and reduce-scatters stay inside a node, and
+    what crosses nodes is the gradient shards' all-reduce (plus the all-reduce of the
+    small replicated leaves, over all 8 devices)."""
+    assert int(ns["state"].step) == 1 and np.isfinite(float(ns["metrics"]["loss"]))
+    inside, across = ns["inside"], ns["across"]
+    assert inside.all_gather > 0 and inside.reduce_scatter > 0 and inside.all_reduce == 0
+    assert across.all_gather == across.reduce_scatter == 0
+    assert 0 < across.total < inside.total / 2
+    assert ns["volume"].bytes == 4 * ns["volume"].total  # float32
+
+
 CASES = {
     "import optax, zerojax": (_setup_use, _check_use),
     "# ZeRO-Offload: optimizer state": (_setup_offload, _check_offload),
@@ -271,6 +288,7 @@ CASES = {
     "with zerojax.CheckpointManager(": (_setup_checkpoint, _check_checkpoint),
     "import zerojax, zerojax.distributed": (_setup_multihost, _check_multihost),
     "from flax import nnx": (_setup_nnx_export, _check_nnx_export),
+    "# Hierarchical sharding: 2 nodes": (_setup_hierarchical, _check_hierarchical),
 }
 
 
