@@ -1,11 +1,10 @@
 """A small GPT trained with hand-written ZeRO-3 steps whose collectives are exact or
 ZeRO++-quantized; for tests/test_quant.py and benchmarks/quant_block.py.
 
-Every leaf is split over ``data`` along its largest dimension divisible by the axis
-(ties: the earlier one) or kept replicated. The step all-gathers the shards
+The parameters are one flat vector split over ``data``. The step all-gathers the shards
 (``jax.lax.all_gather`` or :func:`zerojax.quant.quantized_all_gather`), differentiates the
 loss of the device's batch slice with respect to the gathered parameters, reduce-scatters
-the gradients (``jax.lax.psum_scatter`` or :func:`zerojax.quant.quantized_reduce_scatter`)
+the flat gradient (``jax.lax.psum_scatter`` or :func:`zerojax.quant.quantized_reduce_scatter`)
 and runs Adam on the shards. The task: sequences from a fixed Markov chain (the next token
 is ``perm[token]`` with probability 0.75, uniform otherwise), whose entropy bounds the loss
 from below, so losses are compared at a level well above 0.
@@ -14,8 +13,10 @@ from below, so losses are compared at a level well above 0.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, PartitionSpec as P
 
 from zerojax import quant
@@ -40,72 +41,61 @@ def markov_batches(steps: int, batch: int, config: GPTConfig = CONFIG, seed: int
     return out
 
 
-def split_dim(shape: tuple, n: int) -> int | None:
-    """The dimension a leaf of ``shape`` is split along over ``n`` devices, or None."""
-    dims = [d for d in range(len(shape)) if shape[d] % n == 0]
-    return max(dims, key=lambda d: (shape[d], -d)) if dims else None
-
-
-def _spec(dim: int | None, ndim: int) -> P:
-    if dim is None:
-        return P()
-    return P(*([None] * dim + ["data"] + [None] * (ndim - dim - 1)))
-
-
 def make_step(mesh: Mesh, params, tx, mode: str, *, block: int = quant.DEFAULT_BLOCK,
               config: GPTConfig = CONFIG):
-    """A jitted ``step(shards, opt_state, tokens) -> (shards, opt_state, loss)``.
+    """``(step, shards)``: a jitted ``step(shards, opt_state, tokens) -> (shards,
+    opt_state, loss)`` and the initial flat parameter shards.
 
-    ``mode``: ``"exact"`` (all_gather + psum_scatter), ``"int8"`` (qwZ int8 gather + qgZ
-    int8 reduce-scatter) or ``"int4"`` (qwZ int8 gather + qgZ int4 reduce-scatter, the
-    paper's choice).
+    The parameters live as one flat float32 vector split over ``data`` (DeepSpeed's flat
+    partitioning: leaves end to end, zero-padded to a multiple of the axis), so a step
+    has one all-gather and one reduce-scatter. ``mode``: ``"exact"`` (all_gather +
+    psum_scatter), ``"int8"`` (qwZ int8 gather + qgZ int8 reduce-scatter) or ``"int4"``
+    (qwZ int8 gather + qgZ int4 reduce-scatter, the paper's choice).
     """
     n = mesh.shape["data"]
     loss_fn = lm_loss(GPT(config))
-    dims = jax.tree.map(lambda x: split_dim(x.shape, n), params)
-    specs = jax.tree.map(lambda x, d: _spec(d, x.ndim), params, dims)
+    flat, unravel = ravel_pytree(params)
+    pad = -flat.size % n
+    flat = jnp.pad(flat, (0, pad))
     bits = {"int8": 8, "int4": 4}.get(mode)
 
-    def gather(shard, dim):
-        if dim is None:
-            return shard
+    def body(shard, opt_state, tokens):
         if bits is None:
-            return jax.lax.all_gather(shard, "data", axis=dim, tiled=True)
-        return quant.quantized_all_gather(shard, "data", bits=8, block=block, axis=dim)
-
-    def reduce(g, dim):
-        if dim is None:
-            return jax.lax.psum(g, "data")
+            full = jax.lax.all_gather(shard, "data", tiled=True)
+        else:
+            full = quant.quantized_all_gather(shard, "data", bits=8, block=block)
+        loss, grads = jax.value_and_grad(loss_fn)(unravel(full[:full.size - pad]), tokens)
+        g = jnp.pad(ravel_pytree(grads)[0], (0, pad)) / n
         if bits is None:
-            return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
-        return quant.quantized_reduce_scatter(g, "data", bits=bits, block=block,
-                                              scatter_dimension=dim)
+            g = jax.lax.psum_scatter(g, "data", tiled=True)
+        else:
+            g = quant.quantized_reduce_scatter(g, "data", bits=bits, block=block)
+        updates, opt_state = tx.update(g, opt_state, shard)
+        return optax.apply_updates(shard, updates), opt_state, jax.lax.pmean(loss, "data")
 
-    def body(shards, opt_state, tokens):
-        full = jax.tree.map(gather, shards, dims)
-        loss, grads = jax.value_and_grad(loss_fn)(full, tokens)
-        grads = jax.tree.map(lambda g, d: reduce(g, d) / n, grads, dims)
-        updates, opt_state = tx.update(grads, opt_state, shards)
-        return optax.apply_updates(shards, updates), opt_state, jax.lax.pmean(loss, "data")
-
-    opt_specs = jax.tree.map(lambda x: _spec(split_dim(x.shape, n), x.ndim)
-                             if x.ndim else P(), jax.eval_shape(tx.init, params))
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, opt_specs, P("data")),
-                           out_specs=(specs, opt_specs, P()), check_vma=False)
-    return jax.jit(mapped)
+    opt_specs = jax.tree.map(lambda x: P("data") if x.ndim else P(),
+                             jax.eval_shape(tx.init, flat))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), opt_specs, P("data")),
+                           out_specs=(P("data"), opt_specs, P()), check_vma=False)
+    return jax.jit(mapped), flat
 
 
 def train(mode: str, steps: int, *, batch: int = 32, lr: float = 3e-3,
           block: int = quant.DEFAULT_BLOCK, config: GPTConfig = CONFIG, seed: int = 0):
-    """Per-step mean training losses of ``steps`` Adam steps on 8 (or all) devices."""
-    devices = np.array(jax.devices()[:8])
-    mesh = Mesh(devices, ("data",))
+    """Per-step mean training losses of ``steps`` Adam steps on 8 devices (the steps run
+    in one ``lax.scan``: one compilation, one dispatch)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     params = gpt_params(GPT(config), seed)
     tx = optax.adam(lr)
-    step = make_step(mesh, params, tx, mode, block=block, config=config)
-    shards, opt_state = params, tx.init(params)
-    losses = []
-    for tokens in markov_batches(steps, batch, config, seed):
-        shards, opt_state, loss = step(shards, opt_state, tokens)
-        losses.append(float(loss))
-    return np.asarray(losses)
+    step, shards = make_step(mesh, params, tx, mode, block=block, config=config)
+    tokens = jnp.asarray(np.stack(markov_batches(steps, batch, config, seed)))
+
+    @jax.jit
+    def run(shards, opt_state, tokens):
+        def one(carry, batch_tokens):
+            shards, opt_state, loss = step(*carry, batch_tokens)
+            return (shards, opt_state), loss
+
+        return jax.lax.scan(one, (shards, opt_state), tokens)[1]
+
+    return np.asarray(run(shards, tx.init(shards), tokens))
