@@ -112,6 +112,57 @@ def test_bad_arguments_exit_nonzero_with_a_clear_message(argv, message, capsys):
     assert message in err, err
 
 
+@pytest.mark.parametrize("argv, value", [
+    (["estimate", "--optimizer-bytes", "-4"], "'-4'"),
+    (["estimate", "--params", "1B", "--optimizer-bytes", "-4"], "'-4'"),
+    (["export", "CKPT", "."], "'.'"),
+    (["train", "--seq", "100000"], "--seq 100000"),
+    (["plan", "--budget", "1B", "--devices", "8"], "'1B'"),
+    (["plan", "--memory", "80", "--devices", "8"], "'80'"),
+    (["plan", "--memory", "80GB", "--layers", "4", "--hidden", "64"], "--heads missing"),
+    (["plan", "--memory", "80GB", "--model", "llama-7b", "--param-dtype", "fp8"], "fp8"),
+])
+def test_cli_errors_are_one_line_naming_the_value_and_the_fix(argv, value, capsys, tmp_path,
+                                                              monkeypatch):
+    """The issue's cases: exit 2 and one line, no traceback, no usage block."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "CKPT").mkdir()
+    code, _, err = _exit_code(argv, capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and value in lines[0], err
+    assert any(w in lines[0] for w in ("write", "lower", "name the file", "missing", "use")), err
+
+
+def test_plan_says_what_the_code_does(capsys):
+    code, out, _ = _exit_code(["plan", "--help"], capsys)
+    assert code == 0 and "fused gradient buffer" not in out  # --bucket-size counts one bucket
+    assert "none counted, at any stage" in " ".join(out.split())
+    code, out, _ = _exit_code(["plan", "--budget", "80GB", "--devices", "1024", "--params",
+                               "1T"], capsys)
+    assert code == 0 and "communicates least" not in out, out
+    assert "fits at stage 3 only: stage 3 communicates the most" in out
+
+
+def test_plan_answers_the_question_in_one_command(capsys):
+    """8 x 80 GB, seq 2048, batch 8 per device, AdamW, bf16: the largest model per option
+    set, the table by part for it, and the recommendation (benchmarks/memory_model.py
+    compiles the scaled-down answer)."""
+    code, out, _ = _exit_code(["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048",
+                               "--batch", "8", "--optimizer", "adamw", "--param-dtype", "bf16",
+                               "--largest"], capsys)
+    assert code == 0, out
+    largest = dict(re.findall(r"^\s*(stage \d(?: \+ \S+)*)\s+\d+\s+\d+\s+\d+\s+(\S+)$",
+                              out, re.M))
+    assert set(largest) >= {"stage 0", "stage 1", "stage 2", "stage 3"}, out
+    sizes = [float(largest[f"stage {s}"][:-1]) for s in range(4)]
+    assert sizes == sorted(sizes) and largest["stage 3"].endswith("B"), largest
+    assert "recommendation: " in out and "not counted:" in out
+    code, out, _ = _exit_code(["plan", "--devices", "8", "--memory", "80GB", "--model",
+                               "llama-7b", "--gpus-per-node", "8"], capsys)
+    assert code == 0 and "Psi = 6.58B" in out and re.search(r"stage 3 .* yes", out), out
+
+
 def test_train_small_run_all_stages_agree(tmp_path, capsys):
     png = tmp_path / "loss.png"
     code, out, _ = _exit_code(

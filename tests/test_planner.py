@@ -16,6 +16,7 @@ from zerojax.analysis.plan import format_table1, paper_table1, plan
 from zerojax.analysis.report import (
     compare,
     compile_step,
+    gpt_param_shapes,
     gpt_step_prediction,
     largest_layers_predicted,
     memory_report,
@@ -305,3 +306,37 @@ def test_largest_model_measured_over_predicted_at_least_0_9(stage):
     compiled = compile_step(opt, lm_loss(model), params,
                             jax.ShapeDtypeStruct((MAX_BATCH, MAX_CFG.seq + 1), jnp.int32))
     assert memory_report(compiled).peak <= BUDGET, (stage, layers, predicted)
+
+
+# --- the planner's question as asked -------------------------------------------------------
+
+
+def test_plan_model_returns_the_table_as_data():
+    """zerojax.plan with a preset or a shape: rows per stage and option set, bytes by
+    part (model states from the optimizer's own state), fits, traffic, recommendation."""
+    from zerojax.analysis.plan import ModelShape, PRESETS
+
+    p = zerojax.plan(model="gpt2-1.5b", dp=8, budget_bytes=80 * 10**9, seq=1024, batch=8,
+                     optimizer="adamw", param_dtype="bf16")
+    assert p.num_params == PRESETS["gpt2-1.5b"].num_params(1024)
+    assert [r.label for r in p.rows][:4] == [f"stage {s}" for s in range(4)]
+    s3 = p.row("stage 3")
+    params = gpt_param_shapes(PRESETS["gpt2-1.5b"].config(1024, jnp.bfloat16))
+    exact = estimate_memory(params, 8, 3, tx=optax.adamw(1e-4), param_dtype=jnp.bfloat16)
+    assert s3.states == exact and s3.states.optimizer_state == exact.optimizer_state
+    # offload moves the optimizer state (12 bytes per parameter / N) to host memory
+    off = p.row("stage 3 + offload_optimizer")
+    assert off.states.optimizer_state < 100 and off.states.host_optimizer_state > 0
+    assert off.host_traffic_bytes == 2 * off.states.host
+    assert p.recommendation is not None and p.recommendation.fits
+    assert p.recommendation.label in p.reason and "least traffic" in p.reason
+    assert s3.traffic_bytes == 3 * p.num_params * 2  # 3 Psi in bf16
+    # SGD holds less than AdamW: the optimizer changes the answer
+    sgd = zerojax.plan(model=ModelShape(48, 1600, 25), dp=8, budget_bytes=80 * 10**9,
+                       seq=1024, batch=8, optimizer="sgd")
+    assert sgd.row("stage 0").peak < p.row("stage 0").peak
+    nothing = zerojax.plan(model="gpt3-175b", dp=8, budget_bytes=80 * 10**9, seq=2048,
+                           batch=8)
+    assert nothing.recommendation is None and nothing.reason.startswith("nothing fits")
+    with pytest.raises(ValueError, match="not a preset"):
+        zerojax.plan(model="gpt5", dp=8, budget_bytes=10**9)

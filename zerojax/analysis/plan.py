@@ -28,12 +28,18 @@ from typing import Any, NamedTuple
 from zerojax.analysis.memory import (
     MemoryEstimate,
     _count,
+    _per_param,
     estimate_activations,
     estimate_memory,
 )
 
 __all__ = [
+    "ModelPlan",
+    "ModelShape",
+    "PRESETS",
     "Plan",
+    "PlanRow",
+    "plan_model",
     "StagePlan",
     "Table1Row",
     "bytes_per_param",
@@ -137,7 +143,9 @@ def plan(num_params: int | None = None, *, dp: int, budget_bytes: int,
          optimizer_bytes: int = 12, mp: int = 1, activation_bytes: int | None = None,
          buffer_bytes: int | None = None, bucket_size: int | None = None,
          reserve_bytes: int = 0, checkpointing: bool = True, partition_activations: bool = False,
-         stages: Sequence[int] = (0, 1, 2, 3)) -> Plan:
+         stages: Sequence[int] = (0, 1, 2, 3), seq: int | None = None, largest: bool = False,
+         optimizer: str = "adamw", tx: Any = None, param_dtype: Any = "bf16",
+         devices_per_node: int | None = None, **options: Any) -> Plan | ModelPlan:
     """Per stage: per-device bytes, fits or not, communication per step, largest model.
 
     Give the model as ``num_params`` (Psi), or as a flax ``model`` and one global
@@ -154,7 +162,25 @@ def plan(num_params: int | None = None, *, dp: int, budget_bytes: int,
     stage. Defaults are mixed-precision Adam
     (2 + 2 + 12 bytes per parameter, K = 12). Without ``num_params`` or ``model``,
     only ``max_params`` is filled in.
+
+    The question as asked: ``model`` a :class:`ModelShape` or a preset name
+    (``"llama-7b"``), or ``largest=True``, with ``seq``, ``batch`` (sequences per
+    device), ``optimizer`` or ``tx``, ``param_dtype``: returns :func:`plan_model`'s
+    :class:`ModelPlan` (per stage and option set, bytes by part, fits, traffic, the
+    recommendation and its reason; the largest model per option set).
     """
+    if largest or isinstance(model, (str, ModelShape)):
+        if num_params is not None:
+            raise ValueError("give num_params (the paper's formula) or a model shape / "
+                             "largest=True, not both")
+        return plan_model(model, devices=dp, budget_bytes=budget_bytes, seq=seq or 2048,
+                          batch=1 if batch is None else batch, optimizer=optimizer, tx=tx,
+                          param_dtype=param_dtype, devices_per_node=devices_per_node,
+                          largest=largest, reserve_bytes=reserve_bytes,
+                          remat=checkpointing, **options)
+    if options:
+        raise TypeError(f"plan() got unexpected options {sorted(options)} (zero() options "
+                        "apply to the model-shape form: model='llama-7b' or largest=True)")
     dp = _count("dp", dp, minimum=1, hint="the data-parallel degree (devices on 'data')")
     mp = _count("mp", mp, minimum=1, hint="the model-parallel degree")
     budget_bytes = _count("budget_bytes", budget_bytes, minimum=1,
@@ -162,7 +188,7 @@ def plan(num_params: int | None = None, *, dp: int, budget_bytes: int,
     reserve_bytes = _count("reserve_bytes", reserve_bytes, minimum=0)
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
                         ("optimizer_bytes", optimizer_bytes)):
-        _count(name, value, minimum=0, hint="bytes per parameter, e.g. 2 for bf16")
+        _per_param(name, value)
     stages = tuple(stages)
     for s in stages:
         if isinstance(s, bool) or s not in (0, 1, 2, 3):
@@ -338,3 +364,306 @@ def _paper_round(gb: float) -> str:
     if gb >= 1000:
         return f"{gb:.0f}"
     return f"{gb:.3g}"
+
+
+# --- the question as asked: a model's shape (or the largest), sequence, batch, optimizer ---
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A GPT-style transformer's shape, planned as zerojax's reference
+    :class:`~zerojax.models.gpt.GPT` (learned positions, tied embedding, MLP of
+    ``mlp_ratio * hidden``, scanned and rematerialised blocks). A preset of another
+    family (LLaMA's SwiGLU, untied head) is its closest shape in that layout; its Psi
+    is printed."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 50304
+    mlp_ratio: int = 4
+    name: str = ""
+
+    def __post_init__(self):
+        for f in ("layers", "hidden", "heads", "vocab", "mlp_ratio"):
+            _count(f, getattr(self, f), minimum=1)
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
+
+    def config(self, seq: int, dtype: Any = None):
+        import jax.numpy as jnp
+
+        from zerojax.models.gpt import GPTConfig
+
+        return GPTConfig(vocab=self.vocab, seq=seq, layers=self.layers, hidden=self.hidden,
+                         heads=self.heads, mlp_ratio=self.mlp_ratio,
+                         dtype=jnp.float32 if dtype is None else dtype)
+
+    def num_params(self, seq: int) -> int:
+        h, f = self.hidden, self.mlp_ratio * self.hidden
+        return (self.vocab * h + seq * h + 2 * h
+                + self.layers * (4 * h * h + 2 * f * h + 9 * h + f))
+
+    def __str__(self) -> str:
+        return ((f"{self.name}: " if self.name else "")
+                + f"{self.layers} layers x hidden {self.hidden}, {self.heads} heads, "
+                  f"vocab {self.vocab}")
+
+
+PRESETS = {
+    "gpt2-124m": ModelShape(12, 768, 12, 50304, name="gpt2-124m"),
+    "gpt2-350m": ModelShape(24, 1024, 16, 50304, name="gpt2-350m"),
+    "gpt2-1.5b": ModelShape(48, 1600, 25, 50304, name="gpt2-1.5b"),
+    "gpt3-2.7b": ModelShape(32, 2560, 32, 50304, name="gpt3-2.7b"),
+    "gpt3-6.7b": ModelShape(32, 4096, 32, 50304, name="gpt3-6.7b"),
+    "gpt3-13b": ModelShape(40, 5120, 40, 50304, name="gpt3-13b"),
+    "gpt3-175b": ModelShape(96, 12288, 96, 50304, name="gpt3-175b"),
+    "llama-7b": ModelShape(32, 4096, 32, 32000, name="llama-7b"),
+    "llama-13b": ModelShape(40, 5120, 40, 32000, name="llama-13b"),
+    "llama-70b": ModelShape(80, 8192, 64, 32000, name="llama-70b"),
+}
+
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "momentum", "lion", "adafactor")
+
+
+def make_optimizer(name: str):
+    """The optax transformation planned for an optimizer name (the learning rate does
+    not change the state's bytes)."""
+    import optax
+
+    makers = {"adamw": lambda: optax.adamw(1e-4), "adam": lambda: optax.adam(1e-4),
+              "sgd": lambda: optax.sgd(1e-2), "momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+              "lion": lambda: optax.lion(1e-5), "adafactor": lambda: optax.adafactor(1e-3)}
+    if name not in makers:
+        raise ValueError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZER_NAMES)} "
+                         "(or pass tx=, any optax transformation)")
+    return makers[name]()
+
+
+# (label, zero() options) planned for each stage
+OPTION_SETS = (
+    ("stage 0", 0, {}),
+    ("stage 1", 1, {}),
+    ("stage 2", 2, {}),
+    ("stage 3", 3, {}),
+    ("stage 1 + offload_optimizer", 1, {"offload_optimizer": True}),
+    ("stage 2 + offload_optimizer", 2, {"offload_optimizer": True}),
+    ("stage 3 + offload_optimizer", 3, {"offload_optimizer": True}),
+    ("stage 3 + offload_optimizer + offload_params", 3,
+     {"offload_optimizer": True, "offload_params": True}),
+)
+
+NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buffers), "
+               "allocator fragmentation, the framework's own reserve (use --reserve); the "
+               "peak is checked against compiled steps within 10% (benchmarks/memory_model.py)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One stage and option set: per-device bytes by part, fits or not, traffic."""
+
+    label: str
+    stage: int
+    options: dict
+    states: MemoryEstimate  # model states (params, grads, optimizer state; host parts)
+    step: Any  # report.StepPrediction: the peak's terms
+    reserve: int
+    fits: bool
+    traffic_bytes: int  # per device per step over the data axis
+    host_traffic_bytes: int  # device <-> host per step (offloaded state in and out)
+
+    @property
+    def peak(self) -> int:
+        return self.step.peak + self.reserve
+
+    @property
+    def activations(self) -> int:
+        return self.step.activations
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """What :func:`plan_model` found (``zerojax.plan(model="llama-7b", ...)``)."""
+
+    shape: ModelShape | None
+    num_params: int | None
+    devices: int
+    devices_per_node: int | None
+    budget_bytes: int
+    seq: int
+    batch: int
+    optimizer: str
+    param_dtype: Any
+    rows: tuple[PlanRow, ...]
+    recommendation: PlanRow | None
+    reason: str
+    largest: tuple = ()  # ((label, ModelShape or None, Psi), ...) with largest=True
+    not_counted: str = NOT_COUNTED
+
+    def row(self, label: str) -> PlanRow:
+        for r in self.rows:
+            if r.label == label:
+                return r
+        raise KeyError(f"no row {label!r} (rows: {[r.label for r in self.rows]})")
+
+    def __str__(self) -> str:
+        return format_model_plan(self)
+
+
+def _dtype(param_dtype: Any):
+    import jax.numpy as jnp
+
+    if param_dtype is None or (isinstance(param_dtype, str) and param_dtype in ("fp32",
+                                                                                 "float32")):
+        return None
+    names = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16,
+             "float16": jnp.float16}
+    if isinstance(param_dtype, str):
+        if param_dtype not in names:
+            raise ValueError(f"param_dtype {param_dtype!r} is not one of fp32, bf16, fp16")
+        return names[param_dtype]
+    return jnp.dtype(param_dtype)
+
+
+def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
+         budget, reserve, remat=True, extra=None) -> PlanRow:
+    import jax.numpy as jnp
+
+    from zerojax.analysis.report import gpt_param_shapes, gpt_step_prediction
+
+    config = dataclasses.replace(shape.config(seq, param_dtype), remat=remat)
+    opts = {**options, **(extra or {})}
+    states = estimate_memory(gpt_param_shapes(config), devices, stage, tx=tx,
+                             param_dtype=param_dtype, **opts)
+    step = gpt_step_prediction(config, devices, stage, batch * devices, tx=tx,
+                               param_dtype=param_dtype, **opts)
+    compute = jnp.dtype(param_dtype or jnp.float32).itemsize
+    psi = shape.num_params(seq)
+    traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute)
+    host = 2 * states.host
+    peak = step.peak + reserve
+    return PlanRow(label, stage, options, states, step, reserve, peak <= budget, traffic, host)
+
+
+def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_bytes: int,
+               seq: int, batch: int, optimizer: str = "adamw", tx: Any = None,
+               param_dtype: Any = "bf16", devices_per_node: int | None = None,
+               largest: bool = False, reserve_bytes: int = 0, remat: bool = True,
+               width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
+               option_sets: Sequence = OPTION_SETS, **options: Any) -> ModelPlan:
+    """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
+    node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
+    device, ``optimizer`` (or any optax ``tx``), ``param_dtype`` (compute precision; the
+    master weights stay fp32): per stage and option set, the per-device peak of a train
+    step by part (model states from ``tx``'s own state, activations with attention scores
+    and logits, gradients in flight, working copies), fits or not, traffic per step, and
+    a recommendation with its reason.
+
+    ``model``: a :class:`ModelShape` or a preset name (``PRESETS``: gpt2-1.5b,
+    llama-7b, ...). ``largest=True``: also search, for each option set, the largest
+    model of the family ``layers = L, hidden = width_per_layer * L, heads = hidden /
+    head_dim`` (GPT-3's ratio: 96 layers x 12288) that fits; without a model, the
+    rows describe that largest model of the first fitting row. ``options``: further
+    :func:`zerojax.zero` options for every row (``accum_steps``, ``bucket_size``, ...).
+    """
+    devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
+    budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
+    seq = _count("seq", seq, minimum=1, hint="tokens per sequence")
+    batch = _count("batch", batch, minimum=1, hint="sequences per device")
+    reserve_bytes = _count("reserve_bytes", reserve_bytes, minimum=0)
+    if devices_per_node is not None:
+        _count("devices_per_node", devices_per_node, minimum=1)
+    if isinstance(model, str):
+        if model not in PRESETS:
+            raise ValueError(f"model {model!r} is not a preset; use one of "
+                             f"{', '.join(PRESETS)} or give layers/hidden/heads/vocab")
+        model = PRESETS[model]
+    if model is None and not largest:
+        raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
+    pd = _dtype(param_dtype)
+    tx = make_optimizer(optimizer) if tx is None else tx
+    kw = dict(devices=devices, seq=seq, batch=batch, tx=tx, param_dtype=pd,
+              budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options)
+
+    found = []
+    if largest:
+        from zerojax.analysis.report import _largest
+
+        def family(layers):
+            hidden = width_per_layer * layers
+            return ModelShape(layers, hidden, max(1, hidden // head_dim), vocab,
+                              name=f"L{layers}")
+
+        for label, stage, opts in option_sets:
+            def fits(layers, stage=stage, opts=opts, label=label):
+                return _row(family(layers), label, stage, opts, **kw).fits
+
+            best = _largest(fits, 1, 1024)
+            shape = family(best) if best >= 1 else None
+            found.append((label, shape, shape.num_params(seq) if shape else 0))
+        if model is None:
+            sizes = [(psi, shape) for _, shape, psi in found if shape is not None]
+            model = max(sizes, key=lambda x: x[0])[1] if sizes else family(1)
+    rows = tuple(_row(model, label, stage, opts, **kw) for label, stage, opts in option_sets)
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        best = min(fitting, key=lambda r: (r.traffic_bytes + r.host_traffic_bytes, r.peak))
+        others = [r for r in fitting if r is not best]
+        reason = (f"{best.label}: the least traffic per step of the {len(fitting)} option "
+                  f"set(s) that fit ({_gb(best.traffic_bytes)} GB over the data axis"
+                  + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
+                     if best.host_traffic_bytes else "")
+                  + f"), peak {_gb(best.peak)} of {_gb(budget_bytes)} GB per device"
+                  + (f"; {len(others)} other(s) fit with more traffic" if others else ""))
+    else:
+        best = None
+        least = min(rows, key=lambda r: r.peak)
+        reason = (f"nothing fits: the smallest, {least.label}, needs {_gb(least.peak)} GB "
+                  f"per device of {_gb(budget_bytes)}; add devices, shorten --seq or "
+                  f"--batch (activations {_gb(least.activations)} GB), or use a smaller "
+                  "model")
+    return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
+                     seq, batch, optimizer if isinstance(optimizer, str) else "tx",
+                     pd, rows, best, reason, tuple(found))
+
+
+def format_model_plan(p: ModelPlan) -> str:
+    """A readable table of ``p`` (GB = 1e9 bytes)."""
+    import jax.numpy as jnp
+
+    precision = "fp32" if p.param_dtype is None else jnp.dtype(p.param_dtype).name
+    nodes = ""
+    if p.devices_per_node:
+        n_nodes = -(-p.devices // p.devices_per_node)
+        nodes = (f" ({n_nodes} node(s) of {p.devices_per_node}"
+                 + ("; every step's data-axis traffic crosses the network)" if n_nodes > 1
+                    else "; all traffic within the node)"))
+    head = [f"plan: {p.devices} devices x {_gb(p.budget_bytes)} GB{nodes}, seq {p.seq}, "
+            f"batch {p.batch} per device, optimizer {p.optimizer}, params in {precision} "
+            "(fp32 master weights and optimizer state)"]
+    if p.shape is not None:
+        head.append(f"model: {p.shape}; Psi = {_human(p.num_params)} ({p.num_params:,})")
+    header = ["option set", "params", "grads", "optim", "act", "other", "peak (GB)",
+              "fits", "traffic (GB)", "host (GB)"]
+    rows = []
+    for r in p.rows:
+        s = r.states
+        other = r.peak - s.params - s.optimizer_state - r.activations
+        rows.append([r.label, _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
+                     _gb(r.activations), _gb(other), _gb(r.peak), "yes" if r.fits else "no",
+                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes)])
+    out = "\n".join(head) + "\n" + _table(header, rows)
+    out += ("\n(params/optim: what init_state places on the device; grads: the gradient "
+            "handed to the update; other: gradients in flight, working copies, the batch "
+            "and --reserve at the step's peak; host: offloaded state moved in and out)")
+    if p.largest:
+        out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
+        out += _table(["option set", "layers", "hidden", "heads", "Psi"],
+                      [[label, str(s.layers) if s else "-", str(s.hidden) if s else "-",
+                        str(s.heads) if s else "-", _human(psi) if s else "none"]
+                       for label, s, psi in p.largest])
+    out += f"\n\nrecommendation: {p.reason}\n({p.not_counted})"
+    return out

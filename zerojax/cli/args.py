@@ -12,7 +12,7 @@ STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
                "float16": 2, "fp8": 1, "none": 0}
 COUNT_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-BYTE_SUFFIXES = {"": 1e9, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+BYTE_SUFFIXES = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                  "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 GB = 1e9  # the paper's unit
 
@@ -39,14 +39,21 @@ def parameter_count(text: str) -> int:
 
 
 def byte_size(text: str, *, allow_zero: bool = False) -> float:
-    """'32GB', '80GiB', '512MB', '16' (GB) -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)\s*", text,
+    """'32GB', '80GiB', '512MB' -> bytes. A unit is required: a bare number (bytes or
+    GB?) and 'B' (a byte here, a billion in --params) are refused, naming the fix;
+    only '0' needs none."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text,
                      re.IGNORECASE)
     unit = m.group(2).lower() if m else ""
+    if m and unit in ("", "b") and float(m.group(1)) == 0 and allow_zero:
+        return 0.0
+    if m and unit in ("", "b", "k", "m", "g", "t"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unambiguous unit; write {m.group(1)}GB (1e9 bytes) or "
+            f"{m.group(1)}GiB (2**30 bytes), or MB/MiB, TB/TiB")
     if not m or unit not in BYTE_SUFFIXES:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a memory size; write e.g. 32GB, 80GiB or 512MB "
-            "(a bare number is GB)")
+            f"{text!r} is not a memory size; write e.g. 32GB, 80GiB or 512MB")
     value = float(m.group(1)) * BYTE_SUFFIXES[unit]
     if not (value >= 0 if allow_zero else value > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: the memory size must be "
@@ -56,6 +63,32 @@ def byte_size(text: str, *, allow_zero: bool = False) -> float:
 
 def reserve_size(text: str) -> float:
     return byte_size(text, allow_zero=True)
+
+
+def bytes_per_param(text: str) -> float:
+    """'12', '0.41' -> bytes per parameter (>= 0; fractions allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of bytes per parameter; write e.g. 12 (mixed-precision "
+            "Adam), 8 (fp32 Adam), 4 (momentum) or 0.41 (Adafactor)") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: bytes per parameter must be >= 0; write e.g. 12 (mixed-precision "
+            "Adam) or 0 (no optimizer state)")
+    return int(value) if value.is_integer() else value
+
+
+class DtypeBytes(int):
+    """Bytes per element that remembers the dtype's name (``.name``)."""
+
+    name: str
+
+    def __new__(cls, value: int, name: str):
+        self = super().__new__(cls, value)
+        self.name = name
+        return self
 
 
 def positive_int(text: str) -> int:
@@ -72,9 +105,9 @@ def dtype_bytes(text: str) -> int:
     """'bf16', 'fp32', ... or a number of bytes -> bytes per element."""
     key = text.strip().lower()
     if key in DTYPE_BYTES:
-        return DTYPE_BYTES[key]
+        return DtypeBytes(DTYPE_BYTES[key], key)
     if key.isdigit():
-        return int(key)
+        return DtypeBytes(int(key), {4: "fp32", 2: "bf16"}.get(int(key), key))
     raise argparse.ArgumentTypeError(
         f"{text!r} is not a dtype; use one of fp32, bf16, fp16, fp8, none, or a number "
         "of bytes")

@@ -21,6 +21,7 @@ from zerojax.cli.args import (
     STAGE_NAMES,
     HelpFormatter,
     byte_size,
+    bytes_per_param,
     dtype_bytes,
     gb,
     human_count,
@@ -72,8 +73,11 @@ def _estimate(args: argparse.Namespace) -> int:
           + (f", M = {args.mp} model-parallel" if args.mp > 1 else ""))
     print(f"bytes per parameter: params {p}, gradients {g}, optimizer state {k} "
           f"(GB = 1e9 bytes, as the paper)\n")
-    base = zerojax.estimate_memory(psi, args.devices, 0, param_bytes=p, grad_bytes=g,
-                                   optimizer_bytes=k, mp=args.mp).total
+    try:
+        base = zerojax.estimate_memory(psi, args.devices, 0, param_bytes=p, grad_bytes=g,
+                                       optimizer_bytes=k, mp=args.mp).total
+    except (TypeError, ValueError) as e:
+        args.error(str(e))
     rows = []
     for stage in args.stage:
         est = zerojax.estimate_memory(psi, args.devices, stage, param_bytes=p, grad_bytes=g,
@@ -118,12 +122,29 @@ def _table1() -> int:
 # --- plan ------------------------------------------------------------------------------
 
 PLAN_EPILOG = """\
-A stage fits when the model state per device (the paper's formula), plus the
-activations, the communication buffers and --reserve, is within --budget. Without
---params the command lists, for each stage, the largest model that fits.
+Two questions:
+
+* a model's shape (--layers --hidden --heads [--vocab], or --model PRESET), or
+  --largest: the per-device peak of a train step at each stage and option set (model
+  states from the optimizer's own state and the dtypes, gradients in flight,
+  activations with attention scores and logits, working copies), whether it fits
+  --memory, the traffic per step, and the recommendation: the least traffic among
+  the option sets that fit. --largest searches layers L with hidden = 128 L and
+  128-wide heads (GPT-3's ratio) for the largest model each option set fits.
+  The model is zerojax's reference GPT (scanned, rematerialised blocks); a preset of
+  another family is its closest shape there (its Psi is printed).
+* --params PSI (or no model): the paper's formula (Rajbhandari et al., Figure 1 and
+  Table 2): model states of --param-dtype/--grad-dtype/--optimizer-bytes per
+  parameter, plus --activations, --bucket-size buffers and --reserve.
+
+Sizes need a unit: 80GB (1e9 bytes) or 80GiB (2**30 bytes); a bare number is refused.
 
 examples:
-  zerojax plan --budget 32GB --devices 64
+  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --optimizer adamw \\
+      --param-dtype bf16 --largest
+  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --model llama-7b
+  zerojax plan --devices 64 --memory 80GB --layers 48 --hidden 7168 --heads 56
+  zerojax plan --budget 32GB --devices 64             # the paper's Table 2 column
   zerojax plan --budget 80GB --devices 1024 --params 1T
 """
 
@@ -132,24 +153,69 @@ def _plan(args: argparse.Namespace) -> int:
     import zerojax
     from zerojax.analysis import format_plan
 
+    shape_given = [a for a in ("layers", "hidden", "heads") if getattr(args, a) is not None]
+    if args.largest or args.model is not None or shape_given:
+        return _plan_model(args, shape_given)
     try:
         result = zerojax.plan(args.params, dp=args.devices, budget_bytes=round(args.budget),
-                      param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
-                      optimizer_bytes=args.optimizer_bytes, mp=args.mp,
-                      reserve_bytes=round(args.reserve),
-                      activation_bytes=None if args.activations is None
-                      else round(args.activations),
-                      bucket_size=args.bucket_size)
+                              param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
+                              optimizer_bytes=args.optimizer_bytes, mp=args.mp,
+                              reserve_bytes=round(args.reserve),
+                              activation_bytes=None if args.activations is None
+                              else round(args.activations),
+                              bucket_size=args.bucket_size)
     except (TypeError, ValueError) as e:
-        print(f"zerojax plan: {e}", file=sys.stderr)
-        return 2
+        args.error(str(e))
     print(format_plan(result))
     if args.params is not None:
         fits = result.fitting
-        print("\n" + (f"fits at stage {', '.join(map(str, fits))}; stage {result.best} "
-                      "communicates least" if fits else
-                      "fits at no stage: add devices (--devices), model parallelism "
-                      "(--mp) or memory"))
+        if not fits:
+            print("\nfits at no stage: add devices (--devices), model parallelism (--mp) "
+                  "or memory")
+        elif fits == [3]:
+            print("\nfits at stage 3 only: stage 3 communicates the most (3 Psi per step, "
+                  "1.5x stages 0-2), and it is the only stage that fits")
+        else:
+            print(f"\nfits at stage {', '.join(map(str, fits))}; stage {result.best} is "
+                  f"recommended: the least traffic of those "
+                  f"({3 if result.best == 3 else 2} Psi per step) and the lowest stage")
+    return 0
+
+
+def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
+    from zerojax.analysis.plan import ModelShape, plan_model
+
+    if args.params is not None:
+        args.error("--params is the paper-formula question; give the model's shape "
+                   "(--layers --hidden --heads), --model or --largest instead, not both")
+    if args.mp > 1:
+        args.error(f"--mp {args.mp}: the model planner plans the data axis only; drop --mp "
+                   "(or use --params for the paper's formula with M)")
+    if args.model is not None and shape_given:
+        args.error("give --model PRESET or --layers/--hidden/--heads, not both")
+    model = args.model
+    if shape_given:
+        missing = [f"--{a}" for a in ("layers", "hidden", "heads") if getattr(args, a) is None]
+        if missing:
+            args.error(f"{' and '.join(missing)} missing: the model's shape is --layers, "
+                       "--hidden and --heads together (and --vocab)")
+        if args.hidden % args.heads:
+            args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+        model = ModelShape(args.layers, args.hidden, args.heads, args.vocab)
+    names = {"fp32": "fp32", "float32": "fp32", "tf32": "fp32", "bf16": "bf16",
+             "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+    precision = names.get(getattr(args.param_dtype, "name", ""))
+    if precision is None:
+        args.error(f"--param-dtype {getattr(args.param_dtype, 'name', args.param_dtype)}: "
+                   "the model planner trains in fp32, bf16 or fp16; use one of those")
+    try:
+        result = plan_model(model, devices=args.devices, budget_bytes=round(args.budget),
+                            seq=args.seq, batch=args.batch, optimizer=args.optimizer,
+                            param_dtype=precision, devices_per_node=args.gpus_per_node,
+                            largest=args.largest, reserve_bytes=round(args.reserve))
+    except (TypeError, ValueError) as e:
+        args.error(str(e))
+    print(result)
     return 0
 
 
@@ -160,7 +226,61 @@ def _train(args: argparse.Namespace) -> int:
     from zerojax.cli import demo
 
     demo.check_arguments(args, args.parser)
+    _check_train_plan(args)
     return demo.run(args)
+
+
+def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
+    """(bytes per device, where the figure comes from): --memory, else the accelerator's
+    limit, else (CPU: the simulated devices share the host) host memory / devices."""
+    if args.memory is not None:
+        return round(args.memory), "--memory"
+    from zerojax.cli import demo
+
+    demo.simulate_devices(args.devices)
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"]), f"{device.platform} memory"
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, ""
+    n = args.data * args.model
+    return host // n, f"host memory / {n} simulated devices"
+
+
+def _check_train_plan(args: argparse.Namespace) -> None:
+    """Refuse a run whose predicted step peak exceeds the memory each device has."""
+    import dataclasses
+
+    from zerojax.analysis.plan import ModelShape
+    from zerojax.analysis.report import gpt_step_prediction
+    from zerojax.cli.demo import make_optimizer
+
+    budget, source = _device_memory(args)
+    if not budget:
+        return
+    shape = ModelShape(args.layers, args.hidden, args.heads, 128 * args.model)  # ASCII vocab
+    config = shape.config(args.seq)
+    worst = None
+    for stage in args.stages:
+        step = gpt_step_prediction(dataclasses.replace(config), args.data, stage, args.batch,
+                                   tx=make_optimizer(args))
+        peak = step.peak // args.model  # the model axis splits weights and heads
+        if peak > budget and (worst is None or peak > worst[1]):
+            worst = (stage, peak, step)
+    if worst is not None:
+        stage, peak, step = worst
+        args.error(
+            f"--seq {args.seq} --batch {args.batch} --layers {args.layers} --hidden "
+            f"{args.hidden}: a stage-{stage} step needs about {gb(peak)} per device "
+            f"(activations {gb(step.activations // args.model)}, model states "
+            f"{gb(step.states // args.model)}), more than the {gb(budget)} each device has "
+            f"({source}); lower --seq or --batch, or pass --memory SIZE")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -180,11 +300,23 @@ def _export(args: argparse.Namespace) -> int:
     if args.step is not None and args.step < 0:
         print(f"zerojax export: --step {args.step} must be >= 0.", file=sys.stderr)
         return 2
+    if os.path.isdir(args.out):
+        print(f"zerojax export: OUT {args.out!r} is a directory; name the file to write, "
+              f"e.g. {os.path.join(args.out, 'params.safetensors')}", file=sys.stderr)
+        return 2
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        print(f"zerojax export: OUT {args.out!r}: folder {folder} does not exist; create it "
+              "or write elsewhere", file=sys.stderr)
+        return 2
     try:
         step = CheckpointManager(args.ckpt_dir, max_to_keep=None)._step(args.step)
         out = export_params(args.ckpt_dir, args.out, step=step)
     except (FileNotFoundError, ValueError) as e:
         print(f"zerojax export: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"zerojax export: could not write {args.out!r}: {e}", file=sys.stderr)
         return 1
     size = os.path.getsize(out)
     print(f"wrote {out} ({size / 2**20:.1f} MiB, fp32 params of step {step})")
@@ -204,14 +336,22 @@ def _bytes_arguments(p: argparse.ArgumentParser) -> None:
                         "fp16, fp8) or bytes per parameter")
     p.add_argument("--grad-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
                    help="dtype of the gradients, or bytes per parameter")
-    p.add_argument("--optimizer-bytes", type=int, default=12, metavar="K",
-                   help="optimizer-state bytes per parameter (12: mixed-precision Adam)")
+    p.add_argument("--optimizer-bytes", type=bytes_per_param, default=12, metavar="K",
+                   help="optimizer-state bytes per parameter, >= 0 (12: mixed-precision "
+                        "Adam; 8 fp32 Adam; 4 momentum; about 0.41 Adafactor)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (the value and the fix), exit status 2; --help has the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from zerojax.cli import demo
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zerojax", formatter_class=HelpFormatter,
         description="zerojax: ZeRO (Zero Redundancy Optimizer) for JAX. Estimate and "
                     "plan per-device memory, run the demo and the benchmark, export "
@@ -252,22 +392,43 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(func=_estimate)
 
     plan = command(
-        "plan", "which ZeRO stages fit a per-device memory budget, and the largest model "
-        "for each", "Given a per-device memory budget and N devices, which ZeRO stages "
-        "fit a model of --params parameters, and the largest model each stage can train.",
-        PLAN_EPILOG)
-    plan.add_argument("--budget", "-b", type=byte_size, required=True, metavar="SIZE",
-                      help="memory per device: 32GB, 80GiB, 16 (GB)")
+        "plan", "the largest model, or which stage and options, for these devices, memory, "
+        "sequence and batch", "Given N devices of --memory each: for a model's shape "
+        "(or the largest one), per ZeRO stage and option set, the per-device bytes of a "
+        "train step by part, fits or not, traffic per step and the recommendation; or, "
+        "with --params, the paper's model-state formula.", PLAN_EPILOG)
+    plan.add_argument("--memory", "--budget", "-b", dest="budget", type=byte_size,
+                      required=True, metavar="SIZE",
+                      help="memory per device, with its unit: 80GB, 80GiB, 512MB")
     plan.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
-                      help="a model size to check: 7.5B, 340M, ...")
+                      help="a model size for the paper's formula: 7.5B, 340M, ...")
+    g = plan.add_argument_group("the model (its shape, a preset, or the largest)")
+    g.add_argument("--layers", type=positive_int, default=None, help="transformer layers")
+    g.add_argument("--hidden", type=positive_int, default=None, help="model width")
+    g.add_argument("--heads", type=positive_int, default=None, help="attention heads")
+    g.add_argument("--vocab", type=positive_int, default=50304, help="vocabulary size")
+    from zerojax.analysis.plan import OPTIMIZER_NAMES, PRESETS
+
+    g.add_argument("--model", choices=list(PRESETS), default=None, metavar="PRESET",
+                   help=f"a preset shape: {', '.join(PRESETS)}")
+    g.add_argument("--largest", action="store_true",
+                   help="search the largest model (layers L, hidden 128 L, 128-wide heads) "
+                        "each stage and option set fits")
+    g.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence")
+    g.add_argument("--batch", type=positive_int, default=8, help="sequences per device")
+    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw",
+                   help="the optax optimizer whose state is planned")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
+                   help="devices per node (says which traffic crosses the network)")
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
                       help="memory kept back for anything else (framework, fragmentation)")
     plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
-                      help="activation memory per device, e.g. from 'zerojax estimate "
-                           "--layers ... --hidden ...' (default: 0)")
+                      help="--params only: activation memory per device, e.g. from "
+                           "'zerojax estimate --layers ... --hidden ...' (default: 0)")
     plan.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
-                      help="communication bucket size in elements (default: no buckets, "
-                           "stage 0 counts a whole fused gradient buffer)")
+                      help="--params only: a constant-size communication buffer of this many "
+                           "gradient elements, added to every stage (default: none counted, "
+                           "at any stage)")
     _bytes_arguments(plan)
     plan.set_defaults(func=_plan)
 
@@ -276,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
         "source, with a loss plot and a text sample",
         demo.DESCRIPTION, demo.DEMO_EPILOG)
     demo.add_arguments(train)
+    train.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
+                       help="memory per device the run is planned against before it starts "
+                            "(default: the accelerator's; on CPU, host memory / devices)")
     train.set_defaults(func=_train)
 
     bench = command(
