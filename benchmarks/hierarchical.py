@@ -15,11 +15,12 @@ Prints one markdown table, one row per mode:
 - peak per device of the compiled step (``compiled.memory_analysis()``: arguments +
   outputs - donated + temporaries);
 - step time: median over ``--steps`` timed steps after ``--warmup`` untimed ones;
-- final loss after all steps, and the largest parameter difference from plain stage 3
-  in units of the learning rate (the modes compute the same training, summing the
-  gradient in another order: Adam turns rounding noise in a gradient that is zero by
-  symmetry, e.g. the attention key bias's, into steps of up to lr; compare.py's
-  ``jit DP`` row against one device shows the same floor);
+- the loss of the last step (one more than warmup + steps), and the largest
+  parameter difference from plain stage 3 in units of the learning rate (the modes
+  compute the same training, summing the gradient in another order: Adam turns
+  rounding noise in a gradient that is zero by symmetry, e.g. the attention key
+  bias's, into steps of up to lr; compare.py's ``jit DP`` row against one device
+  shows the same floor);
 - ``quantization``: "none" for every mode here; the rows of ZeRO++'s qwZ / qgZ
   (``quantize_weights`` / ``quantize_gradients``) go in the same table when
   ``zerojax.quant`` is wired into the step (add them to ``MODES``).
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
     print("| mode | quantization | data only (Ψ) | replica only (Ψ) | both axes (Ψ) "
           "| data only (MiB) | replica only (MiB) | both axes (MiB) "
           "| model state / device (MiB) | peak / device (MiB) | step (ms) "
-          f"| loss after {args.warmup + args.steps + 1} steps | max abs diff vs stage 3 (lr) |")
+          f"| loss of step {args.warmup + args.steps + 1} | max abs diff vs stage 3 (lr) |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for run in runs:
         by = run["volume"].by_axes()
