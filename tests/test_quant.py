@@ -20,6 +20,11 @@ UNIT = {np.dtype(np.float32): 0.0, np.dtype(jnp.bfloat16): 2.0 ** -8,
         np.dtype(np.float16): 2.0 ** -11}  # rounding of the cast back to a narrower dtype
 
 
+# jitted: one compilation per shape instead of one per operation
+quantize = jax.jit(quant.quantize_blocks, static_argnames=("bits", "block"))
+dequantize = jax.jit(quant.dequantize_blocks, static_argnums=(2, 3))
+
+
 def flat_mesh():
     return Mesh(np.array(jax.devices()[:N]), ("data",))
 
@@ -68,12 +73,12 @@ def np_bound(row, bits: int, block: int):
 def test_round_trip_within_half_a_scale(bits, dtype):
     block = 64
     x = (3.0 * jax.random.normal(jax.random.key(1), (37, 29))).astype(dtype)  # 1073: padded
-    q, scales = quant.quantize_blocks(x, bits=bits, block=block)
+    q, scales = quantize(x, bits=bits, block=block)
     nb = -(-x.size // block)
     assert q.shape == ((nb, block) if bits == 8 else (nb, block // 2))
     assert q.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
     assert scales.shape == (nb,) and scales.dtype == jnp.float32
-    deq = quant.dequantize_blocks(q, scales, x.shape, x.dtype)
+    deq = dequantize(q, scales, x.shape, x.dtype)
     assert deq.shape == x.shape and deq.dtype == x.dtype
 
     x32 = np.asarray(x, np.float32).ravel()
@@ -105,8 +110,8 @@ def test_int4_packing_round_trips_and_halves_the_bytes():
     np.testing.assert_array_equal(np.asarray(quant._unpack_int4(packed)), np.asarray(values))
 
     x = jax.random.normal(jax.random.key(2), (4096 + 3,))
-    q8, s8 = quant.quantize_blocks(x, bits=8, block=512)
-    q4, s4 = quant.quantize_blocks(x, bits=4, block=512)
+    q8, s8 = quantize(x, bits=8, block=512)
+    q4, s4 = quantize(x, bits=4, block=512)
     assert q8.dtype == jnp.int8 and q4.dtype == jnp.uint8
     assert q4.nbytes * 2 == q8.nbytes == 9 * 512  # 9 blocks, the last one padded
     assert s4.nbytes == s8.nbytes == 9 * 4
@@ -114,17 +119,16 @@ def test_int4_packing_round_trips_and_halves_the_bytes():
     assert quant.wire_bytes(x.size, bits=8, block=512) == q8.nbytes + s8.nbytes
     # the int4 codes are the int8 grid with 7 levels each side
     _, _, deq_ref, _ = np_quantize(np.asarray(x), 4, 512)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize_blocks(q4, s4, x.shape,
-                                                                     x.dtype)), deq_ref)
+    np.testing.assert_array_equal(np.asarray(dequantize(q4, s4, x.shape, x.dtype)), deq_ref)
 
 
 def test_small_tensor_is_one_block_and_zeros_stay_zero():
-    q, s = quant.quantize_blocks(jnp.ones((5,)), bits=4, block=2048)
+    q, s = quantize(jnp.ones((5,)), bits=4, block=2048)
     assert q.shape == (1, 3) and s.shape == (1,)  # 5 elements -> one block of 6
     x = jnp.zeros((3, 100)).at[2, 99].set(-2.5)
-    q, s = quant.quantize_blocks(x, bits=8, block=64)
+    q, s = quantize(x, bits=8, block=64)
     assert np.asarray(s).tolist()[:4] == [0.0, 0.0, 0.0, 0.0]
-    deq = quant.dequantize_blocks(q, s, x.shape, x.dtype)
+    deq = dequantize(q, s, x.shape, x.dtype)
     assert np.all(np.isfinite(np.asarray(deq)))
     np.testing.assert_array_equal(np.asarray(deq), np.asarray(x))  # absmax is exact
 
@@ -133,8 +137,8 @@ def test_small_tensor_is_one_block_and_zeros_stay_zero():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_non_finite_input_gives_non_finite_block(bad, dtype):
     x = jax.random.normal(jax.random.key(3), (300,)).astype(dtype).at[70].set(bad)
-    q, s = quant.quantize_blocks(x, bits=8, block=64)
-    deq = np.asarray(quant.dequantize_blocks(q, s, x.shape, x.dtype), np.float32)
+    q, s = quantize(x, bits=8, block=64)
+    deq = np.asarray(dequantize(q, s, x.shape, x.dtype), np.float32)
     assert not np.isfinite(deq[70])
     assert not np.any(np.isfinite(deq[64:128]))  # the whole block
     assert np.all(np.isfinite(deq[:64])) and np.all(np.isfinite(deq[128:]))
