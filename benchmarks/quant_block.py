@@ -70,15 +70,19 @@ def tensors(adam_steps: int):
 
 
 def rel_rms(leaves, bits: int, block: int) -> float:
-    import jax.numpy as jnp
+    import jax
     import numpy as np
 
     from zerojax import quant
 
+    @jax.jit
+    def round_trip(x):
+        q, s = quant.quantize_blocks(x, bits=bits, block=block)
+        return quant.dequantize_blocks(q, s, x.shape, x.dtype)
+
     err = norm = 0.0
     for x in leaves:
-        q, s = quant.quantize_blocks(jnp.asarray(x), bits=bits, block=block)
-        deq = np.asarray(quant.dequantize_blocks(q, s, x.shape, x.dtype), np.float64)
+        deq = np.asarray(round_trip(x), np.float64)
         err += float(np.sum((deq - x) ** 2))
         norm += float(np.sum(np.asarray(x, np.float64) ** 2))
     return (err / norm) ** 0.5
