@@ -18,7 +18,8 @@ tuple of them), like ``jax.lax.all_gather`` / ``jax.lax.psum_scatter``:
   Arithmetic is float32 whatever the input dtype (bf16, fp16, fp32); the result is cast
   back.
 * qwZ, :func:`quantized_all_gather`: each device quantizes its shard, the int8 (or packed
-  int4) blocks and their scales are all-gathered, and every device dequantizes all of
+  int4) blocks and their scales (bit-cast to 4 bytes after each block, so one collective
+  carries both) are all-gathered, and every device dequantizes all of
   them, its own shard included, so all devices hold bit-identical weights (the
   all-gather of the dequantized shards). Its ``custom_vjp`` backward is the exact
   ``psum_scatter`` of the cotangent: quantization is forward-only (straight-through), as
@@ -88,7 +89,8 @@ def _check_block(block: Any, bits: int) -> int:
 
 
 def _check_float(x: Any, fn: str) -> jnp.dtype:
-    dtype = jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
+    dtype = getattr(x, "dtype", None)
+    dtype = jnp.dtype(jnp.asarray(x).dtype if dtype is None else dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{fn} quantizes real floating-point arrays (float32, bfloat16, "
                          f"float16), got dtype {dtype}; cast it first (x.astype(jnp.float32)), "
@@ -166,6 +168,18 @@ def _dequantize_rows(q: jax.Array, scales: jax.Array, length: int) -> jax.Array:
     x = values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
     x = x.reshape(*x.shape[:-2], -1)
     return x[..., :length]
+
+
+def _to_wire(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """One buffer per block row: the block's bytes, then its float32 scale's 4 bytes
+    (bit-cast, so non-finite scales travel unchanged). One collective instead of two."""
+    scale_bytes = jax.lax.bitcast_convert_type(scales, q.dtype)  # (..., nb, 4)
+    return jnp.concatenate([q, scale_bytes], axis=-1)
+
+
+def _from_wire(buf: jax.Array):
+    """Inverse of :func:`_to_wire`: ``(q, scales)``."""
+    return buf[..., :-4], jax.lax.bitcast_convert_type(buf[..., -4:], jnp.float32)
 
 
 # -- public: quantize / dequantize -----------------------------------------------------
@@ -251,9 +265,8 @@ def _name(axes: tuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _qag(x, axes, bits, block, axis, tiled):
-    q, scales = _quantize_rows(x.reshape(-1), bits, block)
-    q_all = jax.lax.all_gather(q, _name(axes), axis=0, tiled=False)
-    s_all = jax.lax.all_gather(scales, _name(axes), axis=0, tiled=False)
+    buf = _to_wire(*_quantize_rows(x.reshape(-1), bits, block))
+    q_all, s_all = _from_wire(jax.lax.all_gather(buf, _name(axes), axis=0, tiled=False))
     n = q_all.shape[0]
     whole = _dequantize_rows(q_all, s_all, x.size).astype(x.dtype)
     whole = jnp.moveaxis(whole.reshape(n, *x.shape), 0, axis)  # (..., n, s_axis, ...)
@@ -328,9 +341,8 @@ def _qrs(g, levels, bits, block, dim):
     x = moved.reshape(*sizes, chunk)
     # Innermost level first: x keeps one dimension per level still to be reduced.
     for j in reversed(range(len(levels))):
-        q, scales = _quantize_rows(x, bits, block)
-        q = jax.lax.all_to_all(q, _name(levels[j]), j, j, tiled=True)
-        scales = jax.lax.all_to_all(scales, _name(levels[j]), j, j, tiled=True)
+        buf = _to_wire(*_quantize_rows(x, bits, block))
+        q, scales = _from_wire(jax.lax.all_to_all(buf, _name(levels[j]), j, j, tiled=True))
         x = jnp.sum(_dequantize_rows(q, scales, chunk), axis=j)
     return jnp.moveaxis(x.reshape(shard_shape).astype(g.dtype), 0, dim)
 
