@@ -38,10 +38,24 @@ tuple of them), like ``jax.lax.all_gather`` / ``jax.lax.psum_scatter``:
 
 Wire bytes per device (payload + float32 scales) for ``P`` elements: ``P`` int8 bytes +
 ``4 P / block`` for int8, ``P / 2 + 4 P / block`` for int4, against ``4 P`` for fp32
-(:func:`wire_bytes`). Measured from the compiled HLO (``tests/test_quant.py``, jax 0.10.2,
-8 CPU devices): see ``benchmarks/README.md``, section "ZeRO++ quantization block size",
-for the ratios, the block-size table behind :data:`DEFAULT_BLOCK` and the training
-comparison against exact collectives.
+(:func:`wire_bytes`). Scales travel bit-cast after their block's bytes, so each
+all-gather (or each level's all-to-all) is one integer collective.
+
+Measured (2026-11-23, jax 0.10.2, 2-core CPU, 8 simulated devices; details in
+benchmarks/README.md, "ZeRO++ quantization block size"):
+
+* compiled HLO, 2048 x 512 fp32: the quantized all-gather moves 0.2505 of fp32's bytes
+  (1/4 + 1/2048), the quantized reduce-scatter 0.2505 (int8) / 0.1255 (int4) of the
+  fp32 reduce-scatter's; hierarchical qgZ on (replica=2, data=4) sends 1/4 of the
+  ``data`` level's bytes across ``replica`` (``tests/test_quant.py``);
+* relative RMS error on a small GPT's weights / gradients at block 2048: int8 8.3e-3 /
+  9.8e-3, int4 0.15 / 0.17; from block 32 to 4096 the int8 error goes from 5.3e-3 to
+  8.7e-3 while the scale overhead falls from 12.5% to 0.1% of the int8 payload.
+  :data:`DEFAULT_BLOCK` = 2048 is the smallest block whose scales cost under 0.5% of
+  the int4 payload (DeepSpeed's qwZ uses groups of about 4k-8k elements);
+* 200 Adam steps of a small GPT with a hand-written ZeRO-3 step: final loss (mean of
+  the last 20 steps) within +0.01% (int8 gradients) and +0.10% (int4 gradients) of
+  exact collectives, every step within 0.9%.
 """
 
 from __future__ import annotations
