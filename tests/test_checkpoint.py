@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import pytest
 from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
 
 import zerojax
+from zerojax import checkpoint
 from zerojax.checkpoint import CheckpointError, CheckpointManager, export_params, load_params
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -537,14 +540,47 @@ def test_a_damaged_step_names_itself_and_the_previous_one_restores(tmp_path, sma
     else:
         (step2 / "meta.json").write_text("")
         want = r"step 2 .* damaged: (file )?meta.json (is not valid JSON|has 0 bytes)"
-    with pytest.raises(CheckpointError, match=want):
+    with pytest.raises(CheckpointError, match=want) as err:
         mgr.restore(opt, like=awkward_params())
+    if damage in ("flip", "truncate"):  # the file packs many arrays: the leaf is named too
+        assert re.search(r"The changed bytes hold leafs? (params|inner)\.[\w.]+ \(chunks? ",
+                         str(err.value)), err.value
     if damage == "flip":  # an export checks too
         with pytest.raises(CheckpointError, match=want):
             export_params(tmp_path, tmp_path / "m.safetensors")
     with pytest.warns(UserWarning, match="skipping step 2"):
         assert mgr.latest_step(verify=True) == 1
     _same(opt, mgr.restore(opt, like=awkward_params(), step=1), a)
+
+
+def test_chunk_table_reads_every_key_of_a_deep_ocdbt_tree(tmp_path):
+    # tiny nodes force a tree of height 3, whose nodes store keys relative to prefixes
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/state/",
+                          "config": {"max_decoded_node_bytes": 512,
+                                     "max_inline_value_bytes": 4}}).result()
+    with ts.Transaction() as t:
+        for i in range(200):
+            kv.with_transaction(t)[f"leaf{i % 7}/{i:04d}"] = bytes([i]) * 100
+    table = checkpoint._ocdbt_chunks(str(tmp_path / "state"))
+    found = {}
+    for name, chunks in table.items():
+        data = (tmp_path / name).read_bytes()
+        for off, length, key in chunks:
+            found[key] = data[off:off + length]
+    assert found == {f"leaf{i % 7}/{i:04d}": bytes([i]) * 100 for i in range(200)}
+
+
+def test_chunk_crcs_match_the_bytes_across_read_buffers(tmp_path, monkeypatch):
+    data = os.urandom(1000)
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(checkpoint, "_CHUNK", 7)  # segments straddle many reads
+    monkeypatch.setattr(checkpoint, "_buffers", type(checkpoint._buffers)())
+    segments = [(500, 499), (0, 13), (13, 1), (14, 300), (990, 20)]  # the last is cut short
+    size, crc, crcs = checkpoint._crc(str(tmp_path / "f"), segments)
+    assert (size, crc) == (1000, zlib.crc32(data))
+    assert crcs == [zlib.crc32(data[o:o + n]) for o, n in segments]
 
 
 def test_restore_argument_errors_name_the_cause(tmp_path, small):
@@ -584,8 +620,6 @@ def test_a_static_loss_scale_wins_over_the_saved_one(tmp_path):
 
 
 def test_extra_is_per_process_and_a_failed_save_is_not_silent(tmp_path, small, monkeypatch):
-    from zerojax import checkpoint
-
     opt, a, _ = small
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, a, extra={"data_position": 7})

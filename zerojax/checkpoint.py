@@ -7,6 +7,8 @@ On disk (format 2)::
       12/                          a complete step: only this manager's, never anything else
         _zerojax_step.json         the marker, written last: format, step, every file's
                                    size and CRC-32 (the integrity check)
+        _zerojax_chunks.json       where each array chunk lies in the data files, with
+                                   its CRC-32 (names the leaves a damaged file held)
         meta.json                  saving configuration, params shapes, optimizer state kinds
         extra.process-0.json ...   each process's ``extra``
         state/                     orbax PyTree item (tensorstore OCDBT): each device's shards
@@ -19,8 +21,9 @@ place by process 0), only directories holding a zerojax marker count as steps (o
 entries are reported and never listed, pruned or deleted), a step is never overwritten
 or dropped silently (``save`` of an existing step, or of one below the newest, raises
 unless ``overwrite=True``), and ``restore`` verifies each file's checksum first (a
-damaged file is named with its step). Steps written by zerojax's first format (orbax's
-own CheckpointManager layout) are still listed and restored, without checksums.
+damaged file is named with its step and the leaves whose chunks in it changed). Steps
+written by zerojax's first format (orbax's own CheckpointManager layout) are still
+listed and restored, without checksums.
 
 What is saved in ``state``: ``step``; ``params`` as stored (stage 3: each leaf's padded
 split, see :mod:`zerojax.partition`); ``master`` (the fp32 master weights, with
@@ -150,16 +153,31 @@ def _write_json(path: str, obj: Any) -> None:
 _buffers = threading.local()
 
 
-def _crc(path: str) -> tuple[int, int]:
+def _crc(path: str, segments: list | tuple = ()) -> tuple[int, int, list[int]]:
+    """``(size, CRC-32, [CRC-32 of each (offset, length) segment])`` of a file, read
+    once. Segments must not overlap; one cut short by the file's end gets the CRC of
+    what is there."""
     buf = getattr(_buffers, "buf", None)
     if buf is None:
         buf = _buffers.buf = memoryview(bytearray(_CHUNK))
-    crc, size = 0, 0
+    order = sorted(range(len(segments)), key=lambda i: segments[i][0])
+    seg_crcs = [0] * len(segments)
+    crc, size, first = 0, 0, 0  # first: the first segment not yet read to its end
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             crc = zlib.crc32(buf[:n], crc)  # releases the GIL: files are hashed in parallel
-            size += n
-    return size, crc
+            end = size + n
+            for i in order[first:]:
+                off, length = segments[i]
+                if off >= end:
+                    break
+                lo, hi = max(off, size), min(off + length, end)
+                if hi > lo:
+                    seg_crcs[i] = zlib.crc32(buf[lo - size:hi - size], seg_crcs[i])
+            while first < len(order) and sum(segments[order[first]]) <= end:
+                first += 1
+            size = end
+    return size, crc, seg_crcs
 
 
 def _files(root: str) -> list[str]:
@@ -169,10 +187,90 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
-def _checksums(root: str, names: list[str]) -> dict[str, list[int]]:
+def _checksums(root: str, names: list[str], segments: dict | None = None
+               ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """``({name: [size, CRC-32]}, {name: [CRC-32 of each segment]})`` of the files
+    ``names`` under ``root``; ``segments``: ``{name: [(offset, length), ...]}``."""
+    segments = segments or {}
     with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 2)) as ex:
-        sums = list(ex.map(lambda n: _crc(os.path.join(root, n)), names))
-    return {n: [size, crc] for n, (size, crc) in zip(names, sums)}
+        sums = list(ex.map(lambda n: _crc(os.path.join(root, n), segments.get(n, ())), names))
+    return ({n: [size, crc] for n, (size, crc, _) in zip(names, sums)},
+            {n: segs for n, (_, _, segs) in zip(names, sums) if n in segments})
+
+
+# -- which leaf a damaged data file held --------------------------------------------------
+# OCDBT packs the chunks of many arrays into one data file, so a file's CRC says that a
+# step is damaged but not which array. Its B+tree says where each chunk lies (key, file,
+# offset, length): at save, process 0 reads the tree (tensorstore.ocdbt.dump) and
+# records a CRC-32 per chunk (computed in the same pass as the file's), in VALUES; a file
+# that fails its check is read once more against that table, which names the leaves
+# whose chunks changed. Nothing extra runs on the devices or the training loop.
+VALUES = "_zerojax_chunks.json"
+
+
+def _ocdbt_chunks(state_dir: str) -> dict[str, list[tuple[int, int, str]]]:
+    """``{file relative to the step: [(offset, length, key), ...]}`` of every value the
+    OCDBT database in ``state_dir`` stores out of line (array chunks; small values live
+    inline in the tree nodes). ``{}`` when the tree cannot be read this way."""
+    try:
+        import tensorstore as ts
+
+        kv = ts.KvStore.open({"driver": "file", "path": state_dir.rstrip("/") + "/"}).result()
+        manifest = ts.ocdbt.dump(kv).result()
+        versions = manifest.get("versions") or []
+        stack = [(versions[-1]["root"]["location"], b"")] if versions and "location" in (
+            versions[-1].get("root", {})) else []
+        out: dict[str, list[tuple[int, int, str]]] = {}
+        while stack:  # keys in a node are relative to its prefix; a child's prefix adds
+            where, prefix = stack.pop()  # the entry's subtree_common_prefix
+            node = ts.ocdbt.dump(kv, where).result()
+            for e in node.get("entries", []):
+                loc = e.get("location")
+                if isinstance(loc, str) and loc.startswith("btreenode:"):
+                    stack.append((loc, prefix + _bytes(e.get("subtree_common_prefix", b""))))
+                    continue
+                ref = e.get("indirect_value")
+                if not isinstance(ref, str) or not ref.startswith("value:"):
+                    continue
+                # value:<base path>:<file>:<offset>:<length>, e.g.
+                # value:ocdbt.process_0/:d/6815...:1184:1184
+                head, off, length = ref[len("value:"):].rsplit(":", 2)
+                base, name = head.split(":", 1)
+                key = (prefix + _bytes(e["key"])).decode(errors="replace")
+                path = os.path.normpath(os.path.join("state", base, name))
+                out.setdefault(path, []).append((int(off), int(length), key))
+        return out
+    except Exception:  # noqa: BLE001 -- naming leaves is a help, never a save's failure
+        return {}
+
+
+def _bytes(x) -> bytes:
+    return x if isinstance(x, bytes) else str(x).encode()
+
+
+def _changed_leaves(root: str, name: str, size: int | None = None) -> str:
+    """A sentence naming the leaves whose chunks in file ``name`` of the step at
+    ``root`` differ from the save (``""`` when the step has no chunk table)."""
+    try:
+        with open(os.path.join(root, VALUES)) as f:
+            table = json.load(f).get(name)
+        if table is None:
+            return " It holds no array chunks (it is part of the database's index)."
+        got_size, _, crcs = _crc(os.path.join(root, name), [(o, n) for o, n, _, _ in table])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ""
+    changed: dict[str, list[str]] = {}
+    for (off, length, crc, key), got in zip(table, crcs):
+        if off + length > got_size or got != crc:
+            leaf, _, chunk = key.rpartition("/")
+            changed.setdefault(leaf or key, []).append(chunk)
+    if not changed:
+        return (" No array chunk stored in it changed: the damage is outside them (the "
+                "database's index).")
+    parts = [f"{leaf} (chunk{'s' if len(c) > 1 else ''} {', '.join(c[:4])}"
+             f"{' ...' if len(c) > 4 else ''})" for leaf, c in changed.items()]
+    return (f" The changed bytes hold leaf{'s' if len(parts) > 1 else ''} "
+            f"{'; '.join(parts[:8])}{' ...' if len(parts) > 8 else ''}.")
 
 
 def _sync(path: str) -> None:
@@ -390,17 +488,18 @@ class CheckpointManager:
             if not os.path.isfile(os.path.join(root, name)):
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: "
                                       f"its file {name} is missing.")
-        got = _checksums(root, list(want))
+        got, _ = _checksums(root, list(want))
         for name, (size, crc) in want.items():
             if got[name][0] != size:
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} is damaged: file {name} has "
-                    f"{got[name][0]} bytes, {size} were written (truncated or overwritten).")
+                    f"{got[name][0]} bytes, {size} were written (truncated or overwritten)."
+                    + _changed_leaves(root, name))
             if got[name][1] != crc:
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} is damaged: file {name} "
                     f"fails its checksum (CRC-32 {got[name][1]:#010x}, written {crc:#010x}):"
-                    " its bytes changed since the save.")
+                    " its bytes changed since the save." + _changed_leaves(root, name))
         extra = sorted(set(_files(root)) - set(want) - {MARKER})
         if any(not n.startswith("extra.process-") for n in extra):
             warnings.warn(f"checkpoint step {step} in {self.directory} holds files written "
@@ -556,9 +655,17 @@ class CheckpointManager:
             m = re.fullmatch(r"extra\.process-(\d+)\.json", name)
             if m and int(m.group(1)) >= n:
                 os.remove(os.path.join(tmp, name))
-        names = [f for f in _files(tmp) if f != MARKER and not f.endswith(".tmp")]
+        names = [f for f in _files(tmp)
+                 if f not in (MARKER, VALUES) and not f.endswith(".tmp")]
+        chunks = _ocdbt_chunks(os.path.join(tmp, "state"))  # where each array chunk lies
+        files, chunk_crcs = _checksums(
+            tmp, names, {n: [(o, ln) for o, ln, _ in c] for n, c in chunks.items()})
+        _write_json(os.path.join(tmp, VALUES), {
+            n: [[o, ln, crc, key] for (o, ln, key), crc in zip(c, chunk_crcs[n])]
+            for n, c in chunks.items() if n in chunk_crcs})
+        files.update(_checksums(tmp, [VALUES])[0])
         marker = {"zerojax_checkpoint": FORMAT, "step": step, "token": token,
-                  "time": time.time(), "files": _checksums(tmp, names)}
+                  "time": time.time(), "files": files}
         _write_json(os.path.join(tmp, MARKER), marker)
         steps = self._scan()
         doomed = sorted(s for s in steps if s >= step) if overwrite else []
