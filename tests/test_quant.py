@@ -203,10 +203,9 @@ def test_quantized_all_gather_under_check_vma_and_grad():
     x = jax.random.normal(jax.random.key(7), (N * 2, 32))
     g = f(w, x)
     # straight-through: the gradient at the dequantized weights, reduce-scattered exactly
-    deq = jnp.concatenate([quant.dequantize_blocks(*quant.quantize_blocks(s, block=256),
-                                                   s.shape, s.dtype)
+    deq = jnp.concatenate([dequantize(*quantize(s, block=256), s.shape, s.dtype)
                            for s in jnp.split(w, N)])
-    want = jax.grad(lambda full: jnp.sum(jnp.tanh(x @ full.T)))(deq)
+    want = jax.jit(jax.grad(lambda full: jnp.sum(jnp.tanh(x @ full.T))))(deq)
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
