@@ -267,6 +267,27 @@ def test_quantized_reduce_scatter_within_the_sum_of_block_bounds(bits, dim):
     assert np.max(np.abs(got - want)) > 0  # it is quantized
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_quantized_reduce_scatter_of_half_precision(dtype):
+    """Summed in float32, cast back once: the bound gains one rounding of the result."""
+    g = (jax.random.normal(jax.random.key(15), (N, N * 4, 40))).astype(dtype)
+    f = jax.jit(jax.shard_map(  # check_vma on: the types of a real step
+        lambda g: quant.quantized_reduce_scatter(g[0], "data", block=64)[None],
+        mesh=flat_mesh(), in_specs=P("data"), out_specs=P("data")))
+    got = f(g)
+    assert got.dtype == dtype and got.shape == (N, 4, 40)
+    g32 = np.asarray(g, np.float32)
+    exact = as_pieces(np.sum(g32.astype(np.float64), axis=0), 0, N)
+    pieces = np.stack([as_pieces(gi, 0, N) for gi in g32])
+    u = UNIT[np.dtype(dtype)]
+    for k in range(N):
+        bound = flat_bound(pieces[:, k], 8, 64)
+        bound = bound + (np.abs(exact[k]) + bound) * u + float(
+            jnp.finfo(dtype).smallest_subnormal) / 2
+        err = np.abs(np.asarray(got[k], np.float64).ravel() - exact[k])
+        assert np.all(err <= bound)
+
+
 def hierarchical_bound(pieces4, bits, block):
     """Bound for ("replica", "data") = (R, D): pieces4[src_r, src_d, dst_r, dst_d, chunk].
 
