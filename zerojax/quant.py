@@ -11,7 +11,9 @@ tuple of them), like ``jax.lax.all_gather`` / ``jax.lax.psum_scatter``:
   plus float32 rounding of the division and the product, at most
   ``(max|x_b| + s_b) * 2**-23``. int4 values are packed two per ``uint8``
   byte, so what is sent really is half of int8. A block of zeros has scale 0 and comes back
-  as zeros (no 0/0). A block holding inf or NaN gets a non-finite scale, its ``q`` is 0,
+  as zeros (no 0/0); so does a block whose absmax is below ``Q`` times float32's smallest
+  normal (about 1.5e-36 for int8), whose scale would be subnormal (flushed to zero on
+  CPU). A block holding inf or NaN gets a non-finite scale, its ``q`` is 0,
   and it dequantizes to NaN (``0 * inf``): an overflow still reaches the loss scaler's
   finiteness check. A row shorter than ``block`` (a small shard) is one block of its own
   length (rounded up to even for int4), so small tensors are not padded to a whole block.
