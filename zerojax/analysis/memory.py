@@ -199,9 +199,10 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
       :func:`zerojax.partition.opt_state_layouts` (stages 1-3 split it, stage 0 keeps
       it whole); plus the int32 step counter and, with loss scaling, its 12-byte state
       (both always on the device).
-    * grads (not placed by ``init_state``; what the update is handed): the compute
-      dtype (float32 or wider when ``accum_steps`` > 1), whole at stages 0-1, the data
-      shard at stages 2-3.
+    * grads (not placed by ``init_state``; what the update is handed): the params' own
+      dtype (with ``param_dtype``, the fp32 master's: the step reduces them in it unless
+      ``reduce_dtype`` says otherwise; float32 or wider when ``accum_steps`` > 1), whole
+      at stages 0-1, the data shard at stages 2-3.
     * ``offload_optimizer`` / ``offload_params``: those parts are counted in
       ``host_optimizer_state`` / ``host_params`` instead (0 on the device).
     """
@@ -252,8 +253,8 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     # the step counter and the loss scale (scale, good steps, hysteresis) stay on device
     bookkeeping = 4 + (12 if cfg.loss_scale is not None else 0)
 
-    def grad_dtype(lay):
-        dt = jnp.dtype(compute(lay))
+    def grad_dtype(lay):  # the step hands the update gradients in the params' own dtype
+        dt = jnp.dtype(lay.dtype)  # (the master's with param_dtype: reduced in it too)
         return jnp.promote_types(dt, jnp.float32) if cfg.accum_steps > 1 else dt
 
     g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay))

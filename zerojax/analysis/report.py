@@ -39,6 +39,7 @@ __all__ = [
     "memory_report",
     "gpt_param_shapes",
     "gpt_step_prediction",
+    "mlp_step_prediction",
     "predict_step_memory",
 ]
 
@@ -108,7 +109,9 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
                         optimizer_bytes: int = 8, activation_bytes: int = 4,
                         remat: bool = True, prefetch: bool = True,
                         batch_bytes: int = 0, states: int | None = None,
-                        softmax_bytes: int = 4, accum_steps: int = 1) -> StepPrediction:
+                        softmax_bytes: int = 4, accum_steps: int = 1,
+                        activations: int | None = None,
+                        mixed_stack: int = 0) -> StepPrediction:
     """Per-device peak bytes of a zerojax train step (donated state) on a GPT-like model.
 
     Psi = ``num_params``, Psi_l = ``layer_params`` (one block), N = ``dp``; P, G, K
@@ -136,13 +139,20 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
       values for ``heads`` = a (``3 a s^2 b L`` without ``remat``), and the logits,
       their softmax and gradient, ``3 b s V`` values; these two are float32 in the
       reference GPT whatever its compute dtype (``softmax_bytes``, default 4);
+    * ``activations`` (bytes), when given, replaces that estimate (a model that is not
+      GPT-like: :func:`mlp_step_prediction`);
+    * ``mixed_stack``: stage 2 with ``param_dtype`` on a scanned stack of this many
+      parameters: the stack's cotangent is formed whole and converted to float32 before
+      its reduce-scatter (seen in the HLO: a whole-stack f32 convert), 4 bytes each in
+      place of one layer's gradient in flight;
     * ``accum_steps`` = k > 1: activations of one micro-batch (b / k), the gradients
       accumulated in float32 (G = 4 or wider) and one float32 accumulator beside the
       micro-batch's gradient (whole at stages 0-1, the shard at 2-3);
     * working: stages 1-2 ``P Psi_l`` (the layer's weights, made to wait for its
       cotangent before the recomputation); stage 3 ``P Psi_l`` per gathered layer:
       1 in a scanned stack (each iteration gathers its own), 2 for written-out layers
-      with ``prefetch`` (the next layer's gather issued during this one).
+      with ``prefetch`` (the next layer's gather issued during this one); without
+      ``remat`` (nothing recomputed) stages 1-2 hold none and stage 3 one layer.
     """
     psi = _count("num_params", num_params, minimum=0)
     n = _count("dp", dp, minimum=1)
@@ -163,13 +173,20 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
         batch = -(-batch // accum)
         acc = 4 * (psi if stage < 2 else shard)
         end, in_flight = end + acc, in_flight + acc
-    acts = estimate_activations(hidden, batch, seq, layers, bytes_per_value=activation_bytes,
-                                checkpointing=remat)
-    scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
-    acts += (scores + 3 * batch * seq * vocab) * softmax_bytes
+    if activations is not None:
+        acts = _count("activations", activations, minimum=0)
+    else:
+        acts = estimate_activations(hidden, batch, seq, layers,
+                                    bytes_per_value=activation_bytes, checkpointing=remat)
+        scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
+        acts += (scores + 3 * batch * seq * vocab) * softmax_bytes
+    if mixed_stack and stage == 2:
+        in_flight += 4 * mixed_stack - g * pl
+
     if stage == 3:
-        working = p * pl * (1 if scanned or not prefetch else 2)
-    elif stage == 0 or whole_grads:
+        working = p * pl * (1 if scanned or not prefetch or not remat else 2)
+    elif stage == 0 or whole_grads or not remat:
+        # stages 1-2 without remat: nothing is recomputed, no layer's weights wait
         working = 0
     else:
         working = p * pl
@@ -304,8 +321,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     stage=stage, param_dtype=param_dtype, **options)`` (default: fp32 Adam). The
     model states are :func:`~zerojax.analysis.memory.estimate_memory` of the params'
     shapes with ``tx`` (what ``init_state`` places, offloaded parts excluded);
-    gradients and activations are in the compute dtype (``param_dtype``, else
-    ``config.dtype``), the attention softmax and logits in float32."""
+    activations are in the compute dtype (``param_dtype``, else ``config.dtype``), the
+    attention softmax and logits in float32, gradients in ``reduce_dtype`` or the
+    params' own float32 (the step reduces them in the master's dtype)."""
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
@@ -317,6 +335,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     e = estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
                         **options)
     compute = jnp.dtype(param_dtype if param_dtype is not None else config.dtype).itemsize
+    # gradients are reduced in reduce_dtype, else the params' own (fp32 master) dtype
+    reduce = options.get("reduce_dtype")
+    grad = jnp.dtype(reduce).itemsize if reduce is not None else 4
     accum = options.get("accum_steps", 1)
     working = 0
     if options.get("offload_optimizer") or options.get("offload_params"):
@@ -330,8 +351,41 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                heads=config.heads, remat=config.remat, prefetch=prefetch,
                                batch_bytes=b * (s + 1) * 4 + working,
                                states=e.params + e.optimizer_state,
-                               param_bytes=compute, grad_bytes=compute,
-                               activation_bytes=compute, accum_steps=accum)
+                               param_bytes=compute, grad_bytes=grad,
+                               activation_bytes=compute, accum_steps=accum,
+                               mixed_stack=L * layer if param_dtype is not None
+                               and config.scan else 0)
+
+
+def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: int,
+                        global_batch: int, *, tx: Any = None, param_dtype: Any = None,
+                        out: int = 1, **options: Any) -> StepPrediction:
+    """:func:`predict_step_memory` for :class:`zerojax.models.MLP` (``layers`` tanh Dense
+    layers of width ``features`` on inputs of ``d_in``, a head of ``out``) on
+    ``global_batch`` rows, trained by ``zero(tx, mesh, stage=stage, ...)``. Activations:
+    the input and each layer's tanh output (what its backward reads), ``b (d_in + L f)``
+    values in the compute dtype, plus the head's output; written-out layers."""
+    import optax
+
+    from zerojax.models import MLP
+
+    tx = optax.adam(1e-3) if tx is None else tx
+    b = global_batch // dp
+    params = jax.eval_shape(MLP(features=features, layers=layers, out=out).init,
+                            jax.random.key(0), jnp.zeros((1, d_in)))["params"]
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    e = estimate_memory(params, dp, stage, tx=tx, param_dtype=param_dtype, **options)
+    compute = jnp.dtype(param_dtype if param_dtype is not None else jnp.float32).itemsize
+    reduce = options.get("reduce_dtype")
+    grad = jnp.dtype(reduce).itemsize if reduce is not None else 4
+    acts = b * (d_in + layers * features + out) * compute
+    return predict_step_memory(psi, dp, stage, layer_params=features * features + features,
+                               scanned=False, hidden=features, batch=b, seq=1,
+                               layers=layers, param_bytes=compute, grad_bytes=grad,
+                               states=e.params + e.optimizer_state, activations=acts,
+                               remat=False,
+                               batch_bytes=b * (d_in + out) * 4,
+                               accum_steps=options.get("accum_steps", 1))
 
 
 def largest_layers_predicted(config, dp: int, stage: int, global_batch: int,
