@@ -1,12 +1,13 @@
 """The program each process runs in tests/test_multiprocess.py (started by
 ``python -m zerojax.cli.launch``). Modes:
 
-* ``train OUT CKPT_SAVE CKPT_LOAD``: stages 1, 2, 3 for 10 steps on the awkward model,
-  each process feeding its slice of the global batch (host arrays on even steps, a
-  global jax.Array on odd ones); process 0 writes the final full
-  params of each stage to OUT/stage{s}.npz. Stage 3 also saves its final state to
-  CKPT_SAVE (every process writes its own shards), and restores CKPT_LOAD (saved by
-  one process) and writes its full params to OUT/restored.npz.
+* ``train OUT CKPT_SAVE CKPT_LOAD``: the CONFIGS (stages 1, 2, 3; 2 and 3 with offload)
+  for 10 steps on the awkward model, each process feeding its slice of the global
+  batch (host arrays on even steps, a global jax.Array on odd ones); process 0 writes
+  the final full params of each to OUT/stage{name}.npz. The offloaded stage 3 saves its
+  state to OUT/offloaded; plain stage 3 saves its final state to CKPT_SAVE (every
+  process writes its own shards), and restores CKPT_LOAD (saved by one process) and
+  writes its full params to OUT/restored.npz.
 * ``die``: trains stage 3 forever; process 1 kills itself with SIGKILL at step 3.
 * ``fault KIND AT``: trains stage 3 forever; process 1 (``FAULT_RANK``) misbehaves at
   step AT: ``raise`` (a RuntimeError), ``hang`` (sleeps, a stuck data loader), or
@@ -36,9 +37,15 @@ assert jax.process_count() == 2 and len(jax.devices()) == 8, (jax.process_count(
                                                                jax.devices())
 
 
-def make(stage):
+# (stage, options) trained in "train" mode, named as test_multiprocess.CONFIGS names them
+CONFIGS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),
+           "2-offload": (2, {"offload_optimizer": True}),
+           "3-offload": (3, {"offload_optimizer": True, "offload_params": True})}
+
+
+def make(stage, **options):
     return zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=-1), stage=stage,
-                        min_shard_size=16)
+                        min_shard_size=16, **options)
 
 
 def stage3():
@@ -58,8 +65,8 @@ if mode == "train":
     out, ckpt_save, ckpt_load = sys.argv[2:5]
     from zerojax.checkpoint import CheckpointManager
 
-    for stage in (1, 2, 3):
-        opt = make(stage)
+    for name, (stage, options) in CONFIGS.items():
+        opt = make(stage, **options)
         state = opt.init_state(awkward_params())
         step = opt.train_step(awkward_loss)
         rows = NamedSharding(opt.mesh, P("data"))
@@ -69,8 +76,14 @@ if mode == "train":
                 local = jax.tree.map(
                     lambda x, rows=rows: jax.make_array_from_process_local_data(rows, x), local)
             state, metrics = step(state, local)
-        save_npz(os.path.join(out, f"stage{stage}.npz"), opt.full_params(state))
-        print(f"stage {stage} loss {float(metrics['loss']):.6f}", flush=True)
+        save_npz(os.path.join(out, f"stage{name}.npz"), opt.full_params(state))
+        print(f"stage {name} loss {float(metrics['loss']):.6f}", flush=True)
+        if name == "3-offload":  # an offloaded state, saved by both processes
+            with CheckpointManager(os.path.join(out, "offloaded")) as offloaded:
+                offloaded.save(10, state)
+        if name == "3":
+            plain = (opt, state)
+    opt, state = plain
     mgr = CheckpointManager(ckpt_save)
     mgr.save(10, state, extra={"rank": jax.process_index()})
     mgr.wait()

@@ -34,9 +34,14 @@ def launch(*args, timeout=420, env=None):
     return proc, time.monotonic() - t0
 
 
-def make(stage):
+CONFIGS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),  # as mp_worker.CONFIGS
+           "2-offload": (2, {"offload_optimizer": True}),
+           "3-offload": (3, {"offload_optimizer": True, "offload_params": True})}
+
+
+def make(stage, **options):
     return zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=stage,
-                        min_shard_size=16)
+                        min_shard_size=16, **options)
 
 
 def leaves(path):
@@ -64,12 +69,13 @@ def two_process_run(tmp_path_factory):
     return d, saved_here, proc.stdout
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_processes_match_one_process(two_process_run, stage):
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_processes_match_one_process(two_process_run, name):
     d, _, out = two_process_run
-    assert f"[0] stage {stage} loss" in out and f"[1] stage {stage} loss" in out
-    got = leaves(d / f"stage{stage}.npz")
-    opt = make(stage)
+    assert f"[0] stage {name} loss" in out and f"[1] stage {name} loss" in out
+    got = leaves(d / f"stage{name}.npz")
+    stage, options = CONFIGS[name]
+    opt = make(stage, **options)
     state = opt.init_state(awkward_params())
     step = opt.train_step(awkward_loss)
     for b in regression_batches(10):
@@ -98,6 +104,20 @@ def test_save_in_two_processes_restore_in_one_and_back(two_process_run):
     assert "process 0 alone: [10] {'rank': 0} {'rank': 1}" in two_process_run[2]
     for a, b in zip(leaves(d / "stage3.npz"), jax.tree.leaves(opt.full_params(state))):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_an_offloaded_state_saved_by_two_processes_restores_either_way(two_process_run):
+    d = two_process_run[0]
+    mgr = CheckpointManager(d / "offloaded")
+    want = leaves(d / "stage3-offload.npz")
+    for options in ({"offload_optimizer": True, "offload_params": True}, {}):
+        opt = make(3, **options)
+        state = mgr.restore(opt, like=awkward_params())
+        assert int(state.step) == 10
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
+        assert kinds == ({"pinned_host"} if options else {"device"})
+        for a, b in zip(want, jax.tree.leaves(opt.full_params(state))):
+            np.testing.assert_array_equal(a, np.asarray(b))
 
 
 @pytest.mark.parametrize("dead", [1, 0])   # a worker; the coordinator's own process
