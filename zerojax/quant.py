@@ -56,8 +56,8 @@ benchmarks/README.md, "ZeRO++ quantization block size"):
   :data:`DEFAULT_BLOCK` = 2048 is the smallest block whose scales cost under 0.5% of
   the int4 payload (DeepSpeed's qwZ uses groups of about 4k-8k elements);
 * 200 Adam steps of a small GPT with a hand-written ZeRO-3 step: final loss (mean of
-  the last 20 steps) within +0.01% (int8 gradients) and +0.10% (int4 gradients) of
-  exact collectives, every step within 0.9%.
+  the last 20 steps) within 0.01% (int8 gradients) and 0.06% (int4 gradients) of
+  exact collectives, every step within 0.8%.
 """
 
 from __future__ import annotations
