@@ -49,6 +49,21 @@ def test_estimate_is_the_papers_formula(capsys):
     assert totals == [("0", "120.00"), ("1", "31.41"), ("2", "16.64"), ("3", "1.88")]
 
 
+def test_estimate_takes_the_optimizers_own_state(capsys):
+    """--optimizer: K from eval_shape of the optax optimizer's init (the same model as
+    estimate_memory(params, tx=...)): AdamW 8 bytes in fp32, 12 with bf16 params (the
+    master copy), SGD 0, Adafactor a fraction."""
+    def k(*argv):
+        code, out, _ = _exit_code(["estimate", "--params", "1B", *argv], capsys)
+        assert code == 0, out
+        return float(re.search(r"optimizer state ([\d.e-]+) \(GB", out).group(1))
+
+    assert k("--optimizer", "adamw", "--param-dtype", "fp32") == pytest.approx(8, abs=1e-6)
+    assert k("--optimizer", "adamw") == pytest.approx(12, abs=1e-6)
+    assert k("--optimizer", "sgd", "--param-dtype", "fp32") == 0
+    assert 0 < k("--optimizer", "adafactor", "--param-dtype", "fp32") < 0.5
+
+
 def test_estimate_activations_and_model_parallel(capsys):
     code, out, _ = _exit_code(
         ["estimate", "--layers", "48", "--hidden", "1600", "--seq", "1024", "--batch", "32",

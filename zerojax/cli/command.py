@@ -68,10 +68,12 @@ def _estimate(args: argparse.Namespace) -> int:
     if psi is None:  # 12 L H^2 in the blocks, V H in the embedding
         psi = 12 * args.layers * args.hidden**2 + args.vocab * args.hidden
     p, g, k = args.param_dtype, args.grad_dtype, args.optimizer_bytes
+    if args.optimizer is not None:
+        k = _optimizer_bytes(args, p)
     print(f"model state per device: Psi = {human_count(psi)} parameters ({psi:,}), "
           f"N = {args.devices} data-parallel devices"
           + (f", M = {args.mp} model-parallel" if args.mp > 1 else ""))
-    print(f"bytes per parameter: params {p}, gradients {g}, optimizer state {k} "
+    print(f"bytes per parameter: params {p}, gradients {g}, optimizer state {k:.4g} "
           f"(GB = 1e9 bytes, as the paper)\n")
     try:
         base = zerojax.estimate_memory(psi, args.devices, 0, param_bytes=p, grad_bytes=g,
@@ -90,6 +92,26 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.layers:
         _activations(args)
     return 0
+
+
+def _optimizer_bytes(args: argparse.Namespace, param_bytes: int) -> float:
+    """K from the optimizer's own state: ``jax.eval_shape`` of its ``init`` on a GPT of
+    --layers x --hidden (else 1 x 1024), bytes per parameter (its fp32 states, plus
+    the 4-byte master copy when the params are narrower than fp32)."""
+    from zerojax.analysis.memory import estimate_memory
+    from zerojax.analysis.plan import ModelShape, make_optimizer
+    from zerojax.analysis.report import gpt_param_shapes
+
+    layers, hidden = (args.layers, args.hidden) if args.layers else (1, 1024)
+    heads = next(h for h in (16, 8, 4, 2, 1) if hidden % h == 0)
+    params = gpt_param_shapes(ModelShape(layers, hidden, heads, args.vocab).config(args.seq))
+    psi = sum(x.size for x in __import__("jax").tree.leaves(params))
+    e = estimate_memory(params, 1, 0, tx=make_optimizer(args.optimizer))
+    k = (e.optimizer_state - 4) / psi + (4 if param_bytes < 4 else 0)
+    print(f"optimizer state from optax's {args.optimizer} (eval_shape of its init on a "
+          f"{layers} x {hidden} GPT): {k:.4g} bytes per parameter"
+          + (" incl. the fp32 master weights" if param_bytes < 4 else ""))
+    return k
 
 
 def _activations(args: argparse.Namespace) -> None:
@@ -376,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--stage", type=stage_choice, default="all",
                      help="ZeRO stage 0-3, or all")
     _bytes_arguments(est)
+    from zerojax.analysis.plan import OPTIMIZER_NAMES as _OPTIMIZERS
+
+    est.add_argument("--optimizer", choices=_OPTIMIZERS, default=None,
+                     help="derive --optimizer-bytes from this optax optimizer's own state "
+                          "(eval_shape of its init; Adafactor's factored moments are a "
+                          "fraction of a byte per parameter)")
     est.add_argument("--table1", action="store_true",
                      help="print the paper's Table 1 (7.5B, 128B, 1T at N = 1 ... 1024) "
                           "and nothing else")
