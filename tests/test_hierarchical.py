@@ -128,6 +128,7 @@ MODES = {
     "hsdp-stage1": dict(stage=1, replica_axis="replica"),
     "hsdp-stage2": dict(stage=2, replica_axis="replica"),
     "hsdp-stage3": dict(stage=3, replica_axis="replica"),
+    "hsdp-stage1-buckets": dict(stage=1, replica_axis="replica", bucket_size=256),
     "hpz": dict(stage=3, hpz=True),
     "hpz-buckets": dict(stage=3, hpz=True, bucket_size=256),
     # micro-batches reduced inside the node into the node's shard, then across nodes
