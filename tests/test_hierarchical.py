@@ -125,6 +125,9 @@ def _train(mesh_kind, accum_steps=1, **options):
 
 
 MODES = {
+    # plain ZeRO over ("replica", "data"): one collective over both axes
+    "plain-stage0": dict(stage=0),
+    "plain-stage2": dict(stage=2),
     "hsdp-stage1": dict(stage=1, replica_axis="replica"),
     "hsdp-stage2": dict(stage=2, replica_axis="replica"),
     "hsdp-stage3": dict(stage=3, replica_axis="replica"),
