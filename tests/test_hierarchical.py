@@ -326,6 +326,7 @@ def test_plain_checkpoint_restores_onto_hsdp_and_trains_the_same(tmp_path):
                         min_shard_size=16)
     with zerojax.CheckpointManager(tmp_path / "ckpt") as mgr:
         restored = mgr.restore(hsdp, like=params)
+        assert (mgr.meta()["replica"], mgr.meta()["data"]) == (2, 4)  # the mesh saved on
     assert int(restored.step) == 3
     assert restored.params["dense1"]["kernel"].sharding.spec == P(None, "data")
     step = hsdp.train_step(_loss)

@@ -88,13 +88,12 @@ def _paths(tree) -> dict:
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _data_size(state: TrainState) -> int:
+def _mesh_size(state: TrainState, name: str) -> int:
+    """The size of mesh axis ``name`` ("data", "replica") the state lives on (1: none)."""
     for x in jax.tree.leaves(state.params):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, NamedSharding):
-            for name in ("data",):
-                if name in sh.mesh.shape:
-                    return int(sh.mesh.shape[name])
+            return int(sh.mesh.shape.get(name, 1))
     return 1
 
 
@@ -597,7 +596,8 @@ class CheckpointManager:
             "format": FORMAT,
             "step": step,
             "processes": jax.process_count(),
-            "data": _data_size(state),
+            "data": _mesh_size(state, "data"),
+            "replica": _mesh_size(state, "replica"),
             "has_master": mixed,
             "has_loss_scale": state.loss_scale is not None,
             "optimizer_state": _state_kinds(inner_state),
@@ -865,6 +865,8 @@ def _check_tree(structs, meta: dict, directory: str, step: int) -> None:
     saved = meta["params"]
     mine = {k: tuple(x.shape) for k, x in _paths(structs).items()}
     n = int(meta["data"])
+    if int(meta.get("replica", 1)) > 1:
+        n = f"{n} x replica={int(meta['replica'])}"
     for k in sorted(set(saved) | set(mine)):
         if k not in mine:
             raise ValueError(f"checkpoint step {step} in {directory} has params leaf {k} "
