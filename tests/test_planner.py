@@ -349,13 +349,13 @@ def test_plan_model_returns_the_table_as_data():
 def test_the_8x80gb_answer_compiles_scaled_down():
     """zerojax plan --largest's search, scaled down (hidden 16 L, 16-wide heads, seq 64,
     vocab 256, 8 sequences per device, AdamW fp32, 8 devices of 6 MiB): the largest
-    model it answers at stages 1 and 3, compiled from shapes, fits (within the model's
+    model it answers at stage 3, compiled from shapes, fits (within the model's
     10%), and the next size up does not (benchmarks/memory_model.py --only scaled: every
     stage, seq 256, 64 MiB)."""
     from zerojax.analysis.plan import OPTION_SETS, make_optimizer, plan_model
 
     budget, seq, batch = 6 * 2**20, 64, 8
-    sets = tuple(o for o in OPTION_SETS if not o[2] and o[1] in (1, 3))
+    sets = tuple(o for o in OPTION_SETS if not o[2] and o[1] == 3)
     p = plan_model(None, devices=N, budget_bytes=budget, seq=seq, batch=batch,
                    optimizer="adamw", param_dtype="fp32", largest=True, width_per_layer=16,
                    head_dim=16, vocab=256, option_sets=sets)
@@ -375,3 +375,36 @@ def test_the_8x80gb_answer_compiles_scaled_down():
         # activation-heavy at this scale), and the next size up does not fit
         assert peaks[0] <= 1.1 * budget, (stage, shape.layers, peaks, budget)
         assert peaks[1] > budget, (stage, shape.layers, peaks, budget)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("mlp", None), ("gpt", jnp.bfloat16)],
+                         ids=["mlp-fp32", "gpt-seq4x-bf16"])
+def test_compiled_peak_within_10_percent_of_the_model(kind, dtype):
+    """Two cells of benchmarks/memory_model.py's grid (which has the whole table and
+    the cells outside 10%: bf16 at stages 1-3 on several shapes): the MLP (2 x 512,
+    fp32 Adam) and the scanned GPT at sequence 4x its width (2 x 64, seq 256, bf16
+    AdamW; stages 0 and 3 here, 1-2 in the benchmark: 1.002 and 0.982), compiled from
+    shapes."""
+    from zerojax.analysis.report import mlp_step_prediction
+    from zerojax.models import MLP
+    from zerojax.models.mlp import mse_loss
+
+    mesh = zerojax.make_mesh(data=N)
+    for stage in (range(4) if kind == "mlp" else (0, 3)):
+        if kind == "mlp":
+            tx, model = optax.adam(1e-3), MLP(features=512, layers=2)
+            params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 128)))
+            batch = (jax.ShapeDtypeStruct((256, 128), jnp.float32),
+                     jax.ShapeDtypeStruct((256, 1), jnp.float32))
+            compiled = compile_step(zerojax.zero(tx, mesh, stage=stage), mse_loss(model),
+                                    params["params"], batch)
+            predicted = mlp_step_prediction(512, 2, 128, N, stage, 256, tx=tx).peak
+        else:
+            tx = optax.adamw(1e-3)
+            cfg = GPTConfig(vocab=256, seq=256, layers=2, hidden=64, heads=4, dtype=dtype)
+            opt = zerojax.zero(tx, mesh, stage=stage, param_dtype=dtype)
+            compiled = compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
+                                    jax.ShapeDtypeStruct((16, 257), jnp.int32))
+            predicted = gpt_step_prediction(cfg, N, stage, 16, tx=tx, param_dtype=dtype).peak
+        ratio = memory_report(compiled).peak / predicted
+        assert 0.9 <= ratio <= 1.1, (kind, stage, ratio)
