@@ -196,9 +196,39 @@ def test_buckets_group_what_the_update_reads_together():
     # a norm over the gradients alone (device values) keeps the groups apart
     clip_first = optax.chain(optax.clip_by_global_norm(1.0), adam)
     assert len(_plan(clip_first, capacity=1)) == 3
-    # a norm over the whole update needs every leaf's state at once: one bucket
+    # a norm over the whole update: each bucket's sum of squares first (sweep 1), then
+    # the update scaled by the clip factor (sweep 2); the buckets stay one per param
     clip_after = optax.chain(adam, optax.clip_by_global_norm(1.0))
-    assert len(_plan(clip_after, capacity=1)) == 1
+    assert _plan(clip_after, capacity=1) == [[0, 4, 7], [1, 5, 8], [2, 6, 9]]
+    # an expression over two leaves' whole updates still needs both at once: b and c
+    # join (b's update plus c's, 128 elements each), a stays apart
+    def couple(updates, state, params=None):
+        return {**updates, "b": updates["b"] + updates["c"].reshape(-1)}, state
+
+    coupled = optax.chain(adam, optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                                             couple))
+    assert _plan(coupled, capacity=1) == [[0, 4, 7], [1, 2, 5, 6, 8, 9]]
+    # and a global norm of such joined updates, scaled back into them, still works
+    assert len(_plan(optax.chain(coupled, optax.clip_by_global_norm(1.0)), capacity=1)) == 2
+    # a norm of updates already scaled by a norm would need a third sweep: one bucket
+    twice = optax.chain(adam, optax.clip_by_global_norm(1.0), optax.clip_by_global_norm(0.5))
+    assert len(_plan(twice, capacity=1)) == 1
+
+
+def test_a_norm_of_the_whole_update_trains_exactly_in_two_bounded_sweeps(mesh):
+    # chain(adam, clip_by_global_norm) reads every leaf's new update for one scalar;
+    # a tight max_norm keeps the clipping active at every step
+    def tx():
+        return optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1e-3))
+
+    ref = reference_run(tx(), awkward_params(), awkward_loss, regression_batches(STEPS))
+    opt, state, step = _train(mesh, tx(), stage=3, bucket_size=512, offload_optimizer=True)
+    assert max_rel_err(ref, opt.full_params(state)) <= 2e-6
+    plain_opt, plain, _ = _train(mesh, tx(), stage=3)
+    assert max_rel_err(plain_opt.full_params(plain), opt.full_params(state)) <= 2e-6
+    text = str(jax.make_jaxpr(step.jitted)(state, step.place_batch(regression_batches(1)[0]),
+                                           None))
+    assert text.count("optimization_barrier") >= 4  # both sweeps ordered bucket by bucket
 
 
 def test_offloaded_step_moves_state_in_buckets_tied_in_order(mesh):

@@ -27,10 +27,10 @@ the whole state. Measured on one H100 (jax 0.11.2; GPT of 110M parameters, bf16
 params, fp32 Adam with master weights: 1.23 GiB offloaded; batch 8 x 512): the
 device's peak was 2.18 GiB without offload, 2.22 GiB with the whole state in one
 bucket and 1.40 GiB with buckets of 2**24 elements, at 16.7 / 67.1 / 66.7 ms a step
-(the state crosses PCIe twice a step). An optimizer that reads every leaf's state in
-one expression (``chain(adam, clip_by_global_norm)``: a norm of the whole update) is
-one group and so one bucket: unbounded; clipping the gradients first
-(``chain(clip_by_global_norm, adam)``, or ``max_grad_norm``) is not. On the CPU
+(the state crosses PCIe twice a step). An optimizer whose update needs a norm of the
+whole update (``chain(adam, clip_by_global_norm)``) takes two sweeps over the buckets,
+bounded as well, at twice the transfers (see :class:`_Plan`); clipping the gradients
+first (``chain(clip_by_global_norm, adam)``, or ``max_grad_norm``) takes one. On the CPU
 backend XLA ignores memory spaces: the moves compile to nothing, and the compiled
 program's temporaries are those of the step without offload; there the offload shows
 in the arguments (``compiled_memory(...).host_argument``), not in the temporaries.
@@ -122,9 +122,9 @@ def memory_kinds(tree: Any) -> set:
 # its equations run, its offloaded outputs go back to host memory, and bucket b's
 # inputs are tied (an optimization barrier) to bucket b-2's outputs having reached
 # host memory: the next bucket loads while the previous one computes, and at most
-# about two buckets of state are on the device at once. An equation that needs
-# several groups (a global norm of the updates) puts them in one bucket, so such an
-# optimizer is bounded by its largest group, not by the bucket size.
+# about two buckets of state are on the device at once. An equation that reads several
+# groups' large values puts them in one bucket; a global norm of the updates does not
+# (a cross value: two sweeps, see _Plan).
 
 def _inline(jaxpr, consts, in_refs, ops: list, counter: list) -> list:
     """Flatten ``jaxpr`` (nested ``jit`` calls inlined) into ``ops``: ``(eqn, ins,
@@ -176,13 +176,31 @@ def _trace(fn, operands: list, on_host: list):
     return ops, out_refs
 
 
+CROSS = "cross"  # the root of a small value computed from several groups' small values
+
+
 class _Plan:
     """Which offloaded operands go together (groups) and in which bucket each group
-    and each value of the traced update is."""
+    and each value of the traced update is.
+
+    Small values (below ``min_size`` elements: a leaf's sum of squares) made from
+    several groups do not join them: they are *cross* values (a global norm of the
+    update), computed once every group's part is. When a group's equations read a
+    cross value (the update scaled by a clip factor), the update takes two sweeps over
+    the buckets (``two_sweeps``): the first computes what the cross values need, bucket
+    by bucket, keeping only small values; the second computes everything. The state
+    crosses to the device twice then, and stays bounded by the bucket size. A cross
+    value whose inputs themselves need a cross value would need a third sweep: then the
+    groups join, as for any other expression that reads several groups' large values."""
 
     def __init__(self, ops, operands: list, on_host: list, capacity: int | None,
-                 min_size: int):
-        self.large = [h and _size(x) >= max(min_size, 2) for x, h in zip(operands, on_host)]
+                 min_size: int, allow_cross: bool = True):
+        small_size = max(min_size, 2)
+        self.large = [h and _size(x) >= small_size for x, h in zip(operands, on_host)]
+        size = {i: _size(x) for i, x in enumerate(operands)}
+        for eqn, _, outs in ops:
+            for o, v in zip(outs, eqn.outvars):
+                size[o] = _size(v.aval) if hasattr(v.aval, "shape") else 1
         parent = {i: i for i, big in enumerate(self.large) if big}
 
         def find(i):
@@ -191,17 +209,42 @@ class _Plan:
                 i = parent[i]
             return i
 
-        root: dict = {i: i for i in parent}  # ref -> an input of its group (None: none)
-        for _, ins, outs in ops:
+        def is_small(r):
+            return isinstance(r, tuple) or size.get(r, 1) < small_size
+
+        root: dict = {i: i for i in parent}  # ref -> an input of its group, None, CROSS
+        after_cross: set = set()  # group values computed from a cross value
+        self.cross_ops: set = set()  # indices of the ops computing cross values
+        self.reads_cross = False  # some group op reads a cross value: two sweeps
+        for k, (_, ins, outs) in enumerate(ops):
+            refs = [r for r in ins if not isinstance(r, tuple)]
+            grouped = [r for r in refs if root.get(r) not in (None, CROSS)]
+            uses_cross = any(root.get(r) == CROSS for r in refs)
+            tops = {find(root[r]) for r in grouped}
+            cross = allow_cross and (
+                ((len(tops) > 1 or uses_cross) and all(map(is_small, grouped))
+                 and all(map(is_small, outs)))
+                or (not tops and uses_cross))
+            if cross:
+                if any(r in after_cross for r in grouped):  # would need a third sweep
+                    self.__init__(ops, operands, on_host, capacity, min_size, False)
+                    return
+                self.cross_ops.add(k)
+                for o in outs:
+                    root[o] = CROSS
+                continue
             top = None
-            for r in {find(root[r]) for r in ins
-                      if not isinstance(r, tuple) and root.get(r) is not None}:
+            for r in tops:
                 if top is None:
                     top = r
                 elif r != top:
                     parent[r] = top
+            if uses_cross and top is not None:
+                self.reads_cross = True
             for o in outs:
                 root[o] = top
+                if top is not None and (uses_cross or any(r in after_cross for r in grouped)):
+                    after_cross.add(o)
         groups: dict = {}
         for i in parent:
             groups.setdefault(find(i), []).append(i)
@@ -209,21 +252,29 @@ class _Plan:
         self.buckets: list[list[int]] = []
         filled = 0
         for members in sorted(groups.values(), key=min):
-            size = sum(_size(operands[i]) for i in members)
-            if self.buckets and (capacity is None or filled + size <= capacity):
+            size_ = sum(_size(operands[i]) for i in members)
+            if self.buckets and (capacity is None or filled + size_ <= capacity):
                 self.buckets[-1].extend(members)
-                filled += size
+                filled += size_
             else:
                 self.buckets.append(list(members))
-                filled = size
+                filled = size_
         self._bucket = {find(i): b for b, members in enumerate(self.buckets) for i in members}
         self._root, self._find = root, find
+        self._size = size
+        self.small_size = small_size
 
-    def bucket(self, ref) -> int:
-        """The bucket a value belongs to; -1: it needs no offloaded group."""
+    def bucket(self, ref) -> int | str:
+        """The bucket a value belongs to; -1: it needs no offloaded group; CROSS: it is
+        computed from several buckets' small values."""
         if isinstance(ref, tuple) or self._root.get(ref) is None:
             return -1
+        if self._root[ref] == CROSS:
+            return CROSS
         return self._bucket[self._find(self._root[ref])]
+
+    def is_small(self, ref) -> bool:
+        return isinstance(ref, tuple) or self._size.get(ref, 1) < self.small_size
 
 
 def bucket_plan(fn, operands: list, on_host: list, capacity: int | None,
@@ -255,28 +306,61 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
     def read(r):
         return r[1] if isinstance(r, tuple) else env[r]
 
-    by_bucket: dict = {}
-    for op in ops:
-        by_bucket.setdefault(max((plan.bucket(o) for o in op[2]), default=-1), []).append(op)
-    landed: dict = {}  # bucket -> its outputs in host memory
-    result: dict = {}  # output position -> value
-    for b in range(-1, len(plan.buckets)):
-        if b >= 0:
-            members = sorted(plan.buckets[b])
-            ins = [operands[i] for i in members]
-            if b >= 2 and landed.get(b - 2):
-                ins, _ = jax.lax.optimization_barrier((ins, landed[b - 2]))
-            for i, x in zip(members, ins):
-                env[i] = to_device(x)
-        for eqn, ins, outs in by_bucket.get(b, []):
+    def run(some_ops):
+        for _, (eqn, ins, outs) in some_ops:
             for o, val in zip(outs, _bind(eqn, [read(r) for r in ins])):
                 env[o] = val
-        if b >= 0:
-            mine = [k for k, r in enumerate(out_refs)
-                    if out_to_host[k] and plan.bucket(r) == b]
-            moved = to_host([read(out_refs[k]) for k in mine])
-            result.update(zip(mine, moved))
-            landed[b] = moved
+
+    def load(b, tie):  # bucket b's offloaded inputs onto the device, after ``tie``
+        members = sorted(plan.buckets[b])
+        ins = [operands[i] for i in members]
+        if tie:
+            ins, _ = jax.lax.optimization_barrier((ins, tie))
+        for i, x in zip(members, ins):
+            env[i] = to_device(x)
+        return members
+
+    by_bucket: dict = {}
+    for k, op in enumerate(ops):
+        by_bucket.setdefault(plan.bucket(op[2][0]) if op[2] else -1, []).append((k, op))
+    run(by_bucket.get(-1, []))
+    cross_ops = by_bucket.get(CROSS, [])
+    tie0 = None
+    if plan.reads_cross:
+        # sweep 1: each bucket computes only what the cross values need, keeps its small
+        # values and drops the rest; then the cross values (a global norm)
+        need = {r for _, (_, ins, _) in cross_ops for r in ins if not isinstance(r, tuple)}
+        needed: set = set()
+        for k in range(len(ops) - 1, -1, -1):
+            _, ins, outs = ops[k]
+            if any(o in need for o in outs) and plan.bucket(outs[0]) not in (-1, CROSS):
+                needed.add(k)
+                need.update(r for r in ins if not isinstance(r, tuple))
+        kept: dict = {}
+        for b in range(len(plan.buckets)):
+            members = load(b, kept.get(b - 2))
+            mine = [(k, op) for k, op in by_bucket.get(b, []) if k in needed]
+            run(mine)
+            kept[b] = [env[o] for _, (_, _, outs) in mine for o in outs if plan.is_small(o)]
+            for _, (_, _, outs) in mine:  # recomputed in sweep 2: not kept alive
+                for o in outs:
+                    if not plan.is_small(o):
+                        env.pop(o, None)
+            for i in members:
+                env.pop(i)
+        run(cross_ops)
+        tie0 = [env[o] for _, (_, _, outs) in cross_ops for o in outs]
+    landed: dict = {}  # bucket -> its outputs in host memory
+    result: dict = {}  # output position -> value
+    for b in range(len(plan.buckets)):
+        load(b, landed.get(b - 2) if b >= 2 else tie0)
+        run(by_bucket.get(b, []))
+        mine = [k for k, r in enumerate(out_refs) if out_to_host[k] and plan.bucket(r) == b]
+        moved = to_host([read(out_refs[k]) for k in mine])
+        result.update(zip(mine, moved))
+        landed[b] = moved
+    if not plan.reads_cross:  # cross values only the outputs read (a norm reported)
+        run(cross_ops)
     for k, r in enumerate(out_refs):
         if k not in result:
             result[k] = to_host(read(r)) if out_to_host[k] else read(r)
