@@ -21,7 +21,7 @@ _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
 # imported on first use, so `import zerojax` stays light (no orbax, no launcher).
 _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat", "export",
                "config", "distributed", "mesh", "models", "offload", "optimizer", "partition",
-               "preemption", "schedule", "state", "step")
+               "preemption", "quant", "schedule", "state", "step")
 
 
 def __getattr__(name):
