@@ -6,7 +6,16 @@ each with a residual), a final LayerNorm and logits through the tied token
 embedding (``embed.attend``). The blocks are stacked the way MaxText stacks them:
 ``nn.scan`` over an ``nn.remat``'d block, so the parameters of all layers are
 stacked along a leading layer axis. Each block tags its input with
-``checkpoint_name(x, "layer_input")`` so activation-checkpoint policies can name it.
+``checkpoint_name(x, "layer_input")`` and its four projections' outputs with
+MaxText's names (``"qkv_proj"``, ``"out_proj"``, ``"mlpwi"``, ``"mlpwo"``) so
+activation-checkpoint policies can name them (``zerojax.zero(remat_policy=...)``).
+
+``GPTConfig(attention=...)`` picks how attention is computed: the explicit
+``softmax(q k^T / sqrt(d)) v`` with float32 scores (``"xla"``, the default), or
+``jax.nn.dot_product_attention`` (``"dot_product"``; ``"cudnn"`` for cuDNN's flash
+attention on a CUDA GPU; ``"auto"`` for cuDNN where it applies). They compute the same
+function: on the CPU, training under zerojax stages 0-3 with either agrees to float32
+rounding (tests/test_attention.py).
 
 The Megatron-LM layout (Shoeybi et al., arXiv:1909.08053) is carried as *sharding
 metadata only* (``nn.with_partitioning``); the model code has no collectives:
@@ -68,6 +77,16 @@ class GPTConfig:
     (``jax.lax.with_sharding_constraint``), as MaxText's logical activation constraints
     do; e.g. ``NamedSharding(mesh, P("data"))`` keeps the batch split when params are
     sharded by ``NamedSharding`` alone and the compiler partitions the step.
+    attention: how the causal self-attention is computed (see :data:`ATTENTIONS` and
+    :func:`resolve_attention`): ``"xla"`` (default) the explicit ``softmax(q k^T /
+    sqrt(d))`` with float32 scores, as the model always did; ``"dot_product"``
+    ``jax.nn.dot_product_attention(..., implementation=None)`` (XLA's fused
+    attention; on jax 0.10-0.12 this is XLA's implementation on every backend);
+    ``"cudnn"`` the same with ``implementation="cudnn"`` (cuDNN flash attention:
+    CUDA GPUs only, ``dtype`` bfloat16 or float16, head_dim a multiple of 8 and at
+    most 128); ``"auto"`` ``"cudnn"`` where it applies (a CUDA GPU, bf16/fp16 compute,
+    such a head_dim), ``"dot_product"`` on other GPUs or shapes, and ``"xla"`` on the
+    CPU and TPU, resolved when the model is traced. All compute the same function.
     """
 
     vocab: int = 256
@@ -80,6 +99,7 @@ class GPTConfig:
     remat: bool = True
     scan: bool = True
     activation_sharding: Any = None
+    attention: str = "xla"
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
@@ -103,6 +123,16 @@ class GPTConfig:
         for name in ("remat", "scan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"GPTConfig.attention must be one of {ATTENTIONS}, got "
+                             f"{self.attention!r}")
+        if self.attention == "cudnn" and dtype not in _CUDNN_DTYPES:
+            raise ValueError(f"GPTConfig.attention='cudnn' (cuDNN flash attention) needs "
+                             f"dtype bfloat16 or float16, got {dtype}; use "
+                             f"attention='dot_product' or 'auto' for {dtype}")
+        if self.attention == "cudnn" and not _cudnn_head_dim(self.head_dim):
+            raise ValueError(f"GPTConfig.attention='cudnn' needs head_dim = hidden / heads "
+                             f"a multiple of 8 and at most 128, got {self.head_dim}")
         sharding = self.activation_sharding
         if sharding is not None and not isinstance(
                 sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
@@ -118,6 +148,50 @@ class GPTConfig:
     @property
     def mlp_hidden(self) -> int:
         return self.mlp_ratio * self.hidden
+
+
+ATTENTIONS = ("xla", "dot_product", "cudnn", "auto")
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# activations named with checkpoint_name for remat policies (MaxText's names)
+QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
+
+
+def _cudnn_head_dim(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= 128
+
+
+def _on_cuda(backend: str | None = None) -> bool:
+    """Whether ``backend`` (default: jax's default backend) is a CUDA GPU."""
+    backend = backend or jax.default_backend()
+    if backend == "cuda":
+        return True
+    if backend != "gpu":
+        return False
+    try:
+        return "rocm" not in jax.devices("gpu")[0].client.platform_version.lower()
+    except Exception:  # noqa: BLE001 (no client to ask: assume CUDA, jax's usual GPU)
+        return True
+
+
+def resolve_attention(config: "GPTConfig", backend: str | None = None) -> str:
+    """The attention ``config`` computes on ``backend`` (default: jax's default
+    backend): ``config.attention`` with ``"auto"`` resolved (``"cudnn"`` on a CUDA GPU
+    with bf16/fp16 compute and a head_dim cuDNN takes, ``"dot_product"`` on another GPU
+    or shape, ``"xla"`` elsewhere). ``"cudnn"`` off a CUDA GPU is a ValueError."""
+    choice = config.attention
+    cuda = _on_cuda(backend)
+    if choice == "auto":
+        if not cuda and (backend or jax.default_backend()) != "gpu":
+            return "xla"
+        cudnn_ok = (cuda and jnp.dtype(config.dtype) in _CUDNN_DTYPES
+                    and _cudnn_head_dim(config.head_dim))
+        return "cudnn" if cudnn_ok else "dot_product"
+    if choice == "cudnn" and not cuda:
+        raise ValueError(
+            f"GPTConfig.attention='cudnn' (cuDNN flash attention) runs on CUDA GPUs only; "
+            f"the backend is {backend or jax.default_backend()!r}. Use attention='auto' "
+            f"(cuDNN on a GPU, the explicit attention elsewhere) or 'dot_product'")
+    return choice
 
 
 def _init(names: tuple, init=None):
@@ -163,21 +237,30 @@ class Block(nn.Module):
         # Causal self-attention. QKV outputs ordered (heads, 3, head_dim): column-parallel.
         h = _layer_norm(cfg, "ln_1")(x).astype(cfg.dtype)
         qkv = _dense(cfg, 3 * cfg.hidden, (None, "model"), ("model",), "qkv")(h)
-        qkv = qkv.reshape(b, t, cfg.heads, 3, cfg.head_dim)
+        qkv = checkpoint_name(qkv, QKV_PROJ).reshape(b, t, cfg.heads, 3, cfg.head_dim)
         q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]  # (b, t, heads, hd)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.hidden)
-        x = x + _dense(cfg, cfg.hidden, ("model", None), (None,), "attn_out", out_std)(att)
+        impl = resolve_attention(cfg)
+        if impl == "xla":  # the explicit attention: float32 scores, softmax, weighted sum
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+            scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
+            causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+            scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+            att = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        else:  # fused: XLA's (dot_product) or cuDNN flash attention (cudnn)
+            att = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True,
+                implementation="cudnn" if impl == "cudnn" else None)
+        att = att.reshape(b, t, cfg.hidden)
+        att = _dense(cfg, cfg.hidden, ("model", None), (None,), "attn_out", out_std)(att)
+        x = x + checkpoint_name(att, OUT_PROJ)
 
         # MLP: column-parallel in, row-parallel out.
         h = _layer_norm(cfg, "ln_2")(x).astype(cfg.dtype)
         h = _dense(cfg, cfg.mlp_hidden, (None, "model"), ("model",), "mlp_in")(h)
-        h = nn.gelu(h)
-        x = x + _dense(cfg, cfg.hidden, ("model", None), (None,), "mlp_out", out_std)(h)
+        h = nn.gelu(checkpoint_name(h, MLP_IN))
+        h = _dense(cfg, cfg.hidden, ("model", None), (None,), "mlp_out", out_std)(h)
+        x = x + checkpoint_name(h, MLP_OUT)
         return _constrain(cfg, x), None
 
 
