@@ -171,7 +171,10 @@ def test_plan_answers_the_question_in_one_command(capsys):
                               out, re.M))
     assert set(largest) >= {"stage 0", "stage 1", "stage 2", "stage 3"}, out
     sizes = [float(largest[f"stage {s}"][:-1]) for s in range(4)]
-    assert sizes == sorted(sizes) and largest["stage 3"].endswith("B"), largest
+    # stage 0 fits the least, stage 3 the most (stage 2 may fit less than stage 1 in
+    # bf16: its whole-stack fp32 cotangent)
+    assert sizes[0] == min(sizes) and sizes[3] == max(sizes), largest
+    assert all(v.endswith("B") for v in largest.values()), largest
     assert "recommendation: " in out and "not counted:" in out
     code, out, _ = _exit_code(["plan", "--devices", "8", "--memory", "80GB", "--model",
                                "llama-7b", "--gpus-per-node", "8"], capsys)
