@@ -9,6 +9,18 @@ A flax model marks the input of each layer with
                     backward pass needs is kept (fastest, most memory);
 ``"full"``          save nothing inside a layer; only its inputs are kept;
 ``"layer_inputs"``  save the tensors named ``"layer_input"`` (and the layer inputs);
+``"dots"``          save the outputs of the matmuls without batch dimensions (the
+                    projections: QKV, attention out, MLP in and out; not the attention
+                    scores, whose einsums batch over heads):
+                    ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``,
+                    MaxText's ``"minimal"``; only the elementwise ops, LayerNorms
+                    and attention are recomputed;
+``"qkv_proj"``      save the QKV projection's output (named ``"qkv_proj"`` by the
+                    reference GPT; MaxText's ``"save_qkv_proj"``);
+``"projections"``   save the four projections' outputs by name (``"qkv_proj"``,
+                    ``"out_proj"``, ``"mlpwi"``, ``"mlpwo"``:
+                    ``save_only_these_names``); the same tensors as ``"dots"`` on the
+                    reference GPT, found by name, so a model's other matmuls are not;
 ``"partitioned"``   Pa: the layer input kept for the backward pass is stored split
                     1/M over the ``model`` axis (M = model degree, along its first
                     dimension divisible by M, the batch) and all-gathered right
@@ -34,7 +46,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 LAYER_INPUT = "layer_input"
-REMAT_POLICIES = ("none", "full", "layer_inputs", "partitioned", "partitioned_host")
+REMAT_POLICIES = ("none", "full", "layer_inputs", "partitioned", "partitioned_host", "dots",
+                  "qkv_proj", "projections")
+# the names the reference GPT gives its projections' outputs (MaxText's)
+PROJECTIONS = ("qkv_proj", "out_proj", "mlpwi", "mlpwo")
 PA_POLICIES = ("partitioned", "partitioned_host")  # the ones that split layer inputs
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
@@ -44,6 +59,12 @@ def checkpoint_policy(name: str):
     """The ``jax.checkpoint`` policy of a ``remat_policy`` name (not ``"none"``)."""
     if name == "layer_inputs":
         return jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if name == "qkv_proj":
+        return jax.checkpoint_policies.save_only_these_names("qkv_proj")
+    if name == "projections":
+        return jax.checkpoint_policies.save_only_these_names(*PROJECTIONS)
     return jax.checkpoint_policies.nothing_saveable
 
 

@@ -56,6 +56,8 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from zerojax.activations import checkpoint_policy
+
 _INIT_STD = 0.02
 
 
@@ -87,6 +89,11 @@ class GPTConfig:
     most 128); ``"auto"`` ``"cudnn"`` where it applies (a CUDA GPU, bf16/fp16 compute,
     such a head_dim), ``"dot_product"`` on other GPUs or shapes, and ``"xla"`` on the
     CPU and TPU, resolved when the model is traced. All compute the same function.
+    remat_policy: what each rematerialised block keeps for the backward pass (with
+    ``remat=True``): a name of :data:`MODEL_REMAT_POLICIES` (see
+    :mod:`zerojax.activations`): ``"full"`` (default) nothing, ``"dots"`` the matmul
+    outputs, ``"projections"`` / ``"qkv_proj"`` the named projections,
+    ``"layer_inputs"``. ``zerojax.zero(remat_policy=...)`` overrides it in the step.
     """
 
     vocab: int = 256
@@ -100,6 +107,7 @@ class GPTConfig:
     scan: bool = True
     activation_sharding: Any = None
     attention: str = "xla"
+    remat_policy: str = "full"
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
@@ -123,6 +131,9 @@ class GPTConfig:
         for name in ("remat", "scan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.remat_policy not in MODEL_REMAT_POLICIES:
+            raise ValueError(f"GPTConfig.remat_policy must be one of {MODEL_REMAT_POLICIES}, "
+                             f"got {self.remat_policy!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"GPTConfig.attention must be one of {ATTENTIONS}, got "
                              f"{self.attention!r}")
@@ -151,6 +162,7 @@ class GPTConfig:
 
 
 ATTENTIONS = ("xla", "dot_product", "cudnn", "auto")
+MODEL_REMAT_POLICIES = ("full", "layer_inputs", "dots", "qkv_proj", "projections")
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # activations named with checkpoint_name for remat policies (MaxText's names)
 QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
@@ -283,13 +295,14 @@ class GPT(nn.Module):
         pos = self.param("pos_embed", _init((None, None)), (cfg.seq, cfg.hidden), jnp.float32)
         x = _constrain(cfg, embed(tokens) + pos[:t].astype(cfg.dtype))
 
+        policy = None if cfg.remat_policy == "full" else checkpoint_policy(cfg.remat_policy)
         if cfg.scan:
-            block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+            block = nn.remat(Block, prevent_cse=False, policy=policy) if cfg.remat else Block
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=cfg.layers, metadata_params={nn.PARTITION_NAME: None})
             x, _ = stack(cfg, name="blocks")(x, None)
         else:
-            block = nn.remat(Block) if cfg.remat else Block
+            block = nn.remat(Block, policy=policy) if cfg.remat else Block
             for i in range(cfg.layers):
                 x, _ = block(cfg, name=f"blocks_{i}")(x, None)
 
