@@ -172,6 +172,15 @@ def test_predicted_bytes_follow_the_options():
         state = zerojax.zero(tx, mesh, stage=stage).init_state(p, model_specs=specs)
         e = estimate_memory(p, 4, stage, tx=tx, mp=2, model_specs=specs)
         assert e.state == zerojax.analysis.device_bytes(state, memory_kind=None), stage
+    # HSDP (replica_axis): the stage's bytes with N = the data axis; hpZ: optimizer
+    # state over replica x data, the params' secondary copy over data
+    mesh = zerojax.make_mesh(replica=2, data=4)
+    for kw, est in ((dict(stage=3, replica_axis="replica"), {}),
+                    (dict(stage=3, hpz=True), dict(replicas=2)),
+                    (dict(stage=3, hpz=True, param_dtype=jnp.bfloat16), dict(replicas=2))):
+        state = zerojax.zero(tx, mesh, **kw).init_state(params)
+        e = estimate_memory(params, 4, tx=tx, **kw, **est)
+        assert e.state == zerojax.analysis.device_bytes(state, memory_kind=None), kw
     with pytest.raises(TypeError, match="needs tx="):
         estimate_memory(params, N, 1)
     with pytest.raises(TypeError, match="need the params"):

@@ -186,7 +186,8 @@ def _leaf_bytes(shape: tuple, dtype: Any, model: tuple, mp: int) -> int:
 
 
 def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any = None,
-                mp: int = 1, model_specs: Any = None, **options: Any) -> MemoryEstimate:
+                mp: int = 1, model_specs: Any = None, replicas: int = 1,
+                **options: Any) -> MemoryEstimate:
     """Per-device model-state bytes of ``zero(tx, mesh, stage=stage, param_dtype=...,
     **options)`` for ``params`` (arrays or ``ShapeDtypeStruct``s), on a mesh with
     ``data`` = ``dp`` and ``model`` = ``mp``; nothing is allocated.
@@ -205,6 +206,9 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
       at stages 0-1, the data shard at stages 2-3.
     * ``offload_optimizer`` / ``offload_params``: those parts are counted in
       ``host_optimizer_state`` / ``host_params`` instead (0 on the device).
+    * HSDP (``replica_axis=``): the stage's bytes with ``dp`` = the data axis D.
+      hpZ (``hpz=True, replicas=R``): optimizer state, master weights and gradients
+      over R x D devices, the params (the secondary copy) over D.
     """
     import jax
     import jax.numpy as jnp
@@ -233,22 +237,33 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     if model_specs is not None and mp == 1:  # splits over a size-1 axis split nothing
         model_specs = jax.tree.map(lambda s: P(*(None,) * len(tuple(s))), model_specs,
                                    is_leaf=lambda x: isinstance(x, P))
+    replicas = _count("replicas", replicas, minimum=1, hint="the size of the replica axis")
+    if replicas > 1 and not cfg.hpz:
+        raise ValueError(
+            "replicas= is hpZ's (hpz=True: optimizer state over replicas x dp devices, "
+            "params over dp). HSDP (replica_axis=...) holds the stage's bytes with N = the "
+            "data axis: pass dp = D; plain ZeRO over replica x data: pass dp = R x D")
     axis, n, small = cfg.data_axis, dp, cfg.min_shard_size
     lays = part.layouts(structs, n, small, axis, model_specs)
+    # hpZ: the optimizer state (and master weights) split over every replica x data
+    # device, the params (the secondary copy) over data only
+    n_opt = n * replicas
+    opt_lays_of = part.layouts(structs, n_opt, small, axis, model_specs) if replicas > 1 else lays
     opt_shapes = jax.eval_shape(tx.init, structs)
     if cfg.param_dtype is not None:
         opt_shapes = MasterState(structs, opt_shapes)
-    opt_lays = part.opt_state_layouts(opt_shapes, lays, n, small, stage, axis)
+    opt_lays = part.opt_state_layouts(opt_shapes, opt_lays_of, n_opt, small, stage, axis)
     is_lay = part.is_layout
 
-    def held(lay, split: bool, dtype) -> int:
+    def held(lay, split: bool, dtype, n=n) -> int:
         shape = lay.shard_shape(n) if split and lay.dim is not None else lay.shape
         return _leaf_bytes(shape, dtype, lay.model, mp)
 
     compute = lambda lay: cfg.param_dtype if cfg.param_dtype is not None else lay.dtype  # noqa: E731
+    # (hpZ's secondary copy: the R x D layout's padded leaf, split D ways)
     p_bytes = sum(held(lay, stage == 3, compute(lay))
-                  for lay in jax.tree.leaves(lays, is_leaf=is_lay))
-    opt = sum(held(lay, stage >= 1, lay.dtype)
+                  for lay in jax.tree.leaves(opt_lays_of, is_leaf=is_lay))
+    opt = sum(held(lay, stage >= 1, lay.dtype, n_opt)
               for lay in jax.tree.leaves(opt_lays, is_leaf=is_lay))
     # the step counter and the loss scale (scale, good steps, hysteresis) stay on device
     bookkeeping = 4 + (12 if cfg.loss_scale is not None else 0)
@@ -257,8 +272,8 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
         dt = jnp.dtype(lay.dtype)  # (the master's with param_dtype: reduced in it too)
         return jnp.promote_types(dt, jnp.float32) if cfg.accum_steps > 1 else dt
 
-    g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay))
-                  for lay in jax.tree.leaves(lays, is_leaf=is_lay))
+    g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay), n_opt)
+                  for lay in jax.tree.leaves(opt_lays_of, is_leaf=is_lay))
     host_p = p_bytes if cfg.offload_params else 0
     host_o = opt if cfg.offload_optimizer else 0
     return MemoryEstimate(p_bytes - host_p, g_bytes, opt - host_o + bookkeeping, host_p, host_o)
