@@ -456,7 +456,7 @@ NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buff
                "allocator fragmentation, the framework's own reserve (use --reserve). "
                "Checked against compiled steps (benchmarks/memory_model.py): fp32 within "
                "10% on 29 of 36 cells (0.86-1.16); with bf16 params, stages 1-3 where model "
-               "states dominate hold up to 1.7x the prediction (whole-leaf fp32 conversions "
+               "states dominate hold up to 1.4x the prediction (whole-leaf fp32 conversions "
                "the model leaves out)")
 
 

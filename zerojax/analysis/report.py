@@ -364,7 +364,8 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     layers of width ``features`` on inputs of ``d_in``, a head of ``out``) on
     ``global_batch`` rows, trained by ``zero(tx, mesh, stage=stage, ...)``. Activations:
     the input and each layer's tanh output (what its backward reads), ``b (d_in + L f)``
-    values in the compute dtype, plus the head's output; written-out layers."""
+    values, plus the head's output, in float32 (flax promotes the bf16 params to the
+    float32 inputs' dtype); written-out layers."""
     import optax
 
     from zerojax.models import MLP
@@ -378,7 +379,10 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     compute = jnp.dtype(param_dtype if param_dtype is not None else jnp.float32).itemsize
     reduce = options.get("reduce_dtype")
     grad = jnp.dtype(reduce).itemsize if reduce is not None else 4
-    acts = b * (d_in + layers * features + out) * compute
+    # flax's Dense computes in the promotion of its input (float32 here) and its params:
+    # a bf16 MLP on float32 inputs keeps float32 activations
+    act = jnp.promote_types(jnp.float32, param_dtype or jnp.float32).itemsize
+    acts = b * (d_in + layers * features + out) * act
     return predict_step_memory(psi, dp, stage, layer_params=features * features + features,
                                scanned=False, hidden=features, batch=b, seq=1,
                                layers=layers, param_bytes=compute, grad_bytes=grad,
