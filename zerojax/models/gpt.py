@@ -185,7 +185,7 @@ def _on_cuda(backend: str | None = None) -> bool:
         return True
 
 
-def resolve_attention(config: "GPTConfig", backend: str | None = None) -> str:
+def resolve_attention(config: GPTConfig, backend: str | None = None) -> str:
     """The attention ``config`` computes on ``backend`` (default: jax's default
     backend): ``config.attention`` with ``"auto"`` resolved (``"cudnn"`` on a CUDA GPU
     with bf16/fp16 compute and a head_dim cuDNN takes, ``"dot_product"`` on another GPU
