@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--heads", type=int, default=4,
                    help="attention heads (divide --hidden; a multiple of --model)")
     g.add_argument("--seq", type=int, default=64, help="characters the model reads at once")
+    g.add_argument("--attention", default="auto", choices=["auto", "xla", "dot_product"],
+                   help="GPTConfig.attention: xla is the explicit softmax(QK^T) attention, "
+                        "dot_product jax.nn.dot_product_attention (fused); auto is "
+                        "dot_product on a GPU, xla on the CPU (the demo computes in "
+                        "float32, which cuDNN's flash attention does not take)")
     g.add_argument("--batch", type=int, default=32,
                    help="global batch in sequences (a multiple of the data degree)")
     g.add_argument("--lr", type=float, default=5e-3,
@@ -488,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
     mesh = zerojax.make_mesh(data=n, model=m, devices=jax.devices()[:n * m])
     model = GPT(GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
-                          heads=args.heads))
+                          heads=args.heads, attention=args.attention))
     params = gpt_params(model, args.seed)
     # The Megatron layout only with a model axis to split over: on model=1 its specs
     # would only keep ZeRO off the dimensions they name.
