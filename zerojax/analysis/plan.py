@@ -455,9 +455,8 @@ OPTION_SETS = (
 NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buffers), "
                "allocator fragmentation, the framework's own reserve (use --reserve). "
                "Checked against compiled steps (benchmarks/memory_model.py): fp32 within "
-               "10% on 29 of 36 cells (0.86-1.16); with bf16 params, stages 1-3 where model "
-               "states dominate hold up to 1.4x the prediction (whole-leaf fp32 conversions "
-               "the model leaves out)")
+               "10% on 29 of 36 cells (0.86-1.16), bf16 on 25 of 36 (0.86-1.39: where model "
+               "states dominate, whole-leaf fp32 conversions the model leaves out)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,7 +541,7 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     states = estimate_memory(gpt_param_shapes(config), devices, stage, tx=tx,
                              param_dtype=param_dtype, **opts)
     step = gpt_step_prediction(config, devices, stage, batch * devices, tx=tx,
-                               param_dtype=param_dtype, **opts)
+                               param_dtype=param_dtype, platform="gpu", **opts)
     compute = jnp.dtype(param_dtype or jnp.float32).itemsize
     psi = shape.num_params(seq)
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute)

@@ -111,7 +111,8 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
                         batch_bytes: int = 0, states: int | None = None,
                         softmax_bytes: int = 4, accum_steps: int = 1,
                         activations: int | None = None,
-                        mixed_stack: int = 0) -> StepPrediction:
+                        mixed_stack: int = 0,
+                        intermediate_bytes: int | None = None) -> StepPrediction:
     """Per-device peak bytes of a zerojax train step (donated state) on a GPT-like model.
 
     Psi = ``num_params``, Psi_l = ``layer_params`` (one block), N = ``dp``; P, G, K
@@ -139,6 +140,10 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
       values for ``heads`` = a (``3 a s^2 b L`` without ``remat``), and the logits,
       their softmax and gradient, ``3 b s V`` values; these two are float32 in the
       reference GPT whatever its compute dtype (``softmax_bytes``, default 4);
+    * ``intermediate_bytes``: bytes per value of a layer's internal activations (the
+      12 h b s) when they differ from ``activation_bytes``: XLA:CPU computes bf16
+      elementwise ops in float32 (its float normalization), so on CPU a bf16 layer's
+      intermediates are float32 buffers (4); a GPU keeps them in bf16;
     * ``activations`` (bytes), when given, replaces that estimate (a model that is not
       GPT-like: :func:`mlp_step_prediction`);
     * ``mixed_stack``: stage 2 with ``param_dtype`` on a scanned stack of this many
@@ -178,6 +183,9 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     else:
         acts = estimate_activations(hidden, batch, seq, layers,
                                     bytes_per_value=activation_bytes, checkpointing=remat)
+        if intermediate_bytes is not None:  # the 12 h b s of each live layer's internals
+            acts += (12 * hidden * batch * seq * (1 if remat else layers)
+                     * (intermediate_bytes - activation_bytes))
         scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
         acts += (scores + 3 * batch * seq * vocab) * softmax_bytes
     if mixed_stack and stage == 2:
@@ -315,7 +323,7 @@ def gpt_param_shapes(config, dtype: Any = jnp.float32) -> dict:
 
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                         prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
-                        **options: Any) -> StepPrediction:
+                        platform: str | None = None, **options: Any) -> StepPrediction:
     """:func:`predict_step_memory` for a zerojax reference ``GPTConfig`` on
     ``global_batch`` sequences of ``config.seq`` tokens, trained by ``zero(tx, mesh,
     stage=stage, param_dtype=param_dtype, **options)`` (default: fp32 Adam). The
@@ -323,7 +331,10 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     shapes with ``tx`` (what ``init_state`` places, offloaded parts excluded);
     activations are in the compute dtype (``param_dtype``, else ``config.dtype``), the
     attention softmax and logits in float32, gradients in ``reduce_dtype`` or the
-    params' own float32 (the step reduces them in the master's dtype)."""
+    params' own float32 (the step reduces them in the master's dtype). ``platform``
+    (default: ``jax.default_backend()``; the planner says ``"gpu"``): on ``"cpu"`` a
+    bf16/fp16 layer's internal activations are counted in float32, as XLA:CPU holds
+    them."""
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
@@ -346,6 +357,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
         bucket = options.get("bucket_size") or 2**24
         per_element = 3 * 4 + compute  # fp32 state in, fp32 out, the new compute copy
         working = 2 * min(bucket, math.ceil(psi / dp)) * per_element
+    platform = jax.default_backend() if platform is None else platform
+    inter = 4 if platform == "cpu" and compute < 4 else None
     return predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=config.remat, prefetch=prefetch,
@@ -354,7 +367,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                param_bytes=compute, grad_bytes=grad,
                                activation_bytes=compute, accum_steps=accum,
                                mixed_stack=L * layer if param_dtype is not None
-                               and config.scan else 0)
+                               and config.scan else 0, intermediate_bytes=inter)
 
 
 def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: int,
