@@ -201,6 +201,23 @@ def test_train_small_run_all_stages_agree(tmp_path, capsys):
     assert len({r[2] for r in rows}) == 1  # the same final loss
 
 
+def test_train_with_memory_in_a_fresh_process():
+    """--memory SIZE: the plan check runs before jax starts, so the simulated devices
+    still apply (a check that started jax first would leave 1 device)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "train", "--memory", "1GB", "--steps", "1",
+         "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "8",
+         "--corpus-mb", "0.2", "--png", "", "--sample", "0", "--no-summary",
+         "--no-progress"], capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    small = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "train", "--memory", "1MB", "--steps", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert small.returncode == 2 and len(small.stderr.strip().splitlines()) == 1
+    assert "more than the 0.95 MiB each device has (--memory)" in small.stderr
+
+
 def test_train_on_a_data_by_model_mesh(capsys):
     code, out, _ = _exit_code(
         ["train", "--data", "4", "--model", "2", "--steps", "2", "--layers", "1",

@@ -283,6 +283,9 @@ def _check_train_plan(args: argparse.Namespace) -> None:
     from zerojax.analysis.report import gpt_step_prediction
     from zerojax.cli.demo import make_optimizer
 
+    from zerojax.cli import demo
+
+    demo.simulate_devices(args.devices)  # before anything starts jax's backend
     budget, source = _device_memory(args)
     if not budget:
         return
