@@ -12,12 +12,14 @@ Volumes, per device, in elements of the full tensor (the paper's convention):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from zerojax import quant
 from zerojax.partition import LeafLayout
 
 
@@ -199,38 +201,106 @@ def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None) -> list:
 # nowhere else.
 
 
-def param_gather(shards: list, dims: list[int], axis, bucket_size: int | None) -> list:
+def param_gather(shards: list, dims: list[int], axis, bucket_size: int | None,
+                 bits: int | None = None) -> list:
     """The all-gather of partitioned parameters before their use (stage 3): the whole
-    leaves (padded) from this device's shards over ``axis`` (a mesh axis or a tuple)."""
+    leaves (padded) from this device's shards over ``axis`` (a mesh axis or a tuple).
+
+    ``bits`` (ZeRO++ qwZ, ``quantize_weights``): each shard travels as int8 blocks plus
+    float32 scales and is dequantized on arrival (:func:`zerojax.quant.
+    quantized_all_gather`; one collective per leaf, no buckets). None: exact."""
+    if bits is not None:
+        return [quant.quantized_all_gather(_nan_to_inf(s), axis, bits=bits, axis=d, tiled=True)
+                for s, d in zip(shards, dims)]
     return gather_buckets(shards, dims, axis, bucket_size)
 
 
-def grad_reduce_scatter(xs: list, dims: list[int], axis, bucket_size: int | None) -> list:
+def grad_reduce_scatter(xs: list, dims: list[int], axis, bucket_size: int | None,
+                        bits: int | None = None) -> list:
     """The reduce-scatter of whole (padded) gradients into this device's shards over
-    ``axis`` (stages 1-3; with a replica axis, the first level: inside the node)."""
+    ``axis`` (stages 1-3; with a replica axis, the first level: inside the node).
+
+    ``bits`` (ZeRO++ qgZ, ``quantize_gradients``): an all-to-all of int8 (or packed
+    int4) blocks plus float32 scales, summed in float32 after dequantization
+    (:func:`zerojax.quant.quantized_reduce_scatter`; hierarchical, inner axis first,
+    when ``axis`` is a tuple such as ``("replica", "data")``). None: exact."""
+    if bits is not None:
+        return [_quantized_reduce_scatter(x, d, axis, bits) for x, d in zip(xs, dims)]
     return reduce_scatter_buckets(xs, dims, axis, bucket_size)
 
 
+def _nan_to_inf(x: jax.Array) -> jax.Array:
+    """``x`` with NaN replaced by inf, before a quantization: XLA CPU's vectorised max
+    drops NaN (measured, jax 0.10.2: ``max(|x|)`` over a 2048-element row holding a NaN
+    is finite), so a NaN block would get a finite scale and come back finite, hiding
+    an overflow from the loss scaler; inf survives the max, its block gets an inf
+    scale and dequantizes to NaN. Non-finite stays non-finite, finite is unchanged."""
+    return jnp.where(jnp.isnan(x), jnp.asarray(jnp.inf, x.dtype), x)
+
+
+def _quantized_reduce_scatter(x: jax.Array, dim: int, axis, bits: int) -> jax.Array:
+    """qgZ: :func:`zerojax.quant.quantized_reduce_scatter` of ``x`` along ``dim``, one
+    level per mesh axis, innermost first (a tuple ``(outer, inner)`` such as
+    ``("replica", "data")``: the same placement as ``psum_scatter`` over it), each
+    level's input cleared of NaN (:func:`_nan_to_inf`; the partial sums of the first
+    level are dequantized, so they hold NaN where a block overflowed)."""
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    if len(axes) == 1:
+        return quant.quantized_reduce_scatter(_nan_to_inf(x), axes[0], bits=bits,
+                                              scatter_dimension=dim)
+    # (outer..., inner): reduce over inner first. Row block (o, i) of the moved tensor
+    # goes to device (o, i); reorder to (i, o) so that the inner reduce-scatter hands
+    # device i the blocks (o, i) of every o, in o order, for the outer levels.
+    *outer, inner = axes
+    n_out = math.prod(jax.lax.axis_size(a) for a in outer)
+    n_in = jax.lax.axis_size(inner)
+    moved = jnp.moveaxis(x, dim, 0)
+    rest = moved.shape[1:]
+    c = moved.shape[0] // (n_out * n_in)
+    y = moved.reshape(n_out, n_in, c, *rest).swapaxes(0, 1).reshape(n_in * n_out * c, *rest)
+    y = quant.quantized_reduce_scatter(_nan_to_inf(y), inner, bits=bits, scatter_dimension=0)
+    y = _quantized_reduce_scatter(y, 0, tuple(outer), bits)
+    return jnp.moveaxis(y, 0, dim)
+
+
+def _quantized_all_reduce(x: jax.Array, axis: str, bits: int) -> jax.Array:
+    """qgZ's version of an all-reduce: a quantized reduce-scatter of the flattened
+    (zero-padded) tensor over ``axis``, then an exact all-gather of the float sums,
+    so every device ends with bit-identical values."""
+    n = jax.lax.axis_size(axis)
+    flat = x.reshape(-1)
+    flat = jnp.pad(flat, (0, -flat.size % n))
+    part = _quantized_reduce_scatter(flat, 0, axis, bits)
+    return jax.lax.all_gather(part, axis, axis=0, tiled=True)[:x.size].reshape(x.shape)
+
+
 def reduce_across(shards: list, dims: list[int], axis: str, op: str,
-                  bucket_size: int | None) -> list:
+                  bucket_size: int | None, bits: int | None = None) -> list:
     """The second level of a hierarchical gradient reduction: the gradient shards,
     already reduce-scattered inside each node, reduced across the node axis ``axis``.
 
     ``op="all_reduce"`` (HSDP / MiCS: the state is replicated over ``axis``, every
     node keeps the whole shard: 2 Psi/D per device) or ``"reduce_scatter"`` (hpZ: the
     optimizer state is partitioned over ``axis`` too; each device keeps 1/R of its
-    node shard: Psi/D per device, giving the ``(data, replica)`` partition)."""
+    node shard: Psi/D per device, giving the ``(data, replica)`` partition).
+
+    ``bits`` (qgZ): the reduce-scatter is quantized (:func:`grad_reduce_scatter`);
+    the all-reduce becomes a quantized reduce-scatter plus an exact all-gather of the
+    sums (:func:`_quantized_all_reduce`)."""
     if op == "all_reduce":
+        if bits is not None:
+            return [_quantized_all_reduce(x, axis, bits) for x in shards]
         return all_reduce_buckets(shards, axis, bucket_size)
     if op == "reduce_scatter":
-        return reduce_scatter_buckets(shards, dims, axis, bucket_size)
+        return grad_reduce_scatter(shards, dims, axis, bucket_size, bits)
     raise ValueError(f"reduce_across: op={op!r} is not 'all_reduce' or 'reduce_scatter'.")
 
 
 def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,
                    bucket_size: int | None = None, model_spec: P | None = None,
                    reduce: bool = True, size: int | None = None,
-                   padded: int | None = None):
+                   padded: int | None = None, weight_bits: int | None = None,
+                   grad_bits: int | None = None):
     """``use(param, zero_shard) -> whole parameter``, whose gradient goes, reduce-scattered,
     to ``zero_shard``.
 
@@ -261,8 +331,9 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
         del zero_shard
         if not gather:
             return param
-        whole = model_local(lambda p: param_gather([p], [dim], axis, bucket_size)[0],
-                            (model_spec,), model_spec)(param)
+        whole = model_local(
+            lambda p: param_gather([p], [dim], axis, bucket_size, weight_bits)[0],
+            (model_spec,), model_spec)(param)
         return whole if size is None else jax.lax.slice_in_dim(whole, 0, size, axis=dim)
 
     def fwd(param, zero_shard):
@@ -277,8 +348,9 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
             pad = (padded - size if padded is not None
                    else -size % jax.lax.axis_size(axis))
             ct = _pad_dim(ct, dim, pad)
-        shard = model_local(lambda c: grad_reduce_scatter([c], [dim], axis, bucket_size)[0],
-                            (model_spec,), model_spec)(ct)
+        shard = model_local(
+            lambda c: grad_reduce_scatter([c], [dim], axis, bucket_size, grad_bits)[0],
+            (model_spec,), model_spec)(ct)
         return None, shard.astype(grad_dtype)
 
     use.defvjp(fwd, bwd)
@@ -325,7 +397,10 @@ def refresh_secondary(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh:
 
     Device (r, d) holds block ``d * R + r`` of the primary partition, so gathering
     over ``replica`` gives it blocks ``d * R .. d * R + R - 1``: its node's ``data``
-    shard. Padding is kept (the secondary copy is stored padded, as stage-3 params)."""
+    shard. Padding is kept (the secondary copy is stored padded, as stage-3 params).
+    Always exact, under ``quantize_weights`` too: the secondary copy holds the primary
+    slice (the weights the next update starts from), so a quantized refresh would write
+    quantization error into the weights themselves."""
     leaves, treedef = jax.tree.flatten(tree)
     lays = treedef.flatten_up_to(layout_tree)
     secs = treedef.flatten_up_to(secondary_layouts)

@@ -15,6 +15,9 @@ import numpy as np
 from zerojax.activations import REMAT_POLICIES
 
 STAGES = (0, 1, 2, 3)
+QUANTIZE_WEIGHTS = ("int8",)
+QUANTIZE_GRADIENTS = ("int8", "int4")
+_BITS = {"int8": 8, "int4": 4}
 
 
 def _as_float_dtype(name: str, value: Any):
@@ -162,6 +165,8 @@ class ZeroConfig:
     offload_params: bool = False
     replica_axis: str | None = None
     hpz: bool = False
+    quantize_weights: str | None = None
+    quantize_gradients: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -241,6 +246,53 @@ class ZeroConfig:
         if not isinstance(self.data_axis, str) or not self.data_axis:
             raise ValueError(f"data_axis={self.data_axis!r} must be a mesh axis name.")
         self._check_hierarchical()
+        self._check_quantize()
+
+    def _check_quantize(self) -> None:
+        """``quantize_weights`` / ``quantize_gradients`` (ZeRO++ qwZ / qgZ); the mesh's
+        model axis is checked by ``zero()``."""
+        qw, qg = self.quantize_weights, self.quantize_gradients
+        if qw is not None and (not isinstance(qw, str) or qw not in QUANTIZE_WEIGHTS):
+            raise ValueError(
+                f"quantize_weights={qw!r} is not supported: use 'int8' (ZeRO++ qwZ: int8 "
+                "blocks plus per-block scales; int4 weights lose too much, see "
+                "zerojax.quant) or None for exact gathers.")
+        if qg is not None and (not isinstance(qg, str) or qg not in QUANTIZE_GRADIENTS):
+            raise ValueError(
+                f"quantize_gradients={qg!r} is not supported: use 'int8' or 'int4' (ZeRO++ "
+                "qgZ) or None for exact gradient reductions.")
+        if qw is not None and self.stage != 3:
+            raise ValueError(
+                f"quantize_weights={qw!r} needs stage=3 (got stage={self.stage}): only stage "
+                "3 all-gathers the parameters before their use. Use zero(tx, mesh, stage=3, "
+                f"quantize_weights={qw!r}), or quantize_gradients= at stage 2.")
+        if qg is not None and self.stage not in (2, 3):
+            raise ValueError(
+                f"quantize_gradients={qg!r} needs stage 2 or 3 (got stage={self.stage}): "
+                "qgZ quantizes the reduce-scatter of each gradient as it is produced, which "
+                "stages 0-1 replace by one reduction of the whole accumulated gradient. Use "
+                f"zero(tx, mesh, stage=2, quantize_gradients={qg!r}).")
+        given = [f"{name}={v!r}" for name, v in (("quantize_weights", qw),
+                                                ("quantize_gradients", qg)) if v is not None]
+        if given and self.bucket_size is not None:
+            raise ValueError(
+                f"{' and '.join(given)} with bucket_size={self.bucket_size} is not "
+                "implemented: the quantized collectives run one per leaf (each already a "
+                "1/4 or 1/8 size buffer). Drop bucket_size, or the quantization.")
+        if given and (self.offload_optimizer or self.offload_params):
+            raise ValueError(
+                f"{' and '.join(given)} with offload_optimizer / offload_params is not "
+                "implemented: use ZeRO++ quantization or offloading, not both.")
+
+    @property
+    def weight_bits(self) -> int | None:
+        """Bits of qwZ's weight all-gathers (None: exact)."""
+        return None if self.quantize_weights is None else _BITS[self.quantize_weights]
+
+    @property
+    def grad_bits(self) -> int | None:
+        """Bits of qgZ's gradient reduce-scatters (None: exact)."""
+        return None if self.quantize_gradients is None else _BITS[self.quantize_gradients]
 
     def _check_hierarchical(self) -> None:
         """``replica_axis`` / ``hpz`` on their own; the mesh is checked by ``zero()``."""

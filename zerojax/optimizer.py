@@ -74,6 +74,17 @@ class ZeroOptimizer:
         for option in ("offload_optimizer", "offload_params"):
             if getattr(config, option):
                 offload.check_backend(self.mesh, option)
+        quantized = [f"{name}={getattr(config, name)!r}" for name in
+                     ("quantize_weights", "quantize_gradients")
+                     if getattr(config, name) is not None]
+        batch = set(self.batch_axes if isinstance(self.batch_axes, tuple)
+                    else (self.batch_axes,))
+        split = {a: int(s) for a, s in self.mesh.shape.items() if a not in batch and s > 1}
+        if quantized and split:
+            raise ValueError(
+                f"{' and '.join(quantized)} on a mesh with model-parallel axes {split} is not "
+                "implemented: ZeRO++ quantization is wired for data-parallel meshes (data, "
+                "or replica x data). Use make_mesh(..., model=1), or drop the quantization.")
 
     def _resolve_axes(self) -> None:
         """Where the model states are partitioned and the batch split (hierarchical
@@ -409,6 +420,15 @@ class ZeroOptimizer:
                 "opt.tx does not implement hpz=True (its params are a secondary copy laid "
                 "out apart from the optimizer state, refreshed by the step); use "
                 "opt.train_step, or replica_axis='replica' (HSDP) for a hand-written step.")
+        quantized = [f"{name}={getattr(self.config, name)!r}" for name in
+                     ("quantize_weights", "quantize_gradients")
+                     if getattr(self.config, name) is not None]
+        if quantized:
+            raise ValueError(
+                f"opt.tx does not implement {' / '.join(quantized)} (ZeRO++'s quantized "
+                "collectives run inside opt.train_step's own gathers and reductions; a "
+                "hand-written jit step leaves the collectives to the compiler); use "
+                "opt.train_step, or build the optimizer without them for a hand-written step.")
         mesh, inner = self.mesh, self.inner
 
         def init(params):

@@ -105,6 +105,8 @@ class _Ctx:
     model_axis: str | None = None  # the tensor-parallel mesh axis (for Pa)
     model_size: int = 1
     remesh: bool = False  # traced under jax.set_mesh: restate shardings on the body's mesh
+    weight_bits: int | None = None  # ZeRO++ qwZ: quantized stage-3 gathers (None: exact)
+    grad_bits: int | None = None  # ZeRO++ qgZ: quantized reduce-scatters (None: exact)
     uses: dict | None = None  # param_uses: materialisations per params leaf
     in_remat: bool = False
     in_scan: bool = False  # inside a scan body (the loop orders the recomputation)
@@ -128,7 +130,8 @@ class _Ctx:
         use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
                              grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
                              bucket_size=self.bucket_size, model_spec=P(*ref.model),
-                             reduce=not ref.full_grad, size=ref.size, padded=padded)
+                             reduce=not ref.full_grad, size=ref.size, padded=padded,
+                             weight_bits=self.weight_bits, grad_bits=self.grad_bits)
         return use(param, zero_shard)
 
 
@@ -507,7 +510,8 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                       bucket_size: int | None = None, prefetch: bool = False,
                       remat_policy: str | None = None, model_axis: str | None = None,
                       model_size: int = 1, remesh: bool = False,
-                      full_grad: frozenset = frozenset(), uses: dict | None = None) -> list:
+                      full_grad: frozenset = frozenset(), uses: dict | None = None,
+                      weight_bits: int | None = None, grad_bits: int | None = None) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -519,6 +523,9 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
       full_grad: positions of leaves used more than once (:func:`param_uses`): their
         ``zero_shard`` is whole-size and their cotangents are returned unreduced.
       uses: a dict to count materialisations in (see :func:`param_uses`).
+      weight_bits, grad_bits: ZeRO++ qwZ / qgZ (``quantize_weights`` /
+        ``quantize_gradients``): the stage-3 gathers / gradient reduce-scatters move
+        that many bits per element (see :func:`zerojax.collectives.param_gather`).
     """
     args: list[Any] = []
     for i, (raws, lay) in enumerate(zip(param_args, layouts)):
@@ -527,7 +534,7 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                           None) if lay.sharded else raws[0])
     args.extend(other_args)
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
-               model_size, remesh, uses)
+               model_size, remesh, weight_bits, grad_bits, uses)
     outs = eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, ctx)
     if remat_policy in PA_POLICIES and not ctx.split_regions:
         raise ValueError(

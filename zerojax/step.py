@@ -211,7 +211,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
         options = dict(reduce_dtype=reduce_dtype, bucket_size=cfg.bucket_size,
                        prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,
-                       model_axis=model_axis, model_size=model_size, remesh=remesh)
+                       model_axis=model_axis, model_size=model_size, remesh=remesh,
+                       weight_bits=cfg.weight_bits, grad_bits=cfg.grad_bits)
 
         def body(param_leaves, local_batch, scale, rng):
             # each device, and each micro-batch on it, gets its own key
@@ -336,7 +337,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                 specs = tuple(lays[i].model_spec for i in scattered)
                 part = C.model_local(
                     lambda *xs: tuple(C.grad_reduce_scatter(
-                        list(xs), [lays[i].dim for i in scattered], axis, bucket)), specs,
+                        list(xs), [lays[i].dim for i in scattered], axis, bucket,
+                        cfg.grad_bits)), specs,
                     specs,
                 )(*[lays[i].pad_to_split(g[i].astype(red_dtypes[i])) for i in scattered])
                 for i, x in zip(scattered, part):
@@ -350,7 +352,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                 crossed = C.model_local(
                     lambda *xs: tuple(C.reduce_across(
                         list(xs), [lays[i].dim for i in sharded], opt.replica_axis, across,
-                        bucket)), specs, specs,
+                        bucket, cfg.grad_bits)), specs, specs,
                 )(*[g[i].astype(red_dtypes[i]) for i in sharded])
                 for i, x in zip(sharded, crossed):
                     g[i] = x
