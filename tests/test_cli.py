@@ -204,16 +204,20 @@ def test_train_small_run_all_stages_agree(tmp_path, capsys):
 def test_train_with_memory_in_a_fresh_process():
     """--memory SIZE: the plan check runs before jax starts, so the simulated devices
     still apply (a check that started jax first would leave 1 device)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "train", "--memory", "1GB", "--steps", "1",
-         "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "8",
-         "--corpus-mb", "0.2", "--png", "", "--sample", "0", "--no-summary",
-         "--no-progress"], capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"})
-    assert out.returncode == 0, out.stderr[-2000:]
+    code = ("import jax.numpy, sys\n"
+            "from zerojax.cli.command import build_parser, _check_train_plan\n"
+            "from zerojax.cli import demo\n"
+            "a = build_parser().parse_args(['train', '--memory', '1GB'])\n"
+            "demo.check_arguments(a, a.parser)\n"
+            "_check_train_plan(a)\n"
+            "import jax; print(len(jax.devices()))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["8"], (out.stdout, out.stderr)
     small = subprocess.run(
         [sys.executable, "-m", "zerojax.cli", "train", "--memory", "1MB", "--steps", "1"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=env)
     assert small.returncode == 2 and len(small.stderr.strip().splitlines()) == 1
     assert "more than the 0.95 MiB each device has (--memory)" in small.stderr
 
