@@ -417,3 +417,15 @@ def test_compiled_peak_within_10_percent_of_the_model(kind, dtype):
             predicted = gpt_step_prediction(cfg, N, stage, 16, tx=tx, param_dtype=dtype).peak
         ratio = memory_report(compiled).peak / predicted
         assert 0.9 <= ratio <= 1.1, (kind, stage, ratio)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_gpt_param_shapes_are_the_models(scan):
+    """The planner builds the reference GPT's params without tracing it: the same tree,
+    shapes and dtypes as jax.eval_shape of gpt_params (vocab 250: an odd size)."""
+    cfg = GPTConfig(vocab=250, seq=32, layers=3, hidden=64, heads=4, scan=scan)
+    traced = jax.eval_shape(lambda: gpt_params(GPT(cfg)))
+    built = gpt_param_shapes(cfg)
+    assert jax.tree.structure(traced) == jax.tree.structure(built)
+    assert all(a.shape == b.shape and a.dtype == b.dtype
+               for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(built)))
