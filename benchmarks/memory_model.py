@@ -133,7 +133,7 @@ def scaled_answer(n, budget_bytes, stages=(0, 1, 2, 3), param_dtype="fp32",
     pd = None if param_dtype == "fp32" else jnp.bfloat16
     mesh = zerojax.make_mesh(data=n)
     out = []
-    for (label, stage, _), (_, shape, _psi) in zip(sets, p.largest):
+    for (_label, stage, _), (_, shape, _psi) in zip(sets, p.largest):
         peaks = []
         for layers in (shape.layers, shape.layers + 1):
             s = dataclasses.replace(shape, layers=layers,

@@ -327,7 +327,7 @@ def test_largest_model_measured_over_predicted_at_least_0_9(stage):
 def test_plan_model_returns_the_table_as_data():
     """zerojax.plan with a preset or a shape: rows per stage and option set, bytes by
     part (model states from the optimizer's own state), fits, traffic, recommendation."""
-    from zerojax.analysis.plan import ModelShape, PRESETS
+    from zerojax.analysis.plan import PRESETS, ModelShape
 
     p = zerojax.plan(model="gpt2-1.5b", dp=8, budget_bytes=80 * 10**9, seq=1024, batch=8,
                      optimizer="adamw", param_dtype="bf16")

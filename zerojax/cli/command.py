@@ -281,9 +281,8 @@ def _check_train_plan(args: argparse.Namespace) -> None:
 
     from zerojax.analysis.plan import ModelShape
     from zerojax.analysis.report import gpt_step_prediction
-    from zerojax.cli.demo import make_optimizer
-
     from zerojax.cli import demo
+    from zerojax.cli.demo import make_optimizer
 
     demo.simulate_devices(args.devices)  # before anything starts jax's backend
     budget, source = _device_memory(args)
