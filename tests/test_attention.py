@@ -158,3 +158,13 @@ def test_auto_and_cudnn_resolve_by_backend():
 def test_bad_attention_config_raises(kw, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**{**TINY, **kw})
+
+
+def test_train_attention_flag():
+    from zerojax.cli.demo import build_parser
+
+    assert build_parser().parse_args([]).attention == "auto"
+    assert build_parser().parse_args(["--attention", "dot_product"]).attention == \
+        "dot_product"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--attention", "flash"])
