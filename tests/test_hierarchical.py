@@ -204,6 +204,23 @@ def _compiled(**options):
     return zerojax.comm_volume(compiled, mesh=_mesh()), psi
 
 
+def test_the_planners_link_traffic_is_the_compiled_steps():
+    # zerojax plan's inside/across bytes (analysis.plan.link_traffic) against the HLO;
+    # the first layer's backward gather is dead code: (3 - 1/L) of 3 Psi inside
+    from zerojax.analysis.plan import link_traffic
+
+    dead = (3 - 1 / LAYERS) / 3
+    for options in ({}, {"replica_axis": "replica"}, {"hpz": True}):
+        vol, psi = _compiled(stage=3, **options)
+        inside, across = link_traffic(psi, 3, per_node=D, nodes=2, param_bytes=4,
+                                      grad_bytes=4, **options)
+        if options:
+            assert vol.within("data").bytes == pytest.approx(inside * dead, rel=0.01)
+            assert vol.across("replica").bytes == pytest.approx(across, rel=0.01)
+        else:  # one collective over both axes: all of it crosses
+            assert (inside, vol.bytes) == (0, pytest.approx(across * dead, rel=0.01))
+
+
 def _split(vol, psi):
     """The mesh-axis sets that carry traffic (more than 1e-3 Psi: XLA combines the
     step's scalar reductions, loss and squared norm, into one 2-element all-reduce

@@ -324,6 +324,29 @@ def test_largest_model_measured_over_predicted_at_least_0_9(stage):
 # --- the planner's question as asked -------------------------------------------------------
 
 
+def test_plan_splits_stage_3_traffic_by_link_on_nodes():
+    """With GPUs per node, the plan has the hierarchical modes' bytes inside a node and
+    across nodes (link_traffic; checked against the HLO in test_hierarchical.py)."""
+    from zerojax.analysis.plan import link_traffic
+
+    p = zerojax.plan(model="llama-7b", dp=512, budget_bytes=80 * 10**9, seq=2048, batch=8,
+                     devices_per_node=8)
+    psi, shard = p.num_params, -(-p.num_params // 8)
+    links = {label: (inside, across) for label, inside, across in p.links}
+    assert links["stage 3 over all devices"] == (0, 3 * psi * 2)  # bf16: all of it crosses
+    assert links["HSDP (replica_axis)"] == (3 * psi * 2, 2 * shard * 2)
+    assert links["hpZ"] == (3 * psi * 2, shard * 2 + shard * 2)
+    inside, across = links["ZeRO++: hpZ + qwZ int8 + qgZ int4"]
+    # int8 weights (1 byte + a 4-byte scale per 2048), int4 gradients (half a byte +)
+    assert inside == pytest.approx(2 * psi * (1 + 4 / 2048) + psi * (0.5 + 4 / 2048), rel=1e-4)
+    assert across == pytest.approx(shard * (0.5 + 4 / 2048) + shard * 2, rel=1e-4)
+    assert "traffic by link at stage 3" in str(p) and "64 nodes x 8" in str(p)
+    # one node: nothing crosses; no table without nodes
+    assert link_traffic(psi, 3, per_node=8, nodes=1, hpz=True)[1] == 0
+    assert zerojax.plan(model="llama-7b", dp=8, budget_bytes=80 * 10**9, seq=2048,
+                        batch=8).links == ()
+
+
 def test_plan_model_returns_the_table_as_data():
     """zerojax.plan with a preset or a shape: rows per stage and option set, bytes by
     part (model states from the optimizer's own state), fits, traffic, recommendation."""

@@ -81,6 +81,67 @@ def comm_bytes(num_params: int, stage: int, *, param_bytes: int = 2, grad_bytes:
     return psi * grad_bytes + gathers * psi * param_bytes
 
 
+_BITS = {None: None, "int8": 8, "int4": 4}
+
+
+def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
+                 param_bytes: int = 2, grad_bytes: int = 2, replica_axis: str | None = None,
+                 hpz: bool = False, quantize_weights: str | None = None,
+                 quantize_gradients: str | None = None) -> tuple[int, int]:
+    """``(inside, across)``: the bytes one device moves per step over the links inside
+    its node and over the network between nodes, on ``nodes`` x ``per_node`` devices
+    (a mesh ``make_mesh(replica=nodes, data=per_node)``), as zerojax's step moves them
+    (issue 20; checked against the compiled HLO in tests/test_hierarchical.py).
+
+    Plain ZeRO spans both axes with one collective: all of it counts as across (a ring
+    over every device is as slow as its network hops). HSDP (``replica_axis``): the
+    stage's traffic inside the node, plus an all-reduce of the Psi/D gradient shard
+    across. hpZ (stage 3): the gathers and the first reduce-scatter inside, then the
+    second reduce-scatter level (Psi/D) and the secondary copy's refresh (Psi/D,
+    exact) across. ``quantize_weights`` (qwZ, stage 3's gathers) and
+    ``quantize_gradients`` (qgZ: int8/int4 blocks plus a float32 scale per
+    ``zerojax.quant.DEFAULT_BLOCK`` elements; hierarchical, inside first, where the
+    mesh has both axes; HSDP's across all-reduce becomes a quantized reduce-scatter
+    plus an exact all-gather) change the bytes per element on the wire."""
+    from zerojax import quant
+
+    psi, d = int(num_params), int(per_node)
+    qw, qg = _BITS[quantize_weights], _BITS[quantize_gradients]
+
+    def wire(n, bits, exact_bytes):
+        n = int(n)
+        return quant.wire_bytes(n, bits=bits) if bits and n else n * exact_bytes
+
+    shard = -(-psi // d)
+    if stage == 0:
+        return (0, 2 * psi * grad_bytes) if nodes > 1 else (2 * psi * grad_bytes, 0)
+    gathers = wire(psi, qw, param_bytes) * 2 if stage == 3 else psi * param_bytes
+    if nodes == 1:
+        return gathers + wire(psi, qg, grad_bytes), 0
+    if hpz:
+        return (gathers + wire(psi, qg, grad_bytes),
+                wire(shard, qg, grad_bytes) + shard * param_bytes)
+    if replica_axis is not None:
+        across = (wire(shard, qg, grad_bytes) + shard * grad_bytes if qg
+                  else 2 * shard * grad_bytes)
+        return gathers + wire(psi, qg, grad_bytes), across
+    if qg:  # plain, quantized: the reduce-scatter goes hierarchically, inside first
+        return wire(psi, qg, grad_bytes), gathers + wire(shard, qg, grad_bytes)
+    return 0, gathers + psi * grad_bytes
+
+
+# Stage 3 on nodes x devices per node, each way of keeping the traffic inside the node
+HIERARCHICAL_SETS = (
+    ("stage 3 over all devices", {}),
+    ("HSDP (replica_axis)", {"replica_axis": "replica"}),
+    ("hpZ", {"hpz": True}),
+    ("hpZ + qwZ int8", {"hpz": True, "quantize_weights": "int8"}),
+    ("hpZ + qgZ int4", {"hpz": True, "quantize_gradients": "int4"}),
+    ("ZeRO++: hpZ + qwZ int8 + qgZ int4", {"hpz": True, "quantize_weights": "int8",
+                                           "quantize_gradients": "int4"}),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """One stage's answer. Bytes are per device; ``max_params`` is the largest model
@@ -504,6 +565,7 @@ class ModelPlan:
     reason: str
     largest: tuple = ()  # ((label, ModelShape or None, Psi), ...) with largest=True
     not_counted: str = NOT_COUNTED
+    links: tuple = ()  # ((label, inside, across bytes per device per step), ...) on nodes
 
     def row(self, label: str) -> PlanRow:
         for r in self.rows:
@@ -627,9 +689,19 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                   f"per device of {_gb(budget_bytes)}; add devices, shorten --seq or "
                   f"--batch (activations {_gb(least.activations)} GB), or use a smaller "
                   "model")
+    links = ()
+    if devices_per_node and devices > devices_per_node and devices % devices_per_node == 0:
+        import jax.numpy as jnp
+
+        compute = jnp.dtype(pd or jnp.float32).itemsize
+        links = tuple(
+            (label, *link_traffic(model.num_params(seq), 3, per_node=devices_per_node,
+                                  nodes=devices // devices_per_node, param_bytes=compute,
+                                  grad_bytes=compute, **opts))
+            for label, opts in HIERARCHICAL_SETS)
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
-                     pd, rows, best, reason, tuple(found))
+                     pd, rows, best, reason, tuple(found), links=links)
 
 
 def format_model_plan(p: ModelPlan) -> str:
@@ -667,5 +739,15 @@ def format_model_plan(p: ModelPlan) -> str:
                       [[label, str(s.layers) if s else "-", str(s.hidden) if s else "-",
                         str(s.heads) if s else "-", _human(psi) if s else "none"]
                        for label, s, psi in p.largest])
+    if p.links:
+        unit = p.num_params * jnp.dtype(p.param_dtype or jnp.float32).itemsize
+        out += (f"\n\ntraffic by link at stage 3, per device per step "
+                f"({p.devices // p.devices_per_node} nodes x {p.devices_per_node}; "
+                "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
+                f"{precision}):\n")
+        out += _table(["option set", "inside a node (GB)", "across nodes (GB)",
+                       "inside (Psi)", "across (Psi)"],
+                      [[label, _gb(inside), _gb(across), f"{inside / unit:.3f}",
+                        f"{across / unit:.3f}"] for label, inside, across in p.links])
     out += f"\n\nrecommendation: {p.reason}\n({p.not_counted})"
     return out
