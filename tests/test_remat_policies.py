@@ -62,11 +62,14 @@ def test_policy_trains_like_no_remat(policy):
 
 
 def test_temporaries_order_by_what_is_kept():
-    """none (everything) > dots >= projections (QKV and MLP-in outputs: the out and
+    """none (everything) > dots ~ projections (QKV and MLP-in outputs: the out and
     MLP-out projections feed only an addition, which the backward does not read) >
-    qkv_proj > full (the block inputs only). Measured here (bytes per device): none
-    3,209,240, dots 1,317,168, projections 1,300,504, qkv_proj 1,069,848, full
-    873,176."""
+    qkv_proj > full (the block inputs only). Measured here (bytes per device), jax
+    0.10.2: none 3,209,240, dots 1,317,168, projections 1,300,504, qkv_proj
+    1,069,848, full 873,176; jax 0.12: none 2,947,088, dots 1,268,528, projections
+    1,300,504, qkv_proj 1,058,328 (dots and projections keep the same tensors; the
+    compiler's scheduling puts either a few percent above the other)."""
     temp = {p: _run(p)[0] for p in ("none", "dots", "projections", "qkv_proj", "full")}
-    assert temp["none"] > 2 * temp["dots"], temp
-    assert temp["dots"] >= temp["projections"] > temp["qkv_proj"] > temp["full"], temp
+    assert temp["none"] > 2 * max(temp["dots"], temp["projections"]), temp
+    assert abs(temp["dots"] - temp["projections"]) < 0.05 * temp["projections"], temp
+    assert min(temp["dots"], temp["projections"]) > temp["qkv_proj"] > temp["full"], temp
