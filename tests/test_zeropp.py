@@ -299,7 +299,7 @@ def test_gpt_qwz_qgz_learns_like_exact():
     markov stream (the loss falls from 4.21 to 1.35): measured (jax 0.10.2, CPU) every
     step's loss within 0.15% of exact's, the last within 0.07% (the full ZeRO++,
     hpZ + int8 weights + int4 gradients: 1.0% and 0.7%). Tolerance 0.5% and 0.3%;
-    the long run (benchmarks/hierarchical.py, every mode, 300 steps) is in
+    the long run (benchmarks/hierarchical.py, every mode, 200 steps) is in
     benchmarks/README.md."""
     exact = _gpt_losses()
     got = _gpt_losses(**QW, **QG8)
