@@ -135,13 +135,15 @@ def test_small_tensor_is_one_block_and_zeros_stay_zero():
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_non_finite_input_gives_non_finite_block(bad, dtype):
-    x = jax.random.normal(jax.random.key(3), (300,)).astype(dtype).at[70].set(bad)
-    q, s = quantize(x, bits=8, block=64)
+@pytest.mark.parametrize("size,block", [(300, 64), (3 * 2048, 2048)])  # CPU's long-row max
+def test_non_finite_input_gives_non_finite_block(bad, dtype, size, block):  # drops NaN
+    at = block + 6
+    x = jax.random.normal(jax.random.key(3), (size,)).astype(dtype).at[at].set(bad)
+    q, s = quantize(x, bits=8, block=block)
     deq = np.asarray(dequantize(q, s, x.shape, x.dtype), np.float32)
-    assert not np.isfinite(deq[70])
-    assert not np.any(np.isfinite(deq[64:128]))  # the whole block
-    assert np.all(np.isfinite(deq[:64])) and np.all(np.isfinite(deq[128:]))
+    assert not np.isfinite(deq[at])
+    assert not np.any(np.isfinite(deq[block:2 * block]))  # the whole block
+    assert np.all(np.isfinite(deq[:block])) and np.all(np.isfinite(deq[2 * block:]))
 
 
 # -- qwZ: quantized all-gather -----------------------------------------------------------

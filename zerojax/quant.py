@@ -143,7 +143,11 @@ def _quantize_rows(x: jax.Array, bits: int, block: int):
     if pad:
         xf = jnp.pad(xf, [(0, 0)] * len(lead) + [(0, pad)])
     xb = xf.reshape(*lead, nb, b)
-    amax = jnp.max(jnp.abs(xb), axis=-1)  # NaN propagates, inf stays inf
+    # inf stays inf; NaN is marked explicitly: XLA CPU's vectorised max over a long row
+    # (2048 elements, jax 0.10.2) returns a finite value beside a NaN, and a finite
+    # scale would hide the overflow from the loss scaler
+    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=-1), jnp.float32(jnp.nan),
+                     jnp.max(jnp.abs(xb), axis=-1))
     # times the float32 constant 1/Q (XLA rewrites a division by a constant so anyway)
     scales = amax * np.float32(1 / qmax)
     ok = jnp.isfinite(scales) & (scales > 0)
