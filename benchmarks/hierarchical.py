@@ -77,21 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def markov_tokens(steps, batch, seq, vocab, seed=0):
-    """``steps`` batches of ``(batch, seq + 1)`` int32 tokens, each token the one before
-    plus 1 or 2 (mod ``vocab``) at random (tests/test_zeropp.py has the same)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        start = rng.integers(0, vocab, (batch, 1))
-        jumps = np.cumsum(rng.integers(1, 3, (batch, seq)), axis=1)
-        out.append(((start + np.concatenate([np.zeros((batch, 1), np.int64), jumps], 1))
-                    % vocab).astype(np.int32))
-    return out
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     use_simulated_devices(args.devices)
@@ -101,7 +86,7 @@ def main(argv=None) -> None:
 
     import zerojax
     from zerojax.analysis import compiled_memory, device_bytes
-    from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+    from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss, markov_tokens
 
     n = args.replica * args.data
     mesh = zerojax.make_mesh(replica=args.replica, data=args.data,

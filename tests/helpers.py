@@ -84,3 +84,14 @@ def zero_vs_reference(tx, steps=10, data=8, reference_tx=None, **options) -> flo
         state, _ = step(state, b)
     ref = reference_run(reference_tx or tx, awkward_params(), awkward_loss, batches)
     return max_rel_err(ref, opt.full_params(state))
+
+
+def mlp_problem(width: int, layers: int):
+    """``(model, params, (x, y))``: zerojax.models.MLP of ``layers`` square ``width``
+    layers and one batch of 16 rows (the communication tests' model)."""
+    from zerojax.models import MLP
+
+    model = MLP(features=width, layers=layers)
+    x = jax.random.normal(jax.random.key(1), (16, width))
+    params = model.init(jax.random.key(0), x)["params"]
+    return model, params, (x, jnp.sin(x[:, :1]))

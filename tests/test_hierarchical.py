@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_params, max_rel_err, reference_run, regression_batches
+from helpers import awkward_params, max_rel_err, mlp_problem, reference_run, regression_batches
 from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax.analysis import device_bytes
-from zerojax.models import MLP, mse_loss
+from zerojax.models import mse_loss
 
 R, D = 2, 4  # replica (nodes) x data (devices per node)
 STEPS = 6
@@ -187,16 +187,9 @@ def test_hpz_mixed_precision_keeps_fp32_master_partitioned_over_all():
 WIDTH, LAYERS = 256, 4
 
 
-def _mlp():
-    model = MLP(features=WIDTH, layers=LAYERS)
-    x = jax.random.normal(jax.random.key(1), (16, WIDTH))
-    params = model.init(jax.random.key(0), x)["params"]
-    return model, params, (x, jnp.sin(x[:, :1]))
-
-
 @functools.cache
 def _compiled(**options):
-    model, params, batch = _mlp()
+    model, params, batch = mlp_problem(WIDTH, LAYERS)
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), **options)
     state = opt.init_state(params)
     compiled = opt.train_step(mse_loss(model)).lower(state, batch).compile()
@@ -313,7 +306,7 @@ def test_comm_volume_bytes_and_axes_from_hlo_text():
     (3, {"replica_axis": "replica", "param_dtype": jnp.bfloat16}, lambda psi: 14 * psi / D),
 ])
 def test_placed_model_state_matches_formula(stage, options, formula):
-    _, params, _ = _mlp()
+    _, params, _ = mlp_problem(WIDTH, LAYERS)
     psi = sum(p.size for p in jax.tree.leaves(params))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage, **options)
     state = opt.init_state(params)

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_err
+from helpers import max_rel_err, mlp_problem
 
 import zerojax
 from zerojax import quant
-from zerojax.models import GPT, MLP, GPTConfig, gpt_params, lm_loss, mse_loss
+from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss, markov_tokens, mse_loss
 
 WIDTH, LAYERS = 256, 4  # 4 x (256 x 256) kernels: shards of 8192 / 16384 elements
 STEPS = 5
@@ -33,18 +33,11 @@ def _mesh(kind):
     return zerojax.make_mesh(replica=2, data=4) if kind == "2x4" else zerojax.make_mesh(data=8)
 
 
-def _mlp():
-    model = MLP(features=WIDTH, layers=LAYERS)
-    x = jax.random.normal(jax.random.key(1), (16, WIDTH))
-    params = model.init(jax.random.key(0), x)["params"]
-    return model, params, (x, jnp.sin(x[:, :1]))
-
-
 @functools.cache
 def _run(kind, **options):
     """One compile of the MLP step: (comm volume, params after step 1, after STEPS,
     Psi). The compiled executable is called directly (no second compilation)."""
-    model, params, batch = _mlp()
+    model, params, batch = mlp_problem(WIDTH, LAYERS)
     mesh = _mesh(kind)
     opt = zerojax.zero(optax.sgd(LR), mesh, stage=options.pop("stage", 3), **options)
     state = opt.init_state(params)
@@ -99,7 +92,7 @@ def _update_err(init, want, got):
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_close_to_exact_stage3(case):
     kind, options = CASES[case]
-    init = _mlp()[1]
+    init = mlp_problem(WIDTH, LAYERS)[1]
     exact = _run("2x4")
     got = _run(kind, **options)
     bits = "int4" if options.get("quantize_gradients") == "int4" else "int8"
@@ -115,7 +108,7 @@ def test_trains_close_to_exact_stage3(case):
 def test_exact_modes_agree_at_this_measure():
     """The floor the quantized modes are compared with: exact hpZ against exact stage
     3 (measured 2.9e-6)."""
-    init = _mlp()[1]
+    init = mlp_problem(WIDTH, LAYERS)[1]
     err = _update_err(init, _run("2x4")[2], _run("2x4", hpz=True)[2])
     assert err <= EXACT_UPDATE_ERR, err
 
@@ -147,7 +140,7 @@ def test_qwz_update_is_exact_on_the_master():
     against the exact weights' gradient it is off by the quantization (1.2e-2), and a
     master replaced by the dequantized weights would be off by far more than the
     update itself."""
-    model, params, batch = _mlp()
+    model, params, batch = mlp_problem(WIDTH, LAYERS)
     opt = zerojax.zero(optax.sgd(LR), _mesh("8"), stage=3, **QW)
     deq = _dequantized_like_qwz(params, opt)
     assert max_rel_err(params, deq) > 1e-3  # the quantization is visible
@@ -235,7 +228,7 @@ def test_non_finite_gradient_still_skips_the_step(kind, options):
     block drops a NaN, measured; without it qgZ returned a finite gradient and the
     step was applied), so the step is skipped on every device, params unchanged; a
     finite batch then trains."""
-    model, params, (x, y) = _mlp()
+    model, params, (x, y) = mlp_problem(WIDTH, LAYERS)
     opt = zerojax.zero(optax.sgd(LR), _mesh(kind), stage=3, loss_scale=8.0, donate=False,
                        **options)
     state = opt.init_state(params)
@@ -259,21 +252,6 @@ def test_non_finite_gradient_still_skips_the_step(kind, options):
 
 GPT_STEPS = 30
 VOCAB, SEQ = 64, 16
-
-
-def markov_tokens(steps, batch, seq, vocab, seed=0):
-    """``steps`` batches of ``(batch, seq + 1)`` tokens where each token is the one
-    before plus 1 or 2 (mod ``vocab``), at random: a rule the GPT learns in some tens
-    of steps, with an entropy floor of ln 2 = 0.693 nats, so the loss settles instead
-    of going to 0 as on one memorised batch (where relative differences blow up)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        start = rng.integers(0, vocab, (batch, 1))
-        jumps = np.cumsum(rng.integers(1, 3, (batch, seq)), axis=1)
-        out.append(((start + np.concatenate([np.zeros((batch, 1), np.int64), jumps], 1))
-                    % vocab).astype(np.int32))
-    return out
 
 
 @functools.cache

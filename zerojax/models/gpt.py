@@ -358,3 +358,21 @@ def lm_loss(model: GPT):
         return jnp.mean(losses, dtype=jnp.float32)
 
     return loss_fn
+
+
+def markov_tokens(steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list:
+    """``steps`` batches of ``(batch, seq + 1)`` int32 tokens (inputs and next-token
+    targets for :func:`lm_loss`), each token the one before plus 1 or 2 (mod
+    ``vocab``) at random: a rule the GPT learns in some tens of steps, with an entropy
+    floor of ln 2 = 0.693 nats, so the loss settles instead of going to 0 as on one
+    memorised batch (where relative differences between runs blow up)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        start = rng.integers(0, vocab, (batch, 1))
+        jumps = np.cumsum(rng.integers(1, 3, (batch, seq)), axis=1)
+        out.append(((start + np.concatenate([np.zeros((batch, 1), np.int64), jumps], 1))
+                    % vocab).astype(np.int32))
+    return out
