@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from zerojax import quant
-from zerojax.partition import LeafLayout
+from zerojax.partition import LeafLayout, is_layout as _is_layout
 
 
 def model_local(fn, in_specs: tuple, out_specs: Any):
@@ -74,9 +74,45 @@ def gather_local(shard: jax.Array, dim: int, axis: str) -> jax.Array:
     """All-gather the shards along ``dim``: the full tensor on every device.
 
     Under autodiff its transpose is :func:`reduce_scatter_local` (stage 3 gets the
-    reduce-scatter of its gradients from here).
+    reduce-scatter of its gradients from here). 16-bit floats travel as their bits
+    (:func:`all_gather_bits`).
     """
-    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+    return all_gather_bits(shard, axis, dim)
+
+
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
+
+
+def _gather_bits_impl(x, axis, dim):
+    raw = jax.lax.bitcast_convert_type(x, _BITS[jnp.dtype(x.dtype)])
+    out = jax.lax.all_gather(raw, axis, axis=dim, tiled=True)
+    return jax.lax.bitcast_convert_type(out, x.dtype)
+
+
+_gather_bits = jax.custom_vjp(_gather_bits_impl, nondiff_argnums=(1, 2))
+
+
+def _gather_bits_fwd(x, axis, dim):
+    return _gather_bits(x, axis, dim), None
+
+
+def _gather_bits_bwd(axis, dim, _, ct):
+    return (jax.lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True),)
+
+
+_gather_bits.defvjp(_gather_bits_fwd, _gather_bits_bwd)
+
+
+def all_gather_bits(x: jax.Array, axis, dim: int = 0) -> jax.Array:
+    """``jax.lax.all_gather(x, axis, axis=dim, tiled=True)``, bit for bit, with bf16 and
+    fp16 sent as uint16. An all-gather only moves bytes, and XLA:CPU runs every 16-bit
+    float collective in float32 (a float32 copy of the input and of the whole output:
+    3x the bytes of the gathered leaf), which made the mixed-precision step's peak on
+    the CPU higher than the fp32 one's; on GPUs the bitcast is free. Its transpose is
+    the reduce-scatter, as ``all_gather``'s."""
+    if jnp.dtype(x.dtype) not in _BITS:
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    return _gather_bits(x, axis, dim)
 
 
 # -- constant-size buckets (ZeRO-R "CB") --------------------------------------------
@@ -171,8 +207,8 @@ def gather_buckets(shards: list, dims: list[int], axis: str, bucket_size: int | 
     rows = [m.reshape(1, -1) for m in moved]
     out: list = [None] * len(shards)
     for idx in _by_dtype(shards).values():
-        pieces = _run_buckets(rows, idx, bucket_size // n, lambda buf: jax.lax.all_gather(
-            buf, axis, axis=0, tiled=True))
+        pieces = _run_buckets(rows, idx, bucket_size // n,
+                              lambda buf: all_gather_bits(buf, axis, 0))
         for j in idx:
             full_shape = (moved[j].shape[0] * n, *moved[j].shape[1:])
             out[j] = jnp.moveaxis(_cat(pieces[j]).reshape(full_shape), 0, dims[j])
@@ -365,14 +401,13 @@ def _pad_dim(x, dim: int, pad: int):
     return jnp.pad(x, widths)
 
 
-def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
-                  bucket_size: int | None = None) -> Any:
-    """All-gather every partitioned leaf of ``tree`` (global arrays laid out by
-    ``layout_tree``), in buckets of at most ``bucket_size`` elements; the result is
-    whole over ``data`` on every device (model splits kept), padding removed."""
+def _gather_sharded(tree: Any, layout_tree: Any, out_layouts: Any, mesh: Mesh, axis,
+                    bucket_size: int | None, unpad: bool) -> Any:
+    """Every partitioned leaf of ``tree`` (laid out by ``layout_tree``) all-gathered over
+    ``axis`` in buckets, laid out by ``out_layouts`` after (``unpad``: padding cut)."""
     leaves, treedef = jax.tree.flatten(tree)
     lays = treedef.flatten_up_to(layout_tree)
-    in_specs = tuple(lay.spec for lay in lays)
+    outs = treedef.flatten_up_to(out_layouts)
     sharded = [i for i, lay in enumerate(lays) if lay.sharded]
 
     def body(*shards):
@@ -380,13 +415,21 @@ def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
         gathered = gather_buckets([shards[i] for i in sharded], [lays[i].dim for i in sharded],
                                   axis, bucket_size)
         for i, g in zip(sharded, gathered):
-            out[i] = lays[i].unpad(g)
+            out[i] = lays[i].unpad(g) if unpad else g
         return tuple(out)
 
-    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                        out_specs=tuple(lay.model_spec for lay in lays),
-                        check_vma=False)(*leaves)
+    out = jax.shard_map(body, mesh=mesh, in_specs=tuple(lay.spec for lay in lays),
+                        out_specs=tuple(o for o in outs), check_vma=False)(*leaves)
     return jax.tree.unflatten(treedef, out)
+
+
+def gather_params(tree: Any, layout_tree: Any, mesh: Mesh, axis: str,
+                  bucket_size: int | None = None) -> Any:
+    """All-gather every partitioned leaf of ``tree`` (global arrays laid out by
+    ``layout_tree``), in buckets of at most ``bucket_size`` elements; the result is
+    whole over ``data`` on every device (model splits kept), padding removed."""
+    specs = jax.tree.map(lambda lay: lay.model_spec, layout_tree, is_leaf=_is_layout)
+    return _gather_sharded(tree, layout_tree, specs, mesh, axis, bucket_size, unpad=True)
 
 
 def refresh_secondary(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh: Mesh,
@@ -401,22 +444,9 @@ def refresh_secondary(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh:
     Always exact, under ``quantize_weights`` too: the secondary copy holds the primary
     slice (the weights the next update starts from), so a quantized refresh would write
     quantization error into the weights themselves."""
-    leaves, treedef = jax.tree.flatten(tree)
-    lays = treedef.flatten_up_to(layout_tree)
-    secs = treedef.flatten_up_to(secondary_layouts)
-    sharded = [i for i, lay in enumerate(lays) if lay.sharded]
-
-    def body(*shards):
-        out = list(shards)
-        gathered = param_gather([shards[i] for i in sharded], [lays[i].dim for i in sharded],
-                                replica_axis, bucket_size)
-        for i, g in zip(sharded, gathered):
-            out[i] = g
-        return tuple(out)
-
-    out = jax.shard_map(body, mesh=mesh, in_specs=tuple(lay.spec for lay in lays),
-                        out_specs=tuple(sec.spec for sec in secs), check_vma=False)(*leaves)
-    return jax.tree.unflatten(treedef, out)
+    specs = jax.tree.map(lambda sec: sec.spec, secondary_layouts, is_leaf=_is_layout)
+    return _gather_sharded(tree, layout_tree, specs, mesh, replica_axis, bucket_size,
+                           unpad=False)
 
 
 def primary_slice(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh: Mesh,
@@ -453,6 +483,7 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 __all__ = [
     "model_local", "after", "all_reduce_local", "reduce_scatter_local", "gather_local",
+    "all_gather_bits",
     "make_param_use", "param_gather", "grad_reduce_scatter", "reduce_across",
     "refresh_secondary", "primary_slice",
     "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",

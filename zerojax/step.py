@@ -21,6 +21,7 @@ One ``jax.jit``-compiled function ``step(state, batch) -> (state, metrics)``:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -272,7 +273,12 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                     [sd(x.shape, x.dtype) for x in jax.tree.leaves(local_struct)] + key_struct,
                     lays, stage, axis, **options)
                 full_grad = frozenset(i for i, c in uses.items() if c > 1)
-                acc_dtypes = [_acc_dtype(grad_dtypes[i], k) if lays[i].sharded
+                # one micro-batch, one use: a partition holds its reduced gradient as it
+                # was reduced (bf16 with mixed precision; cast up in the update), as the
+                # paper's 2 bytes per gradient; sums (micro-batches, several uses) in fp32
+                acc_dtypes = [(red_dtypes[i] if k == 1 and i not in full_grad
+                               and red_dtypes[i].itemsize < jnp.dtype(grad_dtypes[i]).itemsize
+                               else _acc_dtype(grad_dtypes[i], k)) if lays[i].sharded
                               else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
                 zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(n_in)
                                for i in range(len(lays))]
@@ -356,17 +362,22 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                 )(*[g[i].astype(red_dtypes[i]) for i in sharded])
                 for i, x in zip(sharded, crossed):
                     g[i] = x
-            g = [x.astype(dt) for x, dt in zip(g, grad_dtypes)]
-            if scaled:
-                g = [x / scale.astype(x.dtype) for x in g]
+            # The gradients leave in the dtype they were reduced in (bf16 with mixed
+            # precision): the cast to the master's dtype and the unscaling happen per leaf
+            # inside the update (``finish_grads``), fused into the optimizer's arithmetic,
+            # so no float32 copy of the whole gradient is ever held. The norm reads the
+            # same finished values, element by element.
+            g = [x.astype(dt) if jnp.dtype(dt).itemsize < x.dtype.itemsize else x
+                 for x, dt in zip(g, grad_dtypes)]
+            fin = finish_grads(g, grad_dtypes, scale if scaled else None)
 
             def sq(xs):
                 return sum((_sq_norm(x) for x in xs), jnp.zeros((), jnp.float32))
 
             # partitioned slices summed over devices (one scalar all-reduce), plus the
             # replicated leaves, identical everywhere
-            part_sq = sq([g[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
-            rep_sq = sq([g[i] for i in (replicated if stage > 0 else range(len(g)))])
+            part_sq = sq([fin[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
+            rep_sq = sq([fin[i] for i in (replicated if stage > 0 else range(len(g)))])
             sum_sq = ((jax.lax.psum(part_sq, zero_axis) if stage > 0 and sharded else 0.0)
                       + rep_sq)
             loss_sum = jax.lax.psum(loss_sum, batch_axes)
@@ -388,6 +399,18 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
         return jax.tree.unflatten(treedef, list(g)), loss, aux, sum_sq
 
     return grad_fn
+
+
+def finish_grads(grads, dtypes, scale=None):
+    """The reduced gradients in the dtypes the update takes (the master's), unscaled
+    by the loss ``scale``: cast, then divided, leaf by leaf (a list, or a tree with
+    ``dtypes`` a matching list)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    out = []
+    for x, dt in zip(leaves, dtypes, strict=True):
+        x = x.astype(dt)
+        out.append(x if scale is None else x / scale.astype(x.dtype))
+    return jax.tree.unflatten(treedef, out)
 
 
 def clip_by_global_norm(grads, norm, max_norm: float):
@@ -623,17 +646,26 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         grad_norm = jnp.sqrt(sum_sq)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         if cfg.max_grad_norm is not None:
-            grads = clip_by_global_norm(grads, grad_norm, cfg.max_grad_norm)
             metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, cfg.max_grad_norm)
+
+        def finish(grads):
+            # in the update, leaf by leaf: the cast to the master's dtype, unscaling and
+            # clipping fuse into the optimizer's arithmetic (no whole fp32 gradient copy)
+            grads = finish_grads(grads, grad_dtypes, scale)
+            if cfg.max_grad_norm is not None:
+                grads = clip_by_global_norm(grads, grad_norm, cfg.max_grad_norm)
+            return grads
 
         inner_lays = opt_lays.inner if mixed else opt_lays
         own_lays = lay_tree if stage > 0 else jax.tree.map(
             lambda lay: dataclasses.replace(lay, dim=None, pad=0), lay_tree, is_leaf=is_layout)
 
-        def update(operands):
+        def update(operands, finished=False):
             # the optimizer sees every leaf at its own shape: padding is cut off here
             # (inside jit, the compiler holds the uneven split) and put back after
             owned, inner_state, grads = operands
+            if not finished:
+                grads = finish(grads)
             p = unpad_tree(owned, own_lays)
             updates, new_inner = tx.update(unpad_tree(grads, own_lays),
                                            unpad_tree(inner_state, inner_lays), p)
@@ -657,8 +689,11 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
             if state.loss_scale is None:
                 new_owned, new_inner = update((owned, inner_state, grads))
             else:
-                new_owned, new_inner = jax.lax.cond(finite, update, lambda ops: ops[:2],
-                                                    (owned, inner_state, grads))
+                # the finished gradients are the cond's operand (a select of new and old
+                # values instead would keep both alive: 12 MiB more of a 62 MiB peak)
+                new_owned, new_inner = jax.lax.cond(
+                    finite, functools.partial(update, finished=True), lambda ops: ops[:2],
+                    (owned, inner_state, finish(grads)))
             if stage > 0:
                 new_owned = constrain(new_owned, part_sh)
             new_inner = constrain(new_inner, inner_sh)
