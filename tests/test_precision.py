@@ -322,9 +322,10 @@ def test_all_gather_bits_is_all_gather_bit_for_bit(mesh, dtype):
                                      check_vma=False))(x)
 
     got = run(lambda s: all_gather_bits(s, "data", 0))
-    want = run(lambda s: jax.lax.all_gather(s, "data", axis=0, tiled=True))
     assert got.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    # the input's own bits (jax.lax.all_gather of bf16 on jax 0.12's XLA:CPU, through
+    # float32, changed a NaN's payload)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(x).view(np.uint8))
 
     # the gradient: each device's squared sum of the gathered whole, transposed to a
     # reduce-scatter
