@@ -124,6 +124,9 @@ def _options(options: dict) -> dict:
     return out
 
 
+_DRY_RUN_PARAMS: dict = {}  # (GPTConfig, seed) -> initial params on the host (--dry-run)
+
+
 def run_row(args, name: str) -> dict:
     """Build, compile and time one row; its measurements as a dict."""
     import jax
@@ -143,7 +146,13 @@ def run_row(args, name: str) -> dict:
            "attention": resolve_attention(config), "fits": False}
     tx = optax.adam(args.lr)
     loss_fn = lm_loss(model)
-    params = gpt_params(model, args.seed)
+    if args.dry_run:  # every row in this process: flax's eager init once, not per row
+        key = (config, args.seed)
+        if key not in _DRY_RUN_PARAMS:
+            _DRY_RUN_PARAMS[key] = jax.tree.map(np.asarray, gpt_params(model, args.seed))
+        params = jax.tree.map(jax.numpy.asarray, _DRY_RUN_PARAMS[key])
+    else:
+        params = gpt_params(model, args.seed)
     psi = sum(x.size for x in jax.tree.leaves(params))
     out["psi"] = psi
     tokens = np.random.default_rng(args.seed).integers(
