@@ -5,6 +5,8 @@ full remat, in order."""
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,6 +19,17 @@ from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
 
 SHAPE = dict(vocab=64, seq=32, layers=4, hidden=64, heads=4)
 STAGE, BATCH, STEPS = 3, 16, 3
+
+
+@functools.cache
+def _host_params(config, seed):
+    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
+
+
+def _gpt_params(model, seed=0):
+    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
+    takes seconds) and handed out as fresh arrays each call."""
+    return jax.tree.map(jnp.asarray, _host_params(model.config, seed))
 
 
 def _batches():
@@ -32,7 +45,7 @@ def _run(policy):
     model = GPT(GPTConfig(**SHAPE))
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=STAGE,
                        remat_policy=policy)
-    state = opt.init_state(gpt_params(model, 0))
+    state = opt.init_state(_gpt_params(model, 0))
     step = opt.train_step(lm_loss(model))
     batches = _batches()
     compiled = step.lower(state, batches[0]).compile()
