@@ -7,6 +7,7 @@ model axis is left to the compiler, the data axis is zerojax's explicit schedule
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -21,6 +22,17 @@ TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 DATA, MODEL = 4, 2
 
 
+@functools.cache
+def _host_params(config, seed):
+    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
+
+
+def _gpt_params(model, seed=0):
+    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
+    takes seconds) and handed out as fresh arrays each call."""
+    return jax.tree.map(jnp.asarray, _host_params(model.config, seed))
+
+
 def _mesh():
     return zerojax.make_mesh(data=DATA, model=MODEL)
 
@@ -33,7 +45,20 @@ def _batches(n, vocab=64, seq=16, batch=16):
 @functools.cache
 def _reference():
     model = GPT(GPTConfig(**TINY))
-    return reference_run(optax.adam(1e-3), gpt_params(model, 0), lm_loss(model), _batches(4))
+    return reference_run(optax.adam(1e-3), _gpt_params(model, 0), lm_loss(model), _batches(4))
+
+
+@functools.cache
+def _host_boxed_params():
+    model = GPT(GPTConfig(**TINY))
+    return jax.tree.map(np.asarray,
+                        model.init(jax.random.key(0), _batches(1)[0][:, :-1])["params"])
+
+
+def _boxed_params():
+    """The GPT's params as flax initialises them, ``nn.Partitioned`` boxes kept (once
+    per module; fresh arrays each call)."""
+    return jax.tree.map(jnp.asarray, _host_boxed_params())
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -41,7 +66,7 @@ def test_gpt_matches_single_device(stage):
     model = GPT(GPTConfig(**TINY))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
     # boxed params: the Megatron layout is read from the flax metadata
-    state = opt.init_state(model.init(jax.random.key(0), _batches(1)[0][:, :-1])["params"])
+    state = opt.init_state(_boxed_params())
     step = opt.train_step(lm_loss(model))
     for b in _batches(4):
         state, _ = step(state, b)
@@ -52,7 +77,7 @@ def test_gpt_matches_single_device(stage):
 def test_model_split_leaves_get_their_data_split_on_another_dim():
     model = GPT(GPTConfig(**TINY))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=3)
-    state = opt.init_state(gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
+    state = opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
     p = state.params
     blocks = p["blocks"]
     assert blocks["qkv"]["kernel"].sharding.spec == P(None, "data", "model")  # column-parallel
@@ -74,7 +99,7 @@ def test_model_split_leaves_get_their_data_split_on_another_dim():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_state_bytes_are_the_formula_over_model_degree(stage):
     model = GPT(GPTConfig(vocab=256, seq=16, layers=2, hidden=256, heads=4))
-    params, specs = gpt_params(model, 0), gpt_param_specs(model, 0)
+    params, specs = _gpt_params(model, 0), gpt_param_specs(model, 0)
     psi = sum(x.size for x in jax.tree.leaves(params))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
     state = opt.init_state(params, model_specs=specs)
@@ -88,7 +113,7 @@ def test_model_state_bytes_are_the_formula_over_model_degree(stage):
 def _model_axis_volume(stage, layers, remat):
     model = GPT(GPTConfig(**{**TINY, "layers": layers, "remat": remat}))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
-    state = opt.init_state(gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
+    state = opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
     compiled = opt.train_step(lm_loss(model)).lower(state, _batches(1)[0]).compile()
     return zerojax.comm_volume(compiled).by_group_size()[MODEL]
 
