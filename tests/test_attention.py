@@ -17,6 +17,17 @@ from zerojax.models.gpt import resolve_attention
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 BATCH = 16
 
+
+@functools.cache
+def _host_params(config, seed):
+    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
+
+
+def _gpt_params(model, seed=0):
+    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
+    takes seconds) and handed out as fresh arrays each call."""
+    return jax.tree.map(jnp.asarray, _host_params(model.config, seed))
+
 # Measured (jax 0.10.2, CPU): the fused attention multiplies the scores by 1/sqrt(d)
 # where the explicit one divides by sqrt(d), so the two differ by float32 rounding:
 # the loss agrees bit for bit here; each gradient leaf agrees to at most 1.8e-7 of
@@ -53,16 +64,16 @@ def test_fused_matches_explicit_on_one_device(t):
     out = {}
     for attention in ("xla", "dot_product"):
         model = _model(attention)
-        out[attention] = jax.jit(jax.value_and_grad(lm_loss(model)))(gpt_params(model, 0),
+        out[attention] = jax.jit(jax.value_and_grad(lm_loss(model)))(_gpt_params(model, 0),
                                                                        tokens)
     (l_x, g_x), (l_f, g_f) = out["xla"], out["dot_product"]
     assert abs(float(l_x) - float(l_f)) <= LOSS_ATOL
     errs = _rel_err(g_x, g_f)
     assert max(jax.tree.leaves(errs)) < GRAD_RTOL, errs
     # and the fused path is another program (not today's attention under a new name)
-    text = jax.jit(lm_loss(_model("dot_product"))).lower(gpt_params(_model("xla"), 0),
+    text = jax.jit(lm_loss(_model("dot_product"))).lower(_gpt_params(_model("xla"), 0),
                                                          tokens).as_text()
-    assert text != jax.jit(lm_loss(_model("xla"))).lower(gpt_params(_model("xla"), 0),
+    assert text != jax.jit(lm_loss(_model("xla"))).lower(_gpt_params(_model("xla"), 0),
                                                          tokens).as_text()
 
 
@@ -89,7 +100,7 @@ def _both(stage, model_axis):
     attention's loss on one, the fused attention's on the other, summed (the losses
     as aux). Each copy's gradient is its own model's: one compile gives both."""
     explicit, fused = _model("xla"), _model("dot_product")
-    params = gpt_params(explicit, 0)
+    params = _gpt_params(explicit, 0)
     both = {"explicit": params, "fused": params}
 
     def loss(p, batch):
@@ -123,7 +134,7 @@ def test_fused_matches_explicit_under_zero(stage, model_axis):
 @functools.cache
 def _one_device_grads():
     model = _model("xla")
-    return jax.jit(jax.grad(lm_loss(model)))(gpt_params(model, 0), _tokens())
+    return jax.jit(jax.grad(lm_loss(model)))(_gpt_params(model, 0), _tokens())
 
 
 def test_auto_and_cudnn_resolve_by_backend():
