@@ -5,6 +5,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,17 @@ TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 DATA, MODEL, BATCH = 4, 2, 16
 
 
+@functools.cache
+def _host_params(config, seed):
+    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
+
+
+def _gpt_params(model, seed=0):
+    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
+    takes seconds) and handed out as fresh arrays each call."""
+    return jax.tree.map(jnp.asarray, _host_params(model.config, seed))
+
+
 def _batches(n, seq=16):
     rng = np.random.default_rng(0)
     return [rng.integers(0, 64, (BATCH, seq + 1)).astype(np.int32) for _ in range(n)]
@@ -26,13 +38,13 @@ def _batches(n, seq=16):
 @functools.cache
 def _reference():
     model = GPT(GPTConfig(**TINY))
-    return reference_run(optax.adam(1e-3), gpt_params(model, 0), lm_loss(model), _batches(3))
+    return reference_run(optax.adam(1e-3), _gpt_params(model, 0), lm_loss(model), _batches(3))
 
 
 def _opt_state(model, stage, policy):
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=DATA, model=MODEL),
                        stage=stage, remat_policy=policy)
-    return opt, opt.init_state(gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
+    return opt, opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
 
 
 @pytest.mark.parametrize("stage,policy", [
@@ -112,7 +124,7 @@ def test_host_offload_without_a_model_axis_moves_the_whole_checkpoint():
     model = GPT(GPTConfig(**TINY))
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=2,
                        remat_policy="partitioned_host")
-    state = opt.init_state(gpt_params(model, 0))
+    state = opt.init_state(_gpt_params(model, 0))
     step = opt.train_step(lm_loss(model))
     ckpts = saved_checkpoints(step, state, _batches(1)[0])
     assert [(c.shape, c.memory_space) for c in ckpts] == [((2, 2, 16, 32), "host")]
@@ -165,5 +177,5 @@ def test_pa_on_a_model_without_named_layer_inputs_is_an_error(policy):
 
 def test_layer_input_name_is_what_pa_looks_for():
     model = GPT(GPTConfig(**TINY))
-    jaxpr = jax.make_jaxpr(lm_loss(model))(gpt_params(model, 0), _batches(1)[0])
+    jaxpr = jax.make_jaxpr(lm_loss(model))(_gpt_params(model, 0), _batches(1)[0])
     assert re.search(r"name\[name=layer_input\]", str(jaxpr))
