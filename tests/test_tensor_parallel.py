@@ -63,13 +63,15 @@ def _boxed_params():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gpt_matches_single_device(stage):
-    model = GPT(GPTConfig(**TINY))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
     # boxed params: the Megatron layout is read from the flax metadata
     state = opt.init_state(_boxed_params())
-    step = opt.train_step(lm_loss(model))
+    # the same layout as the specs read by gpt_param_specs, so the same program: the
+    # one compiled for the model-axis collectives below (stages 0 and 3) trains here
+    step, compiled, layout = _program(stage, 2, True)
+    assert _layout(state) == layout
     for b in _batches(4):
-        state, _ = step(state, b)
+        state, _ = compiled(state, step.place_batch(b), None)
     # tolerance and its reason: tests/test_gpt.py (the QKV key bias has a zero gradient)
     assert max_rel_err(_reference(), opt.full_params(state)) < 3e-4
 
@@ -109,12 +111,24 @@ def test_model_state_bytes_are_the_formula_over_model_degree(stage):
     assert abs(held / formula - 1) <= 0.03, (held, formula)
 
 
+def _layout(state):
+    return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state)
+
+
 @functools.cache
-def _model_axis_volume(stage, layers, remat):
+def _program(stage, layers, remat):
+    """(train step, its compiled program, the state's layout) on the GPT with params
+    laid out by gpt_param_specs: one compile per (stage, layers, remat) in the module."""
     model = GPT(GPTConfig(**{**TINY, "layers": layers, "remat": remat}))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
     state = opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
-    compiled = opt.train_step(lm_loss(model)).lower(state, _batches(1)[0]).compile()
+    step = opt.train_step(lm_loss(model))
+    return step, step.lower(state, _batches(1)[0]).compile(), _layout(state)
+
+
+@functools.cache
+def _model_axis_volume(stage, layers, remat):
+    compiled = _program(stage, layers, remat)[1]
     return zerojax.comm_volume(compiled).by_group_size()[MODEL]
 
 
