@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,3 +97,17 @@ def mlp_problem(width: int, layers: int):
     x = jax.random.normal(jax.random.key(1), (16, width))
     params = model.init(jax.random.key(0), x)["params"]
     return model, params, (x, jnp.sin(x[:, :1]))
+
+
+@functools.cache
+def _host_gpt_params(config, seed):
+    from zerojax.models import GPT, gpt_params
+
+    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
+
+
+def cached_gpt_params(model, seed=0):
+    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
+    takes seconds) and handed out as fresh arrays each call (a donated state never
+    deletes the cached copy)."""
+    return jax.tree.map(jnp.asarray, _host_gpt_params(model.config, seed))

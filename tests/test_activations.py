@@ -5,29 +5,20 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_err, reference_run
+from helpers import cached_gpt_params, max_rel_err, reference_run
 
 import zerojax
 from zerojax.analysis import compiled_memory, saved_checkpoints
-from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
+from zerojax.models import GPT, GPTConfig, gpt_param_specs, lm_loss
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 DATA, MODEL, BATCH = 4, 2, 16
 
 
-@functools.cache
-def _host_params(config, seed):
-    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
-
-
-def _gpt_params(model, seed=0):
-    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
-    takes seconds) and handed out as fresh arrays each call."""
-    return jax.tree.map(jnp.asarray, _host_params(model.config, seed))
+_gpt_params = cached_gpt_params
 
 
 def _batches(n, seq=16):

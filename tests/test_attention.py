@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import cached_gpt_params
 
 import zerojax
 from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
@@ -19,17 +20,10 @@ TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 BATCH = 16
 
 
-@functools.cache
-def _host_params(config, seed):
-    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
-
-
 def _gpt_params(model, seed=0):
-    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
-    takes seconds) and handed out as fresh arrays each call. The params do not depend
-    on the attention, so the explicit attention's model initialises them."""
-    config = dataclasses.replace(model.config, attention="xla")
-    return jax.tree.map(jnp.asarray, _host_params(config, seed))
+    """:func:`helpers.cached_gpt_params`; the params do not depend on the attention, so
+    the explicit attention's model initialises them."""
+    return cached_gpt_params(GPT(dataclasses.replace(model.config, attention="xla")), seed)
 
 # Measured (jax 0.10.2, CPU): the fused attention multiplies the scores by 1/sqrt(d)
 # where the explicit one divides by sqrt(d), so the two differ by float32 rounding:

@@ -5,31 +5,21 @@ full remat, in order."""
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_err
+from helpers import cached_gpt_params, max_rel_err
 
 import zerojax
 from zerojax.activations import REMAT_POLICIES
 from zerojax.analysis import compiled_memory
-from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+from zerojax.models import GPT, GPTConfig, lm_loss
 
 SHAPE = dict(vocab=64, seq=32, layers=4, hidden=64, heads=4)
 STAGE, BATCH, STEPS = 3, 16, 3
 
 
-@functools.cache
-def _host_params(config, seed):
-    return jax.tree.map(np.asarray, gpt_params(GPT(config), seed))
-
-
-def _gpt_params(model, seed=0):
-    """``gpt_params(model, seed)``, initialised once per config (flax's eager init
-    takes seconds) and handed out as fresh arrays each call."""
-    return jax.tree.map(jnp.asarray, _host_params(model.config, seed))
+_gpt_params = cached_gpt_params
 
 
 def _batches():
