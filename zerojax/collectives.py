@@ -419,7 +419,7 @@ def _gather_sharded(tree: Any, layout_tree: Any, out_layouts: Any, mesh: Mesh, a
         return tuple(out)
 
     out = jax.shard_map(body, mesh=mesh, in_specs=tuple(lay.spec for lay in lays),
-                        out_specs=tuple(o for o in outs), check_vma=False)(*leaves)
+                        out_specs=tuple(outs), check_vma=False)(*leaves)
     return jax.tree.unflatten(treedef, out)
 
 
