@@ -12,6 +12,10 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# what each notebook must print: the one memory model's tables (estimate_memory with tx,
+# plan_model's plan, the GPT step's predicted and compiled peaks)
+PRINTS = {"memory_model": ("adafactor, fp32", "recommendation: "),
+          "zero_stages": ("estimate_memory", "compiled / predicted")}
 
 
 def test_there_are_notebooks():
@@ -39,3 +43,6 @@ def test_notebook_runs(path, tmp_path):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "no plot was drawn"
+    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    for text in PRINTS.get(path.stem, ()):
+        assert text in printed, f"{path.name} no longer prints {text!r}"
