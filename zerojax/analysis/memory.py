@@ -200,10 +200,13 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
       :func:`zerojax.partition.opt_state_layouts` (stages 1-3 split it, stage 0 keeps
       it whole); plus the int32 step counter and, with loss scaling, its 12-byte state
       (both always on the device).
-    * grads (not placed by ``init_state``; what the update is handed): the params' own
-      dtype (with ``param_dtype``, the fp32 master's: the step reduces them in it unless
-      ``reduce_dtype`` says otherwise; float32 or wider when ``accum_steps`` > 1), whole
-      at stages 0-1, the data shard at stages 2-3.
+    * grads (not placed by ``init_state``; what the update is handed): the dtype the
+      step reduces them in, ``reduce_dtype``, else the compute dtype (``param_dtype``,
+      else the leaf's own: bf16 params give bf16 gradients, the paper's 2 bytes, cast
+      to the fp32 master's dtype inside the update leaf by leaf); float32 or wider when
+      ``accum_steps`` > 1, and for a stage 2-3 leaf the loss uses more than once (tied
+      weights: summed in fp32, not counted here); whole at stages 0-1, the data shard at
+      stages 2-3.
     * ``offload_optimizer`` / ``offload_params``: those parts are counted in
       ``host_optimizer_state`` / ``host_params`` instead (0 on the device).
     * HSDP (``replica_axis=``): the stage's bytes with ``dp`` = the data axis D.
@@ -268,8 +271,10 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     # the step counter and the loss scale (scale, good steps, hysteresis) stay on device
     bookkeeping = 4 + (12 if cfg.loss_scale is not None else 0)
 
-    def grad_dtype(lay):  # the step hands the update gradients in the params' own dtype
-        dt = jnp.dtype(lay.dtype)  # (the master's with param_dtype: reduced in it too)
+    def grad_dtype(lay):  # the step hands the update gradients as it reduced them: in
+        # reduce_dtype, else the compute dtype (bf16 with param_dtype; the update casts
+        # them to the master's fp32 leaf by leaf); summed micro-batches in fp32 at least
+        dt = jnp.dtype(cfg.reduce_dtype if cfg.reduce_dtype is not None else compute(lay))
         return jnp.promote_types(dt, jnp.float32) if cfg.accum_steps > 1 else dt
 
     g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay), n_opt)

@@ -515,9 +515,10 @@ OPTION_SETS = (
 
 NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buffers), "
                "allocator fragmentation, the framework's own reserve (use --reserve). "
-               "Checked against compiled steps (benchmarks/memory_model.py): fp32 within "
-               "10% on 29 of 36 cells (0.86-1.16), bf16 on 25 of 36 (0.86-1.39: where model "
-               "states dominate, whole-leaf fp32 conversions the model leaves out)")
+               "Checked against compiled steps on CPU (benchmarks/memory_model.py, jax "
+               "0.10.2): within 10% on 32 of 36 fp32 cells (0.88-1.12) and 35 of 36 bf16 "
+               "(0.90-1.15); jax 0.12's XLA keeps less of the attention alive (28 and 22 of "
+               "36, 0.83-1.26: mostly over-predicted)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,11 +92,12 @@ class StepPrediction:
     grads_in_flight: int
     activations: int
     working: int
+    converted: int = 0  # whole-model copies in a wider compute dtype (see predict_step_memory)
 
     @property
     def backward(self) -> int:
         """Bytes beside the state at the backward pass's peak."""
-        return self.grads_in_flight + self.activations + self.working
+        return max(self.grads_in_flight, self.converted) + self.activations + self.working
 
     @property
     def peak(self) -> int:
@@ -112,7 +113,8 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
                         softmax_bytes: int = 4, accum_steps: int = 1,
                         activations: int | None = None,
                         mixed_stack: int = 0,
-                        intermediate_bytes: int | None = None) -> StepPrediction:
+                        intermediate_bytes: int | None = None,
+                        largest_leaf: int = 0, converted: int = 0) -> StepPrediction:
     """Per-device peak bytes of a zerojax train step (donated state) on a GPT-like model.
 
     Psi = ``num_params``, Psi_l = ``layer_params`` (one block), N = ``dp``; P, G, K
@@ -147,9 +149,19 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     * ``activations`` (bytes), when given, replaces that estimate (a model that is not
       GPT-like: :func:`mlp_step_prediction`);
     * ``mixed_stack``: stage 2 with ``param_dtype`` on a scanned stack of this many
-      parameters: the stack's cotangent is formed whole and converted to float32 before
-      its reduce-scatter (seen in the HLO: a whole-stack f32 convert), 4 bytes each in
-      place of one layer's gradient in flight;
+      parameters, on XLA:CPU (jax 0.10; :func:`gpt_step_prediction` passes it there
+      only): the stack's cotangent is formed whole and converted to
+      float32 for its reduce-scatter (seen in the HLO: a whole-stack f32 convert), 4
+      bytes each in place of one layer's gradient in flight;
+    * ``largest_leaf``: the elements of the largest stacked leaf: scanned stage 1
+      relays out one leaf at a time for its reduce-scatter, so its end is ``G Psi`` plus
+      that leaf's copy (``2 G Psi`` when not given);
+    * ``converted``: bytes of whole-model parameter copies in a wider compute dtype (a
+      model that computes in float32 on bf16 params, as flax does on float32 inputs):
+      at stages 0-2 XLA converts every layer's weights once in the forward and keeps
+      the copies for the backward, and the gradients in flight take their place as they
+      die, so the backward holds ``max(in flight, converted) + activations``; stage 3
+      converts each gathered layer on its own;
     * ``accum_steps`` = k > 1: activations of one micro-batch (b / k), the gradients
       accumulated in float32 (G = 4 or wider) and one float32 accumulator beside the
       micro-batch's gradient (whole at stages 0-1, the shard at 2-3);
@@ -174,6 +186,11 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     whole_grads = stage == 0 or (stage == 1 and scanned)
     end = 2 * g * psi if whole_grads else g * shard
     in_flight = g * psi if whole_grads else g * shard + g * pl
+    if scanned and whole_grads and remat:
+        # the loop's iteration: its layer gradient beside the stack it is written into
+        in_flight += g * pl
+        if stage == 1:  # one leaf's relayout copy at a time, not the whole stack's
+            end = g * psi + g * min(largest_leaf or psi, psi)
     if accum > 1:
         batch = -(-batch // accum)
         acc = 4 * (psi if stage < 2 else shard)
@@ -193,12 +210,15 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
 
     if stage == 3:
         working = p * pl * (1 if scanned or not prefetch or not remat else 2)
+    elif scanned and whole_grads and remat:
+        working = p * pl  # the iteration's weights, kept for its recomputation
     elif stage == 0 or whole_grads or not remat:
         # stages 1-2 without remat: nothing is recomputed, no layer's weights wait
         working = 0
     else:
         working = p * pl
-    return StepPrediction(states, batch_bytes, end, in_flight, acts, working)
+    converted = _count("converted", converted, minimum=0) if stage < 3 else 0
+    return StepPrediction(states, batch_bytes, end, in_flight, acts, working, converted)
 
 
 # --- compiling from shapes ----------------------------------------------------------------
@@ -321,6 +341,28 @@ def gpt_param_shapes(config, dtype: Any = jnp.float32) -> dict:
     return out
 
 
+def _widens_bf16(platform: str) -> bool:
+    """Whether the compiler holds a bf16/fp16 layer's values in float32: XLA:CPU up to
+    jax 0.10 does (its float normalization computes bf16 elementwise ops and dots in
+    float32, seen in its optimized HLO); the XLA:CPU of jax 0.11 on keeps them in bf16,
+    as GPUs do (benchmarks/memory_model.py's grid on jax 0.12: the bf16 GPT's peaks
+    fall below the fp32 ones; counting its gradients in float32 there over-predicts
+    every bf16 GPT cell, though small MLPs still show float32 collectives)."""
+    return platform == "cpu" and tuple(
+        int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+
+
+def _grad_bytes(options: dict, compute_dtype: Any, platform: str) -> int:
+    """Bytes per gradient value in flight: the step computes and reduces gradients in
+    ``reduce_dtype``, else in the params' compute dtype (bf16 with ``param_dtype``; the
+    update casts them to the fp32 master's dtype leaf by leaf); XLA:CPU runs bf16/fp16
+    collectives in float32 (a float32 copy of each collective's input and output), so
+    on ``"cpu"`` with jax 0.10 they count 4 bytes (:func:`_widens_bf16`)."""
+    reduce = options.get("reduce_dtype")
+    grad = jnp.dtype(reduce if reduce is not None else compute_dtype).itemsize
+    return max(grad, 4) if _widens_bf16(platform) else grad
+
+
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                         prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
                         platform: str | None = None, **options: Any) -> StepPrediction:
@@ -330,11 +372,13 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     model states are :func:`~zerojax.analysis.memory.estimate_memory` of the params'
     shapes with ``tx`` (what ``init_state`` places, offloaded parts excluded);
     activations are in the compute dtype (``param_dtype``, else ``config.dtype``), the
-    attention softmax and logits in float32, gradients in ``reduce_dtype`` or the
-    params' own float32 (the step reduces them in the master's dtype). ``platform``
-    (default: ``jax.default_backend()``; the planner says ``"gpu"``): on ``"cpu"`` a
-    bf16/fp16 layer's internal activations are counted in float32, as XLA:CPU holds
-    them."""
+    attention softmax and logits in float32, gradients in ``reduce_dtype``, else the
+    compute dtype (the step reduces them in it, and the update casts them to the
+    master's fp32 leaf by leaf). ``platform`` (default: ``jax.default_backend()``; the
+    planner says ``"gpu"``): on ``"cpu"`` with jax 0.10, bf16/fp16 gradients in flight
+    and a layer's internal activations count 4 bytes, as that XLA:CPU holds them (its
+    float normalization; its collectives run in float32); newer XLA:CPU keeps them in
+    bf16, as GPUs do."""
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
@@ -346,9 +390,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     e = estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
                         **options)
     compute = jnp.dtype(param_dtype if param_dtype is not None else config.dtype).itemsize
-    # gradients are reduced in reduce_dtype, else the params' own (fp32 master) dtype
-    reduce = options.get("reduce_dtype")
-    grad = jnp.dtype(reduce).itemsize if reduce is not None else 4
+    platform = jax.default_backend() if platform is None else platform
+    grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
     accum = options.get("accum_steps", 1)
     working = 0
     if options.get("offload_optimizer") or options.get("offload_params"):
@@ -357,8 +400,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
         bucket = options.get("bucket_size") or 2**24
         per_element = 3 * 4 + compute  # fp32 state in, fp32 out, the new compute copy
         working = 2 * min(bucket, math.ceil(psi / dp)) * per_element
-    platform = jax.default_backend() if platform is None else platform
-    inter = 4 if platform == "cpu" and compute < 4 else None
+    inter = 4 if _widens_bf16(platform) and compute < 4 else None
     return predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=config.remat, prefetch=prefetch,
@@ -367,12 +409,15 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                param_bytes=compute, grad_bytes=grad,
                                activation_bytes=compute, accum_steps=accum,
                                mixed_stack=L * layer if param_dtype is not None
-                               and config.scan else 0, intermediate_bytes=inter)
+                               and config.scan and _widens_bf16(platform) else 0,
+                               intermediate_bytes=inter,
+                               largest_leaf=max(v * h, L * f * h))
 
 
 def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: int,
                         global_batch: int, *, tx: Any = None, param_dtype: Any = None,
-                        out: int = 1, **options: Any) -> StepPrediction:
+                        out: int = 1, platform: str | None = None,
+                        **options: Any) -> StepPrediction:
     """:func:`predict_step_memory` for :class:`zerojax.models.MLP` (``layers`` tanh Dense
     layers of width ``features`` on inputs of ``d_in``, a head of ``out``) on
     ``global_batch`` rows, trained by ``zero(tx, mesh, stage=stage, ...)``. Activations:
@@ -390,19 +435,22 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     psi = sum(x.size for x in jax.tree.leaves(params))
     e = estimate_memory(params, dp, stage, tx=tx, param_dtype=param_dtype, **options)
     compute = jnp.dtype(param_dtype if param_dtype is not None else jnp.float32).itemsize
-    reduce = options.get("reduce_dtype")
-    grad = jnp.dtype(reduce).itemsize if reduce is not None else 4
+    platform = jax.default_backend() if platform is None else platform
+    grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
     # flax's Dense computes in the promotion of its input (float32 here) and its params:
     # a bf16 MLP on float32 inputs keeps float32 activations
     act = jnp.promote_types(jnp.float32, param_dtype or jnp.float32).itemsize
     acts = b * (d_in + layers * features + out) * act
+    # the params' float32 copies (the promotion above), made once and kept for the backward
+    converted = psi * act if act > compute else 0
     return predict_step_memory(psi, dp, stage, layer_params=features * features + features,
                                scanned=False, hidden=features, batch=b, seq=1,
                                layers=layers, param_bytes=compute, grad_bytes=grad,
                                states=e.params + e.optimizer_state, activations=acts,
                                remat=False,
                                batch_bytes=b * (d_in + out) * 4,
-                               accum_steps=options.get("accum_steps", 1))
+                               accum_steps=options.get("accum_steps", 1),
+                               converted=converted)
 
 
 def largest_layers_predicted(config, dp: int, stage: int, global_batch: int,
