@@ -136,6 +136,8 @@ def test_bad_arguments_exit_nonzero_with_a_clear_message(argv, message, capsys):
     (["plan", "--memory", "80", "--devices", "8"], "'80'"),
     (["plan", "--memory", "80GB", "--layers", "4", "--hidden", "64"], "--heads missing"),
     (["plan", "--memory", "80GB", "--model", "llama-7b", "--param-dtype", "fp8"], "fp8"),
+    (["plan", "--memory", "80GB", "--params", "1B", "--remat-policy", "dots"],
+     "--remat-policy dots"),
 ])
 def test_cli_errors_are_one_line_naming_the_value_and_the_fix(argv, value, capsys, tmp_path,
                                                               monkeypatch):
@@ -147,6 +149,21 @@ def test_cli_errors_are_one_line_naming_the_value_and_the_fix(argv, value, capsy
     lines = err.strip().splitlines()
     assert len(lines) == 1 and value in lines[0], err
     assert any(w in lines[0] for w in ("write", "lower", "name the file", "missing", "use")), err
+
+
+def test_plan_a_model_on_a_model_axis_with_pa(capsys):
+    """--mp plans data x model devices for the model planner too, --remat-policy the
+    activations (Pa: partitioned checkpoints)."""
+    base = ["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048", "--batch", "8",
+            "--model", "llama-7b"]
+    code, out, _ = _exit_code(base + ["--mp", "2", "--remat-policy", "partitioned"], capsys)
+    assert code == 0, out
+    assert "8 data x 2 model = 16 devices" in out and "remat_policy='partitioned'" in out
+    code, plain, _ = _exit_code(base, capsys)
+    assert code == 0 and "remat_policy" not in plain
+    stage3 = lambda text: [ln for ln in text.splitlines()  # noqa: E731
+                           if ln.strip().startswith("stage 3 ")][0].split()
+    assert float(stage3(out)[-5]) < float(stage3(plain)[-5])  # the peak column
 
 
 def test_plan_says_what_the_code_does(capsys):

@@ -344,6 +344,8 @@ def _gb(n: float | None) -> str:
         return "-"
     if n == 0:
         return "0"
+    if n < 2**20:
+        return f"{n:,.0f} B"
     return f"{n / GB:,.2f}" if n >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
 
 
@@ -567,6 +569,8 @@ class ModelPlan:
     largest: tuple = ()  # ((label, ModelShape or None, Psi), ...) with largest=True
     not_counted: str = NOT_COUNTED
     links: tuple = ()  # ((label, inside, across bytes per device per step), ...) on nodes
+    mp: int = 1  # the model axis beside the data-parallel devices
+    options: dict = dataclasses.field(default_factory=dict)  # zero() options of every row
 
     def row(self, label: str) -> PlanRow:
         for r in self.rows:
@@ -594,20 +598,26 @@ def _dtype(param_dtype: Any):
 
 
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
-         budget, reserve, remat=True, extra=None) -> PlanRow:
+         budget, reserve, remat=True, extra=None, mp=1) -> PlanRow:
     import jax.numpy as jnp
 
-    from zerojax.analysis.report import gpt_param_shapes, gpt_step_prediction
+    from zerojax.analysis.report import (
+        gpt_param_shapes,
+        gpt_param_specs_of,
+        gpt_step_prediction,
+    )
 
     config = dataclasses.replace(shape.config(seq, param_dtype), remat=remat)
     opts = {**options, **(extra or {})}
     states = estimate_memory(gpt_param_shapes(config), devices, stage, tx=tx,
-                             param_dtype=param_dtype, **opts)
+                             param_dtype=param_dtype, mp=mp,
+                             model_specs=gpt_param_specs_of(config) if mp > 1 else None,
+                             **opts)
     step = gpt_step_prediction(config, devices, stage, batch * devices, tx=tx,
-                               param_dtype=param_dtype, platform="gpu", **opts)
+                               param_dtype=param_dtype, platform="gpu", mp=mp, **opts)
     compute = jnp.dtype(param_dtype or jnp.float32).itemsize
     psi = shape.num_params(seq)
-    traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute)
+    traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
     host = 2 * states.host
     peak = step.peak + reserve
     return PlanRow(label, stage, options, states, step, reserve, peak <= budget, traffic, host)
@@ -618,7 +628,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                param_dtype: Any = "bf16", devices_per_node: int | None = None,
                largest: bool = False, reserve_bytes: int = 0, remat: bool = True,
                width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
-               option_sets: Sequence = OPTION_SETS, **options: Any) -> ModelPlan:
+               option_sets: Sequence = OPTION_SETS, mp: int = 1,
+               **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
     device, ``optimizer`` (or any optax ``tx``), ``param_dtype`` (compute precision; the
@@ -632,7 +643,11 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     model of the family ``layers = L, hidden = width_per_layer * L, heads = hidden /
     head_dim`` (GPT-3's ratio: 96 layers x 12288) that fits; without a model, the
     rows describe that largest model of the first fitting row. ``options``: further
-    :func:`zerojax.zero` options for every row (``accum_steps``, ``bucket_size``, ...).
+    :func:`zerojax.zero` options for every row (``accum_steps``, ``bucket_size``,
+    ``remat_policy``: ``"partitioned"`` is ZeRO-R's Pa, ``"partitioned_host"`` Pa+cpu,
+    ``"dots"`` saves the projections, ...). ``mp``: a ``model`` mesh axis of that size
+    (Megatron tensor parallelism, the reference GPT's specs) beside the ``devices``
+    data-parallel devices, ``devices x mp`` in all; traffic is the data axis's.
     """
     devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
     budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
@@ -650,8 +665,9 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
         raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
     pd = _dtype(param_dtype)
     tx = make_optimizer(optimizer) if tx is None else tx
+    mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
     kw = dict(devices=devices, seq=seq, batch=batch, tx=tx, param_dtype=pd,
-              budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options)
+              budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp)
 
     found = []
     if largest:
@@ -702,7 +718,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
             for label, opts in HIERARCHICAL_SETS)
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
-                     pd, rows, best, reason, tuple(found), links=links)
+                     pd, rows, best, reason, tuple(found), links=links, mp=mp,
+                     options=dict(options))
 
 
 def format_model_plan(p: ModelPlan) -> str:
@@ -716,9 +733,12 @@ def format_model_plan(p: ModelPlan) -> str:
         nodes = (f" ({n_nodes} node(s) of {p.devices_per_node}"
                  + ("; every step's data-axis traffic crosses the network)" if n_nodes > 1
                     else "; all traffic within the node)"))
-    head = [f"plan: {p.devices} devices x {_gb(p.budget_bytes)} GB{nodes}, seq {p.seq}, "
-            f"batch {p.batch} per device, optimizer {p.optimizer}, params in {precision} "
-            "(fp32 master weights and optimizer state)"]
+    mesh = (f"{p.devices} data x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
+            else f"{p.devices} devices")
+    extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
+    head = [f"plan: {mesh} x {_gb(p.budget_bytes)} GB{nodes}, seq {p.seq}, "
+            f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
+            f"{precision} (fp32 master weights and optimizer state){extra}"]
     if p.shape is not None:
         head.append(f"model: {p.shape}; Psi = {_human(p.num_params)} ({p.num_params:,})")
     header = ["option set", "params", "grads", "optim", "act", "other", "peak (GB)",

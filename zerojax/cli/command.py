@@ -178,6 +178,10 @@ def _plan(args: argparse.Namespace) -> int:
     shape_given = [a for a in ("layers", "hidden", "heads") if getattr(args, a) is not None]
     if args.largest or args.model is not None or shape_given:
         return _plan_model(args, shape_given)
+    if args.remat_policy is not None:
+        args.error(f"--remat-policy {args.remat_policy}: the policy shapes the model's "
+                   "activations; use --model, --layers/--hidden/--heads or --largest "
+                   "with it")
     try:
         result = zerojax.plan(args.params, dp=args.devices, budget_bytes=round(args.budget),
                               param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
@@ -210,9 +214,6 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     if args.params is not None:
         args.error("--params is the paper-formula question; give the model's shape "
                    "(--layers --hidden --heads), --model or --largest instead, not both")
-    if args.mp > 1:
-        args.error(f"--mp {args.mp}: the model planner plans the data axis only; drop --mp "
-                   "(or use --params for the paper's formula with M)")
     if args.model is not None and shape_given:
         args.error("give --model PRESET or --layers/--hidden/--heads, not both")
     model = args.model
@@ -234,7 +235,9 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
         result = plan_model(model, devices=args.devices, budget_bytes=round(args.budget),
                             seq=args.seq, batch=args.batch, optimizer=args.optimizer,
                             param_dtype=precision, devices_per_node=args.gpus_per_node,
-                            largest=args.largest, reserve_bytes=round(args.reserve))
+                            largest=args.largest, reserve_bytes=round(args.reserve),
+                            mp=args.mp, **({"remat_policy": args.remat_policy}
+                                           if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
         args.error(str(e))
     print(result)
@@ -455,6 +458,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
                       help="--params only: activation memory per device, e.g. from "
                            "'zerojax estimate --layers ... --hidden ...' (default: 0)")
+    from zerojax.activations import REMAT_POLICIES
+
+    plan.add_argument("--remat-policy", choices=REMAT_POLICIES, default=None,
+                      help="zero(remat_policy=...) planned for the model's rows: "
+                           "partitioned (ZeRO-R's Pa: checkpoints split over --mp), "
+                           "partitioned_host (Pa+cpu: checkpoints in host memory), dots "
+                           "(projections saved), none (nothing recomputed), ... "
+                           "(default: the model's own, one checkpoint per layer)")
     plan.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
                       help="--params only: a constant-size communication buffer of this many "
                            "gradient elements, added to every stage (default: none counted, "
