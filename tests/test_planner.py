@@ -552,3 +552,30 @@ def test_plan_model_takes_the_model_axis_and_remat_policy():
         assert b.states < a.states and b.peak < a.peak, a.label
         assert c.activations < b.activations and c.states == b.states, a.label
     assert "8 data x 2 model = 16 devices" in str(pa) and "remat_policy='partitioned'" in str(pa)
+
+
+def test_planner_counts_cudnn_flash_attention_where_train_runs_it():
+    """On the planned CUDA GPU, attention="auto" with bf16 params and head_dim <= 128 is
+    cuDNN's flash attention (resolve_attention's choice): the s x s scores are not
+    counted, only a float32 softmax statistic per row; fp32, the CPU, head_dim 256 and
+    "xla" keep the 3 a s^2 b float32 values."""
+    from zerojax.analysis.plan import PRESETS, plan_model
+    from zerojax.analysis.report import flash_attention, gpt_activation_bytes
+
+    shape = PRESETS["llama-7b"]
+    s, b = 8192, 2
+    auto = shape.config(s, jnp.bfloat16, "auto")
+    assert flash_attention(auto, "gpu") and not flash_attention(auto, "cpu")
+    assert not flash_attention(shape.config(s, None, "auto"), "gpu")  # fp32
+    assert not flash_attention(shape.config(s, jnp.bfloat16, "xla"), "gpu")
+    wide = GPTConfig(vocab=256, seq=64, layers=2, hidden=512, heads=2, dtype=jnp.bfloat16,
+                     attention="auto")  # head_dim 256: cuDNN does not take it
+    assert not flash_attention(wide, "gpu")
+    a = shape.heads
+    gap = (gpt_activation_bytes(shape.config(s, jnp.bfloat16, "xla"), b, value_bytes=2)
+           - gpt_activation_bytes(auto, b, value_bytes=2))
+    assert gap == 3 * a * s * s * b * 4 - a * s * b * 4
+    kw = dict(devices=8, budget_bytes=int(80e9), seq=s, batch=b)
+    flash, explicit = plan_model(shape, **kw), plan_model(shape, attention="xla", **kw)
+    assert all(f.activations < e.activations for f, e in zip(flash.rows, explicit.rows))
+    assert "cuDNN flash attention" in str(flash) and "s x s scores materialised" in str(explicit)

@@ -452,14 +452,14 @@ class ModelShape:
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
 
-    def config(self, seq: int, dtype: Any = None):
+    def config(self, seq: int, dtype: Any = None, attention: str = "xla"):
         import jax.numpy as jnp
 
         from zerojax.models.gpt import GPTConfig
 
         return GPTConfig(vocab=self.vocab, seq=seq, layers=self.layers, hidden=self.hidden,
                          heads=self.heads, mlp_ratio=self.mlp_ratio,
-                         dtype=jnp.float32 if dtype is None else dtype)
+                         dtype=jnp.float32 if dtype is None else dtype, attention=attention)
 
     def num_params(self, seq: int) -> int:
         h, f = self.hidden, self.mlp_ratio * self.hidden
@@ -570,6 +570,7 @@ class ModelPlan:
     not_counted: str = NOT_COUNTED
     links: tuple = ()  # ((label, inside, across bytes per device per step), ...) on nodes
     mp: int = 1  # the model axis beside the data-parallel devices
+    attention: str = "auto"  # GPTConfig.attention planned
     options: dict = dataclasses.field(default_factory=dict)  # zero() options of every row
 
     def row(self, label: str) -> PlanRow:
@@ -598,7 +599,7 @@ def _dtype(param_dtype: Any):
 
 
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
-         budget, reserve, remat=True, extra=None, mp=1) -> PlanRow:
+         budget, reserve, remat=True, extra=None, mp=1, attention="xla") -> PlanRow:
     import jax.numpy as jnp
 
     from zerojax.analysis.report import (
@@ -607,7 +608,7 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
         gpt_step_prediction,
     )
 
-    config = dataclasses.replace(shape.config(seq, param_dtype), remat=remat)
+    config = dataclasses.replace(shape.config(seq, param_dtype, attention), remat=remat)
     opts = {**options, **(extra or {})}
     states = estimate_memory(gpt_param_shapes(config), devices, stage, tx=tx,
                              param_dtype=param_dtype, mp=mp,
@@ -628,7 +629,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                param_dtype: Any = "bf16", devices_per_node: int | None = None,
                largest: bool = False, reserve_bytes: int = 0, remat: bool = True,
                width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
-               option_sets: Sequence = OPTION_SETS, mp: int = 1,
+               option_sets: Sequence = OPTION_SETS, mp: int = 1, attention: str = "auto",
                **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
@@ -648,6 +649,10 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     ``"dots"`` saves the projections, ...). ``mp``: a ``model`` mesh axis of that size
     (Megatron tensor parallelism, the reference GPT's specs) beside the ``devices``
     data-parallel devices, ``devices x mp`` in all; traffic is the data axis's.
+    ``attention``: the GPT's ``GPTConfig.attention`` on the planned (CUDA) GPU:
+    ``"auto"`` (default, what ``zerojax train`` runs) is cuDNN's flash attention with
+    bf16/fp16 params and head_dim <= 128, so no ``s x s`` scores are counted;
+    ``"xla"`` the explicit attention, its float32 scores materialised.
     """
     devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
     budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
@@ -667,7 +672,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     tx = make_optimizer(optimizer) if tx is None else tx
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
     kw = dict(devices=devices, seq=seq, batch=batch, tx=tx, param_dtype=pd,
-              budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp)
+              budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
+              attention=attention)
 
     found = []
     if largest:
@@ -719,7 +725,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
                      pd, rows, best, reason, tuple(found), links=links, mp=mp,
-                     options=dict(options))
+                     options=dict(options), attention=attention)
 
 
 def format_model_plan(p: ModelPlan) -> str:
@@ -741,6 +747,12 @@ def format_model_plan(p: ModelPlan) -> str:
             f"{precision} (fp32 master weights and optimizer state){extra}"]
     if p.shape is not None:
         head.append(f"model: {p.shape}; Psi = {_human(p.num_params)} ({p.num_params:,})")
+        from zerojax.analysis.report import flash_attention
+
+        flash = flash_attention(p.shape.config(p.seq, p.param_dtype, p.attention))
+        head.append(f"attention: {p.attention}: " + (
+            "cuDNN flash attention on a CUDA GPU (no s x s scores in memory)" if flash
+            else "explicit, float32 s x s scores materialised per layer being recomputed"))
     header = ["option set", "params", "grads", "optim", "act", "other", "peak (GB)",
               "fits", "traffic (GB)", "host (GB)"]
     rows = []

@@ -389,6 +389,19 @@ def gpt_param_specs_of(config) -> dict:
     return out
 
 
+def flash_attention(config, platform: str = "gpu") -> bool:
+    """Whether the reference GPT of ``config`` runs cuDNN's flash attention on
+    ``platform`` (no ``s x s`` scores in memory): ``attention="cudnn"``, or ``"auto"`` on
+    a GPU (planned as CUDA) with bf16/fp16 compute and a head_dim cuDNN takes, as
+    :func:`zerojax.models.gpt.resolve_attention` picks it."""
+    from zerojax.models.gpt import _CUDNN_DTYPES, _cudnn_head_dim
+
+    if config.attention == "cudnn":
+        return True
+    return (config.attention == "auto" and platform in ("gpu", "cuda")
+            and jnp.dtype(config.dtype) in _CUDNN_DTYPES and _cudnn_head_dim(config.head_dim))
+
+
 # the remat policies whose saved tensors the model counts, and what each keeps per layer
 # beyond the layer input (in units of b s values, split over the model axis): the QKV
 # projection (3 h) and the MLP's first projection (f); see zerojax.activations
@@ -414,7 +427,10 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     * one layer's internals while it is recomputed: the paper's ``12 h b s``, of
       which ``4 h b s`` replicated and ``8 h b s / mp`` split (in ``internal_bytes``,
       default ``value_bytes``), plus its attention scores, probabilities and their
-      gradient, ``3 a s^2 b / mp`` (softmax in ``softmax_bytes``);
+      gradient, ``3 a s^2 b / mp`` (softmax in ``softmax_bytes``), or with cuDNN's
+      flash attention (:func:`flash_attention`) only its float32 softmax statistics,
+      ``a s b / mp`` (not checked against a compiled GPU step here: the CPU has no
+      cuDNN);
     * the logits, their softmax and gradient, ``3 b s V / mp`` (``softmax_bytes``);
     * ``"none"`` (or ``config.remat=False``): no checkpoints, every layer's internals
       and scores kept (``L`` times the recomputed layer's). Under-counted for a
@@ -436,7 +452,11 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     inner = value_bytes if internal_bytes is None else internal_bytes
     hbs = h * b * s
     layer = (4 * hbs + math.ceil(8 * hbs / mp)) * inner
-    layer += math.ceil(3 * a * s * s * b / mp) * softmax_bytes
+    if flash_attention(config, platform):
+        # cuDNN's flash attention: no a s^2 scores, a float32 softmax statistic per row
+        layer += math.ceil(a * s * b / mp) * 4
+    else:
+        layer += math.ceil(3 * a * s * s * b / mp) * softmax_bytes
     logits = math.ceil(3 * b * s * v / mp) * softmax_bytes
     policy = remat_policy
     if policy == "none" or not config.remat:

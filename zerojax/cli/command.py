@@ -236,8 +236,9 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                             seq=args.seq, batch=args.batch, optimizer=args.optimizer,
                             param_dtype=precision, devices_per_node=args.gpus_per_node,
                             largest=args.largest, reserve_bytes=round(args.reserve),
-                            mp=args.mp, **({"remat_policy": args.remat_policy}
-                                           if args.remat_policy else {}))
+                            mp=args.mp, attention=args.attention,
+                            **({"remat_policy": args.remat_policy}
+                               if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
         args.error(str(e))
     print(result)
@@ -292,12 +293,13 @@ def _check_train_plan(args: argparse.Namespace) -> None:
     if not budget:
         return
     shape = ModelShape(args.layers, args.hidden, args.heads, 128 * args.model)  # ASCII vocab
-    config = shape.config(args.seq)
+    config = shape.config(args.seq, attention=args.attention)
     worst = None
     for stage in args.stages:
+        # the model axis (--model) splits weights, heads and the MLP (Megatron's specs)
         step = gpt_step_prediction(dataclasses.replace(config), args.data, stage, args.batch,
-                                   tx=make_optimizer(args))
-        peak = step.peak // args.model  # the model axis splits weights and heads
+                                   tx=make_optimizer(args), mp=args.model)
+        peak = step.peak
         if peak > budget and (worst is None or peak > worst[1]):
             worst = (stage, peak, step)
     if worst is not None:
@@ -305,8 +307,8 @@ def _check_train_plan(args: argparse.Namespace) -> None:
         args.error(
             f"--seq {args.seq} --batch {args.batch} --layers {args.layers} --hidden "
             f"{args.hidden}: a stage-{stage} step needs about {gb(peak)} per device "
-            f"(activations {gb(step.activations // args.model)}, model states "
-            f"{gb(step.states // args.model)}), more than the {gb(budget)} each device has "
+            f"(activations {gb(step.activations)}, model states "
+            f"{gb(step.states)}), more than the {gb(budget)} each device has "
             f"({source}); lower --seq or --batch, or pass --memory SIZE")
 
 
@@ -460,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "'zerojax estimate --layers ... --hidden ...' (default: 0)")
     from zerojax.activations import REMAT_POLICIES
 
+    plan.add_argument("--attention", choices=["auto", "xla", "dot_product", "cudnn"],
+                      default="auto",
+                      help="the model's GPTConfig.attention on the planned CUDA GPU: auto "
+                           "(default, what zerojax train runs) is cuDNN's flash attention "
+                           "for bf16/fp16 params and head_dim <= 128, no s x s scores "
+                           "counted; xla and dot_product materialise them")
     plan.add_argument("--remat-policy", choices=REMAT_POLICIES, default=None,
                       help="zero(remat_policy=...) planned for the model's rows: "
                            "partitioned (ZeRO-R's Pa: checkpoints split over --mp), "
