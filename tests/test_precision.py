@@ -50,16 +50,17 @@ def test_bf16_model_state_bytes_match_the_papers_formula(mesh, stage):
 
 # -- mixed precision's peak ---------------------------------------------------------------
 @functools.cache
-def _gpt_step(stage, param_dtype):
-    """``(lowered, compiled, param shapes)`` of the step of the unrolled reference GPT
-    (2 x 256, seq 32, bf16 compute, Adam) on 16 sequences, from shapes."""
+def _gpt_step(stage, param_dtype, scan=False):
+    """``(lowered, compiled, param shapes)`` of the step of the reference GPT (2 x 256,
+    seq 32, bf16 compute, Adam; unrolled unless ``scan``) on 16 sequences, from
+    shapes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from zerojax.analysis.report import abstract_state, gpt_param_shapes
     from zerojax.models import GPT, GPTConfig, lm_loss
 
     cfg = GPTConfig(vocab=256, seq=32, layers=2, hidden=256, heads=4, dtype=jnp.bfloat16,
-                    scan=False)
+                    scan=scan)
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=N), stage=stage,
                        param_dtype=param_dtype)
     shapes = gpt_param_shapes(cfg)
@@ -81,6 +82,25 @@ def test_bf16_params_peak_at_most_the_fp32_peak(stage):
     fp32 = memory_report(_gpt_step(stage, None)[1]).peak
     bf16 = memory_report(_gpt_step(stage, jnp.bfloat16)[1]).peak
     assert bf16 <= fp32, (stage, bf16 / 2**20, fp32 / 2**20)
+
+
+_JAX_AT_LEAST_0_11 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_params_peak_at_most_the_fp32_peak_scanned(stage):
+    """The same on the scanned GPT (one stacked leaf per kind of weight). Measured (MiB,
+    fp32 -> bf16) on jax 0.12's XLA:CPU: stage 1 16.76 -> 12.16, stage 2 12.74 ->
+    9.87, stage 3 7.31 -> 7.21. jax 0.10's XLA:CPU computes bf16 dots in float32 and
+    converts the whole bf16 weight stack to float32 outside the loop (its float
+    normalization, a CPU-only copy): there stage 3 is 9.63 -> 10.02 (1.041), so there
+    the bound is that measured excess, 5%."""
+    from zerojax.analysis import memory_report
+
+    fp32 = memory_report(_gpt_step(stage, None, True)[1]).peak
+    bf16 = memory_report(_gpt_step(stage, jnp.bfloat16, True)[1]).peak
+    bound = 1.0 if _JAX_AT_LEAST_0_11 or stage < 3 else 1.05
+    assert bf16 <= bound * fp32, (stage, bf16 / 2**20, fp32 / 2**20)
 
 
 def _big_all_reduces(hlo_text):
