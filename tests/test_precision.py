@@ -87,10 +87,11 @@ def test_bf16_params_peak_at_most_the_fp32_peak(stage):
 _JAX_AT_LEAST_0_11 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_params_peak_at_most_the_fp32_peak_scanned(stage):
-    """The same on the scanned GPT (one stacked leaf per kind of weight). Measured (MiB,
-    fp32 -> bf16) on jax 0.12's XLA:CPU: stage 1 16.76 -> 12.16, stage 2 12.74 ->
+    """The same on the scanned GPT (one stacked leaf per kind of weight) at the stages
+    that reduce-scatter its stacked gradient (stage 1: 0.726 and 0.87 of fp32 on jax
+    0.12 and 0.10). Measured (MiB, fp32 -> bf16) on jax 0.12's XLA:CPU: stage 2 12.74 ->
     9.87, stage 3 7.31 -> 7.21. jax 0.10's XLA:CPU computes bf16 dots in float32 and
     converts the whole bf16 weight stack to float32 outside the loop (its float
     normalization, a CPU-only copy): there stage 3 is 9.63 -> 10.02 (1.041), so there
