@@ -394,12 +394,11 @@ def flash_attention(config, platform: str = "gpu") -> bool:
     ``platform`` (no ``s x s`` scores in memory): ``attention="cudnn"``, or ``"auto"`` on
     a GPU (planned as CUDA) with bf16/fp16 compute and a head_dim cuDNN takes, as
     :func:`zerojax.models.gpt.resolve_attention` picks it."""
-    from zerojax.models.gpt import _CUDNN_DTYPES, _cudnn_head_dim
+    from zerojax.models.gpt import resolve_attention
 
     if config.attention == "cudnn":
         return True
-    return (config.attention == "auto" and platform in ("gpu", "cuda")
-            and jnp.dtype(config.dtype) in _CUDNN_DTYPES and _cudnn_head_dim(config.head_dim))
+    return platform in ("gpu", "cuda") and resolve_attention(config, "cuda") == "cudnn"
 
 
 # the remat policies whose saved tensors the model counts, and what each keeps per layer
