@@ -519,8 +519,8 @@ NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buff
                "allocator fragmentation, the framework's own reserve (use --reserve). "
                "Checked against compiled steps on CPU (benchmarks/memory_model.py, jax "
                "0.10.2): within 10% on 32 of 36 fp32 cells (0.88-1.12) and 35 of 36 bf16 "
-               "(0.90-1.15); jax 0.12's XLA keeps less of the attention alive (28 and 22 of "
-               "36, 0.83-1.26: mostly over-predicted)")
+               "(0.90-1.15); jax 0.12's XLA keeps less of the attention alive (28 and 28 of "
+               "36, 0.83-1.11: over-predicted at every cell outside 10% but one)")
 
 
 @dataclasses.dataclass(frozen=True)

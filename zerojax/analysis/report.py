@@ -114,7 +114,8 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
                         activations: int | None = None,
                         mixed_stack: int = 0,
                         intermediate_bytes: int | None = None,
-                        largest_leaf: int = 0, converted: int = 0) -> StepPrediction:
+                        largest_leaf: int = 0, converted: int = 0,
+                        collective_bytes: int | None = None) -> StepPrediction:
     """Per-device peak bytes of a zerojax train step (donated state) on a GPT-like model.
 
     Psi = ``num_params``, Psi_l = ``layer_params`` (one block), N = ``dp``; P, G, K
@@ -156,6 +157,11 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     * ``largest_leaf``: the elements of the largest stacked leaf: scanned stage 1
       relays out one leaf at a time for its reduce-scatter, so its end is ``G Psi`` plus
       that leaf's copy (``2 G Psi`` when not given);
+    * ``collective_bytes``: bytes per value of the buffers the whole-gradient
+      collectives at the end of the backward work in, when wider than G (XLA:CPU runs
+      bf16/fp16 collectives in float32): stage 0's all-reduce holds its float32 input
+      and output, ``2 C Psi`` in place of ``2 G Psi``; scanned stage 1 holds the stack
+      in G and one leaf's float32 copy and relayout, ``G Psi + 2 C largest_leaf``;
     * ``converted``: bytes of whole-model parameter copies in a wider compute dtype (a
       model that computes in float32 on bf16 params, as flax does on float32 inputs):
       at stages 0-2 XLA converts every layer's weights once in the forward and keeps
@@ -177,6 +183,7 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     pl = _count("layer_params", layer_params, minimum=0)
     p, g, k = param_bytes, grad_bytes, optimizer_bytes
+    cb = g if collective_bytes is None else collective_bytes
     if states is None:
         states = int(estimate_memory(psi, n, stage, param_bytes=p, grad_bytes=0,
                                      optimizer_bytes=k))
@@ -190,7 +197,10 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
         # the loop's iteration: its layer gradient beside the stack it is written into
         in_flight += g * pl
         if stage == 1:  # one leaf's relayout copy at a time, not the whole stack's
-            end = g * psi + g * min(largest_leaf or psi, psi)
+            leaf = min(largest_leaf or psi, psi)
+            end = g * psi + (2 * cb * leaf if cb > g else g * leaf)
+    if stage == 0 and cb > g:
+        end = 2 * cb * psi
     if accum > 1:
         batch = -(-batch // accum)
         acc = 4 * (psi if stage < 2 else shard)
@@ -365,6 +375,13 @@ def _grad_bytes(options: dict, compute_dtype: Any, platform: str) -> int:
     return max(grad, 4) if _widens_bf16(platform) else grad
 
 
+def _collective_bytes(grad_bytes: int, platform: str) -> int:
+    """Bytes per value of a whole-gradient collective's buffers: XLA:CPU (every jax
+    version) runs bf16/fp16 all-reduces and reduce-scatters in float32, converting
+    their inputs; GPUs reduce in the gradients' dtype."""
+    return max(grad_bytes, 4) if platform == "cpu" else grad_bytes
+
+
 def gpt_param_specs_of(config) -> dict:
     """The ``PartitionSpec`` tree of a reference ``GPT(config)``'s params (Megatron
     splits over ``"model"``, see :mod:`zerojax.models.gpt`) without tracing the model:
@@ -535,7 +552,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                mixed_stack=L * layer if param_dtype is not None
                                and config.scan and _widens_bf16(platform) else 0,
                                intermediate_bytes=inter,
-                               largest_leaf=max(v * h, L * f * h))
+                               largest_leaf=max(v * h, L * f * h),
+                               collective_bytes=_collective_bytes(grad, platform))
 
 
 def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: int,
@@ -547,7 +565,7 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     ``global_batch`` rows, trained by ``zero(tx, mesh, stage=stage, ...)``. Activations:
     the input and each layer's tanh output (what its backward reads), ``b (d_in + L f)``
     values, plus the head's output, in float32 (flax promotes the bf16 params to the
-    float32 inputs' dtype); written-out layers."""
+    float32 inputs' dtype), as are the gradients in flight; written-out layers."""
     import optax
 
     from zerojax.models import MLP
@@ -567,6 +585,10 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     acts = b * (d_in + layers * features + out) * act
     # the params' float32 copies (the promotion above), made once and kept for the backward
     converted = psi * act if act > compute else 0
+    # and so computes its gradients in that dtype: they are float32 values before the
+    # step casts them to the reduction's dtype (jax 0.12's XLA:CPU, which keeps bf16 in
+    # bf16, showed the same peaks as jax 0.10's once counted so)
+    grad = max(grad, act)
     return predict_step_memory(psi, dp, stage, layer_params=features * features + features,
                                scanned=False, hidden=features, batch=b, seq=1,
                                layers=layers, param_bytes=compute, grad_bytes=grad,
