@@ -572,6 +572,43 @@ def test_plan_model_takes_the_model_axis_and_remat_policy():
     assert "8 data x 2 model = 16 devices" in str(pa) and "remat_policy='partitioned'" in str(pa)
 
 
+def test_plan_model_refuses_splits_that_cannot_be_made(capsys):
+    """A model axis that does not divide the heads (or vocab), and devices that are not
+    whole nodes, are refused naming the values (the CLI: exit 2, one line); with a model
+    axis, --largest searches only layer counts whose heads split over it."""
+    from zerojax.analysis.plan import plan_model
+    from zerojax.cli import main
+
+    kw = dict(devices=8, budget_bytes=int(80e9), seq=2048, batch=8)
+    with pytest.raises(ValueError, match="llama-7b: heads 32 is not divisible by mp 3"):
+        plan_model("llama-7b", mp=3, **kw)
+    with pytest.raises(ValueError, match="vocab 50257 is not divisible by mp 2"):
+        plan_model(largest=True, mp=2, vocab=50257, **kw)
+    with pytest.raises(ValueError, match="devices 8 is not a whole number of nodes of "
+                                         "devices_per_node 3"):
+        plan_model("llama-7b", devices_per_node=3, **kw)
+    assert plan_model("llama-7b", devices_per_node=16, **kw).devices_per_node == 16
+    p = plan_model(largest=True, mp=2, **kw)
+    layers = [shape.layers for _, shape, _ in p.largest if shape is not None]
+    assert layers and all(n % 2 == 0 for n in layers), layers
+    # where the search stopped, that count fits and the next even one does not
+    from zerojax.analysis.plan import ModelShape
+
+    label, shape, _ = p.largest[3]
+    assert label == "stage 3"
+    for n, fits in ((shape.layers, True), (shape.layers + 2, False)):
+        row = plan_model(ModelShape(n, 128 * n, n), mp=2, **kw).row(label)
+        assert row.fits is fits, (n, row.peak)
+    for argv in (["--mp", "3", "--model", "llama-7b"], ["--gpus-per-node", "3",
+                                                         "--model", "llama-7b"]):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048",
+                  "--batch", "8", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not" in err[0], err
+
+
 def test_planner_counts_cudnn_flash_attention_where_train_runs_it():
     """On the planned CUDA GPU, attention="auto" with bf16 params and head_dim <= 128 is
     cuDNN's flash attention (resolve_attention's choice): the s x s scores are not

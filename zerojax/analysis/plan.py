@@ -648,7 +648,10 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     ``remat_policy``: ``"partitioned"`` is ZeRO-R's Pa, ``"partitioned_host"`` Pa+cpu,
     ``"dots"`` saves the projections, ...). ``mp``: a ``model`` mesh axis of that size
     (Megatron tensor parallelism, the reference GPT's specs) beside the ``devices``
-    data-parallel devices, ``devices x mp`` in all; traffic is the data axis's.
+    data-parallel devices, ``devices x mp`` in all; traffic is the data axis's. ``mp``
+    must divide the heads, hidden, MLP width and vocab (the Megatron splits; refused
+    otherwise), and with ``largest=True`` only layer counts whose heads it divides are
+    searched. ``devices`` beyond one node must be a whole number of nodes.
     ``attention``: the GPT's ``GPTConfig.attention`` on the planned (CUDA) GPU:
     ``"auto"`` (default, what ``zerojax train`` runs) is cuDNN's flash attention with
     bf16/fp16 params and head_dim <= 128, so no ``s x s`` scores are counted;
@@ -661,6 +664,11 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     reserve_bytes = _count("reserve_bytes", reserve_bytes, minimum=0)
     if devices_per_node is not None:
         _count("devices_per_node", devices_per_node, minimum=1)
+        if devices > devices_per_node and devices % devices_per_node:
+            raise ValueError(
+                f"devices {devices} is not a whole number of nodes of devices_per_node "
+                f"{devices_per_node}; give a multiple of {devices_per_node} (or the devices "
+                "of one node)")
     if isinstance(model, str):
         if model not in PRESETS:
             raise ValueError(f"model {model!r} is not a preset; use one of "
@@ -671,6 +679,12 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     pd = _dtype(param_dtype)
     tx = make_optimizer(optimizer) if tx is None else tx
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
+    if model is not None:
+        _check_model_axis(model, mp)
+    elif mp > 1 and vocab % mp:
+        raise ValueError(f"vocab {vocab} is not divisible by mp {mp}: the reference GPT "
+                         "splits the embedding's rows over the model axis; give a vocab "
+                         f"padded to a multiple of {mp}")
     kw = dict(devices=devices, seq=seq, batch=batch, tx=tx, param_dtype=pd,
               budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
               attention=attention)
@@ -684,11 +698,20 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
             return ModelShape(layers, hidden, max(1, hidden // head_dim), vocab,
                               name=f"L{layers}")
 
+        # with a model axis, the layer counts whose heads split over it: multiples of
+        # the smallest such count (heads grow in proportion to layers)
+        step = next((m for m in range(1, mp * head_dim + 1)
+                     if family(m).heads % mp == 0 and family(m).hidden % mp == 0), None)
+        if step is None or any(family(step * k).heads % mp for k in (2, 3)):
+            raise ValueError(
+                f"largest=True with mp {mp}: no layer count in the family hidden = "
+                f"{width_per_layer} x layers, heads of {head_dim} gives heads divisible by "
+                f"mp {mp}; give a model, or another mp")
         for label, stage, opts in option_sets:
-            def fits(layers, stage=stage, opts=opts, label=label):
-                return _row(family(layers), label, stage, opts, **kw).fits
+            def fits(k, stage=stage, opts=opts, label=label):
+                return _row(family(step * k), label, stage, opts, **kw).fits
 
-            best = _largest(fits, 1, 1024)
+            best = step * _largest(fits, 1, max(1, 1024 // step))
             shape = family(best) if best >= 1 else None
             found.append((label, shape, shape.num_params(seq) if shape else 0))
         if model is None:
@@ -726,6 +749,23 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
                      pd, rows, best, reason, tuple(found), links=links, mp=mp,
                      options=dict(options), attention=attention)
+
+
+def _check_model_axis(model: ModelShape, mp: int) -> None:
+    """Refuse a model the reference GPT's Megatron specs cannot split ``mp`` ways (the
+    heads, hence the QKV and attention-out columns and rows, the MLP's hidden units and
+    the embedding's vocabulary rows are split over the model axis)."""
+    if mp == 1:
+        return
+    for what, n, fix in (("heads", model.heads, "--heads"),
+                         ("hidden", model.hidden, "--hidden"),
+                         ("vocab", model.vocab, "--vocab (padded)"),
+                         ("MLP width", model.mlp_ratio * model.hidden, "--hidden")):
+        if n % mp:
+            name = model.name or f"{model.layers} x {model.hidden}"
+            raise ValueError(
+                f"{name}: {what} {n} is not divisible by mp {mp}, over which the reference "
+                f"GPT splits it (Megatron); use an mp that divides {n}, or another {fix}")
 
 
 def format_model_plan(p: ModelPlan) -> str:
