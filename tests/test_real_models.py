@@ -25,9 +25,22 @@ def _mesh():
     return zerojax.make_mesh(data=8)
 
 
+_SINGLE_DEVICE: dict = {}
+
+
+def _single_device(case):
+    """``rc.single_device(case)``, run once per case and shared by the stages' tests:
+    a case's name (its arguments included) and its number of batches fix what the
+    one-device run reads (params, batches, reference loss, optimizer, options)."""
+    key = (case.name, len(case.batches))
+    if key not in _SINGLE_DEVICE:
+        _SINGLE_DEVICE[key] = rc.single_device(case)
+    return _SINGLE_DEVICE[key]
+
+
 def _check(case, stage, tol=FP32_TOL, mesh=None):
     opt, state, metrics = rc.zerojax_run(case, mesh or _mesh(), stage)
-    err = max_rel_err(rc.single_device(case), opt.full_params(state))
+    err = max_rel_err(_single_device(case), opt.full_params(state))
     assert err <= tol, f"{case.name}, stage {stage}: rel err {err:.2e} > {tol:.0e}"
     return opt, state, metrics
 
@@ -99,7 +112,7 @@ def test_weighted_loss_with_uneven_padding(stage, accum):
     # the metric is the global weighted mean of the last batch at the params before it
     # (recomputed here from the single-device run of all but the last batch)
     prev = rc.Case(**{**case.__dict__, "batches": case.batches[:-1]})
-    want = float(case.reference_loss(rc.single_device(prev), case.batches[-1]))
+    want = float(case.reference_loss(_single_device(prev), case.batches[-1]))
     assert abs(float(metrics["loss"]) - want) <= 1e-6 * abs(want)
 
 
@@ -115,7 +128,7 @@ def test_mean_of_means_is_not_the_weighted_mean():
 
     case.loss, case.weighted = per_device_mean, False
     opt, state, _ = rc.zerojax_run(case, _mesh(), 0)
-    assert max_rel_err(rc.single_device(case), opt.full_params(state)) > 1e-3
+    assert max_rel_err(_single_device(case), opt.full_params(state)) > 1e-3
 
 
 def test_weighted_loss_errors_name_the_contract():
