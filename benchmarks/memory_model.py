@@ -7,7 +7,8 @@ Compiles only (``jit(...).lower(...).compile()`` on ``ShapeDtypeStruct``s), noth
 
     python benchmarks/memory_model.py                 # everything (about 10 minutes)
     python benchmarks/memory_model.py --only grid     # one section: table1, grid,
-                                                      # largest, answers, scaled
+                                                      # hierarchical, largest,
+                                                      # answers, scaled
 """
 
 from __future__ import annotations
@@ -17,7 +18,18 @@ import time
 
 from _common import use_simulated_devices
 
-SECTIONS = ("table1", "grid", "largest", "answers", "scaled")
+SECTIONS = ("table1", "grid", "hierarchical", "largest", "answers", "scaled")
+
+# hierarchical sharding and ZeRO++ on replicas x data = 2 x (N / 2): (label, stage,
+# zero() options, replicas)
+HIERARCHICAL = (("HSDP", 3, {"replica_axis": "replica"}, 2),
+                ("HSDP", 2, {"replica_axis": "replica"}, 2),
+                ("hpZ", 3, {"hpz": True}, 2),
+                ("qwZ int8", 3, {"quantize_weights": "int8"}, 1),
+                ("qgZ int4", 3, {"quantize_gradients": "int4"}, 1),
+                ("hpZ + qwZ + qgZ", 3, {"hpz": True, "quantize_weights": "int8",
+                                        "quantize_gradients": "int4"}, 2))
+HIERARCHICAL_GRID = ((128, 128, 4), (256, 64, 4), (64, 256, 2))  # (hidden, seq, layers)
 
 # (hidden, seq, layers, scan): sequences up to 4x the width
 GPT_GRID = ((64, 64, 2, True), (64, 256, 2, True), (128, 128, 4, True),
@@ -98,6 +110,45 @@ def mlp_grid(n, dtypes=("fp32", "bf16"), grid=MLP_GRID, stages=range(4)):
                                                 param_dtype=pd).peak
                 rows.append((f"MLP {layers} x {f}, in {d}, batch {batch}", stage, dtype,
                              measured, predicted))
+    return rows
+
+
+def hierarchical_grid(n, dtypes=("fp32", "bf16"), grid=HIERARCHICAL_GRID, batch=GPT_BATCH):
+    """[(label, stage, dtype, measured peak, predicted peak)] for the scanned reference
+    GPT under HSDP, hpZ and ZeRO++'s quantized collectives (``gpt_step_prediction(dp=D,
+    replicas=R, ...)``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis.report import (
+        compile_step,
+        gpt_param_shapes,
+        gpt_step_prediction,
+        memory_report,
+    )
+    from zerojax.models.gpt import GPT, GPTConfig, lm_loss
+
+    rows = []
+    for dtype in dtypes:
+        pd = jnp.bfloat16 if dtype == "bf16" else None
+        for h, s, layers in grid:
+            cfg = GPTConfig(vocab=256, seq=s, layers=layers, hidden=h, heads=4,
+                            dtype=pd or jnp.float32)
+            for name, stage, opts, r in HIERARCHICAL:
+                mesh = (zerojax.make_mesh(data=n // r, replica=r) if r > 1
+                        else zerojax.make_mesh(data=n))
+                tx = optax.adamw(1e-3)
+                compiled = compile_step(zerojax.zero(tx, mesh, stage=stage, param_dtype=pd,
+                                                     **opts),
+                                        lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
+                                        jax.ShapeDtypeStruct((batch, s + 1), jnp.int32))
+                predicted = gpt_step_prediction(cfg, n // r, stage, batch, tx=tx,
+                                                param_dtype=pd, replicas=r, **opts).peak
+                mesh_name = f"{r} x {n // r}" if r > 1 else f"{n}"
+                rows.append((f"GPT {layers} x {h}, seq {s}: {name} on {mesh_name}", stage,
+                             dtype, memory_report(compiled).peak, predicted))
     return rows
 
 
@@ -188,6 +239,16 @@ def main(argv=None) -> None:
             print(f"{dtype}: {inside} of {len(r)} within 10%, ratios {min(r):.3f}-"
                   f"{max(r):.3f}")
         print()
+
+    if "hierarchical" in only:
+        t = time.perf_counter()
+        rows = hierarchical_grid(n)
+        print(f"hierarchical sharding and ZeRO++: measured (compiled) over predicted peak, "
+              f"AdamW, batch {GPT_BATCH} over N = {n} ({time.perf_counter() - t:.0f} s)")
+        print(format_grid(rows))
+        r = [m / p for *_, m, p in rows]
+        print(f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%, ratios "
+              f"{min(r):.3f}-{max(r):.3f}\n")
 
     if "largest" in only:
         budget = int(args.budget_mib * 2**20)

@@ -569,6 +569,7 @@ class ModelPlan:
     largest: tuple = ()  # ((label, ModelShape or None, Psi), ...) with largest=True
     not_counted: str = NOT_COUNTED
     links: tuple = ()  # ((label, inside, across bytes per device per step), ...) on nodes
+    link_rows: tuple = ()  # a PlanRow (the step's peak, fits) per ``links`` entry
     mp: int = 1  # the model axis beside the data-parallel devices
     attention: str = "auto"  # GPTConfig.attention planned
     options: dict = dataclasses.field(default_factory=dict)  # zero() options of every row
@@ -599,7 +600,8 @@ def _dtype(param_dtype: Any):
 
 
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
-         budget, reserve, remat=True, extra=None, mp=1, attention="xla") -> PlanRow:
+         budget, reserve, remat=True, extra=None, mp=1, attention="xla",
+         replicas=1) -> PlanRow:
     import jax.numpy as jnp
 
     from zerojax.analysis.report import (
@@ -610,12 +612,14 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
 
     config = dataclasses.replace(shape.config(seq, param_dtype, attention), remat=remat)
     opts = {**options, **(extra or {})}
+    # hierarchical sharding (replicas > 1): devices is the data axis inside a node
     states = estimate_memory(gpt_param_shapes(config), devices, stage, tx=tx,
                              param_dtype=param_dtype, mp=mp,
                              model_specs=gpt_param_specs_of(config) if mp > 1 else None,
-                             **opts)
-    step = gpt_step_prediction(config, devices, stage, batch * devices, tx=tx,
-                               param_dtype=param_dtype, platform="gpu", mp=mp, **opts)
+                             replicas=replicas if opts.get("hpz") else 1, **opts)
+    step = gpt_step_prediction(config, devices, stage, batch * devices * replicas, tx=tx,
+                               param_dtype=param_dtype, platform="gpu", mp=mp,
+                               replicas=replicas, **opts)
     compute = jnp.dtype(param_dtype or jnp.float32).itemsize
     psi = shape.num_params(seq)
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
@@ -740,15 +744,22 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
         import jax.numpy as jnp
 
         compute = jnp.dtype(pd or jnp.float32).itemsize
+        nodes = devices // devices_per_node
         links = tuple(
             (label, *link_traffic(model.num_params(seq), 3, per_node=devices_per_node,
-                                  nodes=devices // devices_per_node, param_bytes=compute,
+                                  nodes=nodes, param_bytes=compute,
                                   grad_bytes=compute, **opts))
             for label, opts in HIERARCHICAL_SETS)
+        hkw = dict(kw, devices=devices_per_node, replicas=nodes)
+        link_rows = tuple(
+            _row(model, label, 3, opts, **(hkw if opts else kw))
+            for label, opts in HIERARCHICAL_SETS)
+    else:
+        link_rows = ()
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
                      pd, rows, best, reason, tuple(found), links=links, mp=mp,
-                     options=dict(options), attention=attention)
+                     options=dict(options), attention=attention, link_rows=link_rows)
 
 
 def _check_model_axis(model: ModelShape, mp: int) -> None:
@@ -814,13 +825,17 @@ def format_model_plan(p: ModelPlan) -> str:
                        for label, s, psi in p.largest])
     if p.links:
         unit = p.num_params * jnp.dtype(p.param_dtype or jnp.float32).itemsize
-        out += (f"\n\ntraffic by link at stage 3, per device per step "
+        out += (f"\n\nhierarchical sharding at stage 3: the step's peak and the traffic by "
+                f"link, per device per step "
                 f"({p.devices // p.devices_per_node} nodes x {p.devices_per_node}; "
                 "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
                 f"{precision}):\n")
-        out += _table(["option set", "inside a node (GB)", "across nodes (GB)",
-                       "inside (Psi)", "across (Psi)"],
-                      [[label, _gb(inside), _gb(across), f"{inside / unit:.3f}",
+        peaks = {r.label: r for r in p.link_rows}
+        out += _table(["option set", "peak (GB)", "fits", "inside a node (GB)",
+                       "across nodes (GB)", "inside (Psi)", "across (Psi)"],
+                      [[label, _gb(peaks[label].peak) if label in peaks else "-",
+                        ("yes" if peaks[label].fits else "no") if label in peaks else "-",
+                        _gb(inside), _gb(across), f"{inside / unit:.3f}",
                         f"{across / unit:.3f}"] for label, inside, across in p.links])
     out += f"\n\nrecommendation: {p.reason}\n({p.not_counted})"
     return out

@@ -491,7 +491,7 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
 
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                         prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
-                        platform: str | None = None, mp: int = 1,
+                        platform: str | None = None, mp: int = 1, replicas: int = 1,
                         **options: Any) -> StepPrediction:
     """:func:`predict_step_memory` for a zerojax reference ``GPTConfig`` on
     ``global_batch`` sequences of ``config.seq`` tokens, trained by ``zero(tx, mesh,
@@ -508,10 +508,27 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     planner says ``"gpu"``): on ``"cpu"`` with jax 0.10, bf16/fp16 gradients in flight
     and a layer's internal activations count 4 bytes, as that XLA:CPU holds them (its
     float normalization; its collectives run in float32); newer XLA:CPU keeps them in
-    bf16, as GPUs do."""
+    bf16, as GPUs do.
+
+    Hierarchical sharding (``replica_axis=...``, HSDP / MiCS, or ``hpz=True``, ZeRO++
+    hpZ): ``dp`` is the data axis D inside a replica and ``replicas`` = R the replica
+    axis; the batch splits over R x D devices, the states are ``estimate_memory``'s
+    (HSDP: the stage's over D; hpZ: optimizer state over R x D, params over D), the
+    gradients in flight the shard over D. ZeRO++'s quantized collectives
+    (``quantize_weights`` / ``quantize_gradients``) add no term: their int8 / int4
+    buffers are smaller than the gathered layer and gradient already counted (compiled
+    on the CPU: within the model's band of the same step without them,
+    ``tests/test_planner.py``)."""
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
+    replicas = _count("replicas", replicas, minimum=1, hint="the size of the replica axis")
+    hierarchical = bool(options.get("replica_axis")) or bool(options.get("hpz"))
+    if replicas > 1 and not hierarchical:
+        raise ValueError(
+            f"replicas={replicas} is the replica axis of hierarchical sharding: pass "
+            "replica_axis='replica' (HSDP) or hpz=True with it; plain ZeRO over replica x "
+            f"data devices is dp = {replicas} x D")
     h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
     f = config.mlp_ratio * h
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
@@ -520,10 +537,10 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     layer = (split(3 * h * h + 3 * h) + split(h * h) + h + split(h * f + f) + split(f * h)
              + h + 4 * h)
     psi = split(v * h) + s * h + L * layer + 2 * h
-    b = global_batch // dp
+    b = global_batch // (dp * replicas)
     e = estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
                         mp=mp, model_specs=gpt_param_specs_of(config) if mp > 1 else None,
-                        **options)
+                        replicas=replicas if options.get("hpz") else 1, **options)
     compute = jnp.dtype(param_dtype if param_dtype is not None else config.dtype).itemsize
     platform = jax.default_backend() if platform is None else platform
     grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
