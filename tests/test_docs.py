@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import cached_gpt_params
 
 import zerojax
 
@@ -77,10 +78,12 @@ def _tokens(batch=16, seed=0):
 
 
 def _gpt():
-    from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+    """The tiny GPT, its params (flax's eager init once for every snippet: fresh arrays
+    of the same values each call) and its loss."""
+    from zerojax.models import GPT, GPTConfig, lm_loss
 
     model = GPT(GPTConfig(**TINY))
-    return model, gpt_params(model, 0), lm_loss(model)
+    return model, cached_gpt_params(model, 0), lm_loss(model)
 
 
 def _setup_use(ns):
