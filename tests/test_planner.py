@@ -605,6 +605,24 @@ def test_hierarchical_step_within_10_percent(mode):
         gpt_step_prediction(cfg, 4, 3, 16, tx=tx, replicas=2)
 
 
+def test_accumulation_step_compiles_from_shapes_within_10_percent():
+    """compile_step takes an accumulation batch ``(k, B / k, ...)`` as the step does
+    (it split dim 0, the micro-batches, over data before), and the prediction with
+    ``accum_steps`` follows it (4 x 128 GPT, seq 128, fp32 AdamW, stage 2, k = 2:
+    0.953 on jax 0.10.2); a batch without the micro-batch dimension is refused."""
+    tx = optax.adamw(1e-3)
+    cfg = GPTConfig(vocab=256, seq=128, layers=4, hidden=128, heads=4)
+    opt = zerojax.zero(tx, zerojax.make_mesh(data=N), stage=2, accum_steps=2)
+    compiled = compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
+                            jax.ShapeDtypeStruct((2, 8, 129), jnp.int32))
+    predicted = gpt_step_prediction(cfg, N, 2, 16, tx=tx, accum_steps=2)
+    ratio = memory_report(compiled).peak / predicted.peak
+    assert 0.9 <= ratio <= 1.1, (ratio, predicted)
+    with pytest.raises(ValueError, match=r"with accum_steps=2 its leading dimension must be 2"):
+        compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
+                     jax.ShapeDtypeStruct((16, 129), jnp.int32))
+
+
 def test_plan_model_refuses_splits_that_cannot_be_made(capsys):
     """A model axis that does not divide the heads (or vocab), and devices that are not
     whole nodes, are refused naming the values (the CLI: exit 2, one line); with a model

@@ -271,10 +271,15 @@ def compile_step(opt, loss_fn, params: Any, batch: Any,
                  model_specs: Any = None) -> jax.stages.Compiled:
     """``opt.train_step(loss_fn)`` compiled for ``params`` (split over a ``model`` axis
     by ``model_specs``, as ``init_state`` takes them) and a global ``batch`` given as
-    arrays or ``ShapeDtypeStruct``s: lowered and compiled, never run."""
+    arrays or ``ShapeDtypeStruct``s (with ``accum_steps`` = k > 1 shaped ``(k, B,
+    ...)``, as the step takes it): lowered and compiled, never run."""
+    from zerojax.step import check_batch
+
     step = opt.train_step(loss_fn)
     state = abstract_state(opt, params, model_specs)
-    sharding = NamedSharding(opt.mesh, P(opt.batch_axes))
+    k = opt.config.accum_steps
+    check_batch(batch, opt.batch_size, opt.batch_axes, k)
+    sharding = NamedSharding(opt.mesh, P(opt.batch_axes) if k == 1 else P(None, opt.batch_axes))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                          batch)
     return step.jitted.lower(state, batch, None).compile()
