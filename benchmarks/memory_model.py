@@ -7,8 +7,8 @@ Compiles only (``jit(...).lower(...).compile()`` on ``ShapeDtypeStruct``s), noth
 
     python benchmarks/memory_model.py                 # everything (about 10 minutes)
     python benchmarks/memory_model.py --only grid     # one section: table1, grid,
-                                                      # hierarchical, largest,
-                                                      # answers, scaled
+                                                      # hierarchical, options,
+                                                      # largest, answers, scaled
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 from _common import use_simulated_devices
 
-SECTIONS = ("table1", "grid", "hierarchical", "largest", "answers", "scaled")
+SECTIONS = ("table1", "grid", "hierarchical", "options", "largest", "answers", "scaled")
 
 # hierarchical sharding and ZeRO++ on replicas x data = 2 x (N / 2): (label, stage,
 # zero() options, replicas)
@@ -152,6 +152,55 @@ def hierarchical_grid(n, dtypes=("fp32", "bf16"), grid=HIERARCHICAL_GRID, batch=
     return rows
 
 
+# zero() options beside the stage: (label, options, dtypes it applies to)
+OPTIONS = (("bucket_size=2**16", {"bucket_size": 2**16}, ("fp32", "bf16")),
+           ("accum_steps=2", {"accum_steps": 2}, ("fp32", "bf16")),
+           ("max_grad_norm=1", {"max_grad_norm": 1.0}, ("fp32", "bf16")),
+           ("prefetch=False", {"prefetch": False}, ("fp32", "bf16")),
+           ("reduce_dtype=float32", {"reduce_dtype": "float32"}, ("bf16",)))
+OPTIONS_GRID = ((128, 128, 4), (256, 64, 4))  # scanned GPTs: (hidden, seq, layers)
+
+
+def options_grid(n, grid=OPTIONS_GRID, batch=GPT_BATCH):
+    """[(label, stage, dtype, measured peak, predicted peak)]: the scanned reference GPT
+    with each of :data:`OPTIONS` at stages 0-3 (accumulation: the batch as ``(k, B / k,
+    ...)``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis.report import (
+        compile_step,
+        gpt_param_shapes,
+        gpt_step_prediction,
+        memory_report,
+    )
+    from zerojax.models.gpt import GPT, GPTConfig, lm_loss
+
+    mesh = zerojax.make_mesh(data=n)
+    rows = []
+    for name, opts, dtypes in OPTIONS:
+        opts = {k: (jnp.float32 if v == "float32" else v) for k, v in opts.items()}
+        k = opts.get("accum_steps", 1)
+        for dtype in dtypes:
+            pd = jnp.bfloat16 if dtype == "bf16" else None
+            for h, s, layers in grid:
+                cfg = GPTConfig(vocab=256, seq=s, layers=layers, hidden=h, heads=4,
+                                dtype=pd or jnp.float32)
+                shape = (batch, s + 1) if k == 1 else (k, batch // k, s + 1)
+                for stage in range(4):
+                    tx = optax.adamw(1e-3)
+                    opt = zerojax.zero(tx, mesh, stage=stage, param_dtype=pd, **opts)
+                    compiled = compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
+                                            jax.ShapeDtypeStruct(shape, jnp.int32))
+                    predicted = gpt_step_prediction(cfg, n, stage, batch, tx=tx,
+                                                    param_dtype=pd, **opts).peak
+                    rows.append((f"GPT {layers} x {h}, seq {s}: {name}", stage, dtype,
+                                 memory_report(compiled).peak, predicted))
+    return rows
+
+
 def format_grid(rows) -> str:
     MiB = 2**20
     out = ["| model | stage | params | measured peak (MiB) | predicted (MiB) | "
@@ -245,6 +294,16 @@ def main(argv=None) -> None:
         rows = hierarchical_grid(n)
         print(f"hierarchical sharding and ZeRO++: measured (compiled) over predicted peak, "
               f"AdamW, batch {GPT_BATCH} over N = {n} ({time.perf_counter() - t:.0f} s)")
+        print(format_grid(rows))
+        r = [m / p for *_, m, p in rows]
+        print(f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%, ratios "
+              f"{min(r):.3f}-{max(r):.3f}\n")
+
+    if "options" in only:
+        t = time.perf_counter()
+        rows = options_grid(n)
+        print(f"options beside the stage: measured (compiled) over predicted peak, AdamW, "
+              f"batch {GPT_BATCH} over N = {n} ({time.perf_counter() - t:.0f} s)")
         print(format_grid(rows))
         r = [m / p for *_, m, p in rows]
         print(f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%, ratios "
