@@ -44,8 +44,13 @@ MLP_GRID = ((256, 4, 64, 64), (512, 2, 128, 256), (128, 8, 128, 1024))
 SCALED = dict(width_per_layer=16, head_dim=16, vocab=256, seq=256, batch=8)
 
 
-def gpt_grid(n, dtypes=("fp32", "bf16"), grid=GPT_GRID, batch=GPT_BATCH, stages=range(4)):
-    """[(label, stage, dtype, measured peak, predicted peak)] for the reference GPT."""
+def _gpt_cell(cfg, data, stage, batch_shape, param_dtype=None, replicas=1, **options):
+    """(compiled peak, predicted peak) of the reference GPT ``cfg`` trained by AdamW
+    under ``zero(..., stage=stage, **options)`` on ``replicas`` x ``data`` devices, for a
+    global batch of tokens shaped ``batch_shape`` (``(k, B / k, seq + 1)`` with
+    accumulation)."""
+    import math
+
     import jax
     import jax.numpy as jnp
     import optax
@@ -57,24 +62,33 @@ def gpt_grid(n, dtypes=("fp32", "bf16"), grid=GPT_GRID, batch=GPT_BATCH, stages=
         gpt_step_prediction,
         memory_report,
     )
-    from zerojax.models.gpt import GPT, GPTConfig, lm_loss
+    from zerojax.models.gpt import GPT, lm_loss
 
-    mesh = zerojax.make_mesh(data=n)
+    mesh = (zerojax.make_mesh(data=data, replica=replicas) if replicas > 1
+            else zerojax.make_mesh(data=data))
+    tx = optax.adamw(1e-3)
+    opt = zerojax.zero(tx, mesh, stage=stage, param_dtype=param_dtype, **options)
+    compiled = compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
+                            jax.ShapeDtypeStruct(batch_shape, jnp.int32))
+    predicted = gpt_step_prediction(cfg, data, stage, math.prod(batch_shape[:-1]), tx=tx,
+                                    param_dtype=param_dtype, replicas=replicas, **options)
+    return memory_report(compiled).peak, predicted.peak
+
+
+def gpt_grid(n, dtypes=("fp32", "bf16"), grid=GPT_GRID, batch=GPT_BATCH, stages=range(4)):
+    """[(label, stage, dtype, measured peak, predicted peak)] for the reference GPT."""
+    import jax.numpy as jnp
+
+    from zerojax.models.gpt import GPTConfig
+
     rows = []
     for dtype in dtypes:
         pd = jnp.bfloat16 if dtype == "bf16" else None
         for h, s, layers, scan in grid:
             cfg = GPTConfig(vocab=256, seq=s, layers=layers, hidden=h, heads=4, scan=scan,
                             dtype=pd or jnp.float32)
-            params = gpt_param_shapes(cfg)
             for stage in stages:
-                tx = optax.adamw(1e-3)
-                opt = zerojax.zero(tx, mesh, stage=stage, param_dtype=pd)
-                compiled = compile_step(opt, lm_loss(GPT(cfg)), params,
-                                        jax.ShapeDtypeStruct((batch, s + 1), jnp.int32))
-                measured = memory_report(compiled).peak
-                predicted = gpt_step_prediction(cfg, n, stage, batch, tx=tx,
-                                                param_dtype=pd).peak
+                measured, predicted = _gpt_cell(cfg, n, stage, (batch, s + 1), pd)
                 label = (f"GPT {'scanned' if scan else 'unrolled'} {layers} x {h}, seq {s}, "
                          f"batch {batch}")
                 rows.append((label, stage, dtype, measured, predicted))
@@ -117,18 +131,9 @@ def hierarchical_grid(n, dtypes=("fp32", "bf16"), grid=HIERARCHICAL_GRID, batch=
     """[(label, stage, dtype, measured peak, predicted peak)] for the scanned reference
     GPT under HSDP, hpZ and ZeRO++'s quantized collectives (``gpt_step_prediction(dp=D,
     replicas=R, ...)``)."""
-    import jax
     import jax.numpy as jnp
-    import optax
 
-    import zerojax
-    from zerojax.analysis.report import (
-        compile_step,
-        gpt_param_shapes,
-        gpt_step_prediction,
-        memory_report,
-    )
-    from zerojax.models.gpt import GPT, GPTConfig, lm_loss
+    from zerojax.models.gpt import GPTConfig
 
     rows = []
     for dtype in dtypes:
@@ -137,18 +142,11 @@ def hierarchical_grid(n, dtypes=("fp32", "bf16"), grid=HIERARCHICAL_GRID, batch=
             cfg = GPTConfig(vocab=256, seq=s, layers=layers, hidden=h, heads=4,
                             dtype=pd or jnp.float32)
             for name, stage, opts, r in HIERARCHICAL:
-                mesh = (zerojax.make_mesh(data=n // r, replica=r) if r > 1
-                        else zerojax.make_mesh(data=n))
-                tx = optax.adamw(1e-3)
-                compiled = compile_step(zerojax.zero(tx, mesh, stage=stage, param_dtype=pd,
-                                                     **opts),
-                                        lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
-                                        jax.ShapeDtypeStruct((batch, s + 1), jnp.int32))
-                predicted = gpt_step_prediction(cfg, n // r, stage, batch, tx=tx,
-                                                param_dtype=pd, replicas=r, **opts).peak
+                measured, predicted = _gpt_cell(cfg, n // r, stage, (batch, s + 1), pd,
+                                                replicas=r, **opts)
                 mesh_name = f"{r} x {n // r}" if r > 1 else f"{n}"
                 rows.append((f"GPT {layers} x {h}, seq {s}: {name} on {mesh_name}", stage,
-                             dtype, memory_report(compiled).peak, predicted))
+                             dtype, measured, predicted))
     return rows
 
 
@@ -165,20 +163,10 @@ def options_grid(n, grid=OPTIONS_GRID, batch=GPT_BATCH):
     """[(label, stage, dtype, measured peak, predicted peak)]: the scanned reference GPT
     with each of :data:`OPTIONS` at stages 0-3 (accumulation: the batch as ``(k, B / k,
     ...)``)."""
-    import jax
     import jax.numpy as jnp
-    import optax
 
-    import zerojax
-    from zerojax.analysis.report import (
-        compile_step,
-        gpt_param_shapes,
-        gpt_step_prediction,
-        memory_report,
-    )
-    from zerojax.models.gpt import GPT, GPTConfig, lm_loss
+    from zerojax.models.gpt import GPTConfig
 
-    mesh = zerojax.make_mesh(data=n)
     rows = []
     for name, opts, dtypes in OPTIONS:
         opts = {k: (jnp.float32 if v == "float32" else v) for k, v in opts.items()}
@@ -190,14 +178,9 @@ def options_grid(n, grid=OPTIONS_GRID, batch=GPT_BATCH):
                                 dtype=pd or jnp.float32)
                 shape = (batch, s + 1) if k == 1 else (k, batch // k, s + 1)
                 for stage in range(4):
-                    tx = optax.adamw(1e-3)
-                    opt = zerojax.zero(tx, mesh, stage=stage, param_dtype=pd, **opts)
-                    compiled = compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
-                                            jax.ShapeDtypeStruct(shape, jnp.int32))
-                    predicted = gpt_step_prediction(cfg, n, stage, batch, tx=tx,
-                                                    param_dtype=pd, **opts).peak
+                    measured, predicted = _gpt_cell(cfg, n, stage, shape, pd, **opts)
                     rows.append((f"GPT {layers} x {h}, seq {s}: {name}", stage, dtype,
-                                 memory_report(compiled).peak, predicted))
+                                 measured, predicted))
     return rows
 
 
@@ -289,25 +272,18 @@ def main(argv=None) -> None:
                   f"{max(r):.3f}")
         print()
 
-    if "hierarchical" in only:
-        t = time.perf_counter()
-        rows = hierarchical_grid(n)
-        print(f"hierarchical sharding and ZeRO++: measured (compiled) over predicted peak, "
-              f"AdamW, batch {GPT_BATCH} over N = {n} ({time.perf_counter() - t:.0f} s)")
-        print(format_grid(rows))
-        r = [m / p for *_, m, p in rows]
-        print(f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%, ratios "
-              f"{min(r):.3f}-{max(r):.3f}\n")
-
-    if "options" in only:
-        t = time.perf_counter()
-        rows = options_grid(n)
-        print(f"options beside the stage: measured (compiled) over predicted peak, AdamW, "
-              f"batch {GPT_BATCH} over N = {n} ({time.perf_counter() - t:.0f} s)")
-        print(format_grid(rows))
-        r = [m / p for *_, m, p in rows]
-        print(f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%, ratios "
-              f"{min(r):.3f}-{max(r):.3f}\n")
+    for section, grid, title in (
+            ("hierarchical", hierarchical_grid, "hierarchical sharding and ZeRO++"),
+            ("options", options_grid, "options beside the stage")):
+        if section in only:
+            t = time.perf_counter()
+            rows = grid(n)
+            print(f"{title}: measured (compiled) over predicted peak, AdamW, batch "
+                  f"{GPT_BATCH} over N = {n} ({time.perf_counter() - t:.0f} s)")
+            print(format_grid(rows))
+            r = [m / p for *_, m, p in rows]
+            print(f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%, ratios "
+                  f"{min(r):.3f}-{max(r):.3f}\n")
 
     if "largest" in only:
         budget = int(args.budget_mib * 2**20)
