@@ -6,11 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_err, reference_run
+from helpers import cached_gpt_params, max_rel_err, reference_run
 from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
+
+_gpt_params = cached_gpt_params  # flax's eager init once per config (tests/helpers.py)
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 STEPS, BATCH = 6, 16
@@ -25,7 +27,7 @@ def run():
     """Params, token batches (batch, seq + 1) and the single-device optax result,
     computed once for the module (remat does not change the maths or the params)."""
     model = _model()
-    params = gpt_params(model, 0)
+    params = _gpt_params(model, 0)
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, TINY["vocab"], (BATCH, TINY["seq"] + 1)).astype(np.int32)
                for _ in range(STEPS)]
@@ -53,7 +55,7 @@ def test_zero_matches_single_device_optax(run, stage, remat):
 def test_param_specs_have_megatron_layout():
     model = _model()
     specs = gpt_param_specs(model, 0)
-    assert jax.tree.structure(specs) == jax.tree.structure(gpt_params(model, 0))
+    assert jax.tree.structure(specs) == jax.tree.structure(_gpt_params(model, 0))
     blk = specs["blocks"]
     # Scanned params: a leading None for the stacked layer axis.
     assert blk["qkv"]["kernel"] == P(None, None, "model")       # column-parallel
@@ -84,7 +86,7 @@ def test_block_input_named_and_remat_optional():
         assert "layer_input" in text
         assert ("checkpoint" in text or "remat" in text) == remat
     tokens = np.random.default_rng(1).integers(0, TINY["vocab"], (4, 6)).astype(np.int32)
-    loss = lm_loss(_model())(gpt_params(_model(), 0), tokens)  # t = 5 < seq works
+    loss = lm_loss(_model())(_gpt_params(_model(), 0), tokens)  # t = 5 < seq works
     assert loss.dtype == jnp.float32 and loss.shape == ()
     assert abs(float(loss) - np.log(TINY["vocab"])) < 0.1          # near-uniform at init
 
@@ -131,7 +133,7 @@ def test_activation_sharding_constrains_the_residual_stream(run, stage, scan):
         np.testing.assert_allclose(lowered.compile()(params, batch),
                                    jax.jit(plain)(params, batch), rtol=1e-6)
     else:
-        params = gpt_params(_model(scan=False), 0)
+        params = _gpt_params(_model(scan=False), 0)
     opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage)
     runs = []
     for loss in (plain, constrained):
