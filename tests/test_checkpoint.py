@@ -4,6 +4,7 @@ safetensors file, clear errors."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -17,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+from helpers import (
+    awkward_loss,
+    awkward_params,
+    cached_gpt_params,
+    max_rel_err,
+    reference_run,
+    regression_batches,
+)
 
 import zerojax
 from zerojax import checkpoint
@@ -80,6 +88,12 @@ def test_resume_in_a_new_process_is_bitwise(tmp_path, stage):
         np.testing.assert_array_equal(x, resumed[str(i)])
 
 
+@functools.cache
+def _adam_reference():
+    """Plain optax Adam over the 10 batches on one device (shared by the layouts)."""
+    return reference_run(optax.adam(1e-2), awkward_params(), awkward_loss, BATCHES)
+
+
 def _train(opt, state, batches):
     step = opt.train_step(awkward_loss)
     for b in batches:
@@ -117,20 +131,39 @@ def test_restore_onto_another_layout_keeps_training_exactly(tmp_path, before, af
         assert np.isfinite(float(second.train_step(awkward_loss)(state, BATCHES[5])[1]["loss"]))
         return
     got = second.full_params(_train(second, state, BATCHES[5:]))
-    want = reference_run(optax.adam(1e-2), awkward_params(), awkward_loss, BATCHES)
+    want = _adam_reference()
     assert max_rel_err(want, got) <= 2e-6  # the core parity tolerance for adam
 
 
+@functools.cache
+def _host_boxed_gpt_params():
+    """The tiny GPT's params as flax initialises them (``nn.Partitioned`` boxes kept),
+    on the host: flax's eager init once for the tests below (their token batches have
+    the same shape, so the same params)."""
+    from zerojax.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+    tok = np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)
+    return jax.tree.map(np.asarray, model.init(jax.random.key(0), tok[:, :-1])["params"])
+
+
+def _boxed_gpt_params():
+    return jax.tree.map(jnp.asarray, _host_boxed_gpt_params())  # fresh arrays each call
+
+
 def test_restore_with_a_model_axis_on_one_side(tmp_path):
-    from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+    from zerojax.models import GPT, GPTConfig, lm_loss
 
     model = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 64, (16, 17)).astype(np.int32) for _ in range(4)]
-    boxed = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+    boxed = _boxed_gpt_params()
+    steps = {}  # one train step (one compile) per optimizer: dp trains twice below
 
     def run(opt, state, bs):
-        step = opt.train_step(lm_loss(model))
+        if id(opt) not in steps:
+            steps[id(opt)] = opt.train_step(lm_loss(model))
+        step = steps[id(opt)]
         for b in bs:
             state, _ = step(state, b)
         return state
@@ -141,7 +174,7 @@ def test_restore_with_a_model_axis_on_one_side(tmp_path):
     mgr.save(2, run(tp, tp.init_state(boxed), batches[:2]))
     mgr.wait()
     got = dp.full_params(run(dp, mgr.restore(dp, like=boxed), batches[2:]))
-    want = reference_run(optax.adam(1e-3), gpt_params(model, 0), lm_loss(model), batches)
+    want = reference_run(optax.adam(1e-3), cached_gpt_params(model, 0), lm_loss(model), batches)
     assert max_rel_err(want, got) < 3e-4  # tests/test_gpt.py: the zero-gradient key bias
     back = CheckpointManager(tmp_path / "b")
     back.save(4, run(dp, mgr.restore(dp, like=boxed), batches[2:]))
@@ -189,7 +222,7 @@ def test_export_loads_into_the_flax_model_and_reproduces_its_outputs(tmp_path):
 
     model = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
     tok = np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)
-    boxed = model.init(jax.random.key(0), tok[:, :-1])["params"]
+    boxed = _boxed_gpt_params()
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=4, model=2), stage=3)
     state = opt.init_state(boxed)
     step = opt.train_step(lm_loss(model))
