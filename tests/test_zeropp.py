@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_err, mlp_problem
+from helpers import cached_gpt_params, max_rel_err, mlp_problem
 
 import zerojax
 from zerojax import quant
-from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss, markov_tokens, mse_loss
+from zerojax.models import GPT, GPTConfig, lm_loss, markov_tokens, mse_loss
 
 WIDTH, LAYERS = 256, 4  # 4 x (256 x 256) kernels: shards of 8192 / 16384 elements
 STEPS = 5
@@ -257,7 +257,7 @@ VOCAB, SEQ = 64, 16
 @functools.cache
 def _gpt_losses(**options):
     model = GPT(GPTConfig(vocab=VOCAB, seq=SEQ, layers=2, hidden=64, heads=2))
-    params = gpt_params(model, 0)
+    params = cached_gpt_params(model, 0)  # flax's eager init once for both runs
     batches = markov_tokens(GPT_STEPS, 16, SEQ, VOCAB)
     mesh = _mesh("2x4")
     opt = zerojax.zero(optax.adam(3e-3), mesh, stage=3, min_shard_size=16, **options)
