@@ -71,10 +71,15 @@ def max_rel_err(ref, got) -> float:
     return max(jax.tree.leaves(jax.tree.map(one, ref, got)))
 
 
-def zero_vs_reference(tx, steps=10, data=8, reference_tx=None, **options) -> float:
+_REFERENCES: dict = {}
+
+
+def zero_vs_reference(tx, steps=10, data=8, reference_tx=None, reference_key=None,
+                      **options) -> float:
     """Train the awkward model ``steps`` steps with ``zerojax.zero(tx, **options)`` and
     with plain single-device optax (``reference_tx``, default ``tx``); the max per-leaf
-    relative error of the final params."""
+    relative error of the final params. Callers that pass the same ``reference_key``
+    (a name for the reference optimizer) share one single-device run per ``steps``."""
     import zerojax
 
     mesh = zerojax.make_mesh(data=data, devices=jax.devices()[:data])
@@ -84,7 +89,12 @@ def zero_vs_reference(tx, steps=10, data=8, reference_tx=None, **options) -> flo
     batches = regression_batches(steps)
     for b in batches:
         state, _ = step(state, b)
-    ref = reference_run(reference_tx or tx, awkward_params(), awkward_loss, batches)
+    key = None if reference_key is None else (reference_key, steps)
+    ref = None if key is None else _REFERENCES.get(key)
+    if ref is None:
+        ref = reference_run(reference_tx or tx, awkward_params(), awkward_loss, batches)
+        if key is not None:
+            _REFERENCES[key] = ref
     return max_rel_err(ref, opt.full_params(state))
 
 
