@@ -189,14 +189,14 @@ import os, signal, sys
 sys.path.insert(0, {here!r})
 import jax, jax.numpy as jnp, numpy as np, optax, zerojax
 from zerojax.checkpoint import CheckpointManager
-d = sys.argv[1]
+d, saved = sys.argv[1], sys.argv[2]
 opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3)
 params = {{"w%d" % i: jnp.full((1024, 1024), float(i)) for i in range(12)}}
 state = opt.init_state(params)
 mgr = CheckpointManager(d)
 mgr.save(1, state)
 mgr.wait()
-np.save(os.path.join(d, "saved.npy"), np.asarray(opt.full_params(state)["w3"]))
+np.save(saved, np.asarray(opt.full_params(state)["w3"]))  # beside the checkpoints
 state = state.replace(params=jax.tree.map(lambda x: x + 1, state.params))
 mgr.save(2, state)          # asynchronous: the bytes are being written
 print("killing", flush=True)
@@ -206,10 +206,11 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_step_whole(tmp_path):
-    out = _py(_KILLED.format(here=str(HERE)), tmp_path)
+    ckpt = tmp_path / "ckpt"
+    out = _py(_KILLED.format(here=str(HERE)), ckpt, tmp_path / "saved.npy")
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    mgr = CheckpointManager(tmp_path)
-    assert mgr.latest_step() == 1, os.listdir(tmp_path)
+    mgr = CheckpointManager(ckpt)
+    assert mgr.latest_step() == 1, os.listdir(ckpt)
     opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3)
     like = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in range(12)}
     state = mgr.restore(opt, like=like)
