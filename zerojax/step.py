@@ -459,6 +459,17 @@ class TrainStep:
         self._checked: set = set()  # state signatures already checked
         self._rows_checked: set = set()  # local batch shapes whose row counts agreed
 
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Where a global batch goes: split over the data axis along its batch dimension
+        (dim 0, or dim 1 with ``accum_steps`` > 1)."""
+        return self._batch_sharding
+
+    def check_batch(self, batch: Any) -> None:
+        """Raise, naming the leaf and the fix, if ``batch`` (arrays or shapes) is not a
+        global batch this step takes."""
+        check_batch(batch, self._n, self._axis, self._k)
+
     def place_batch(self, batch: Any) -> Any:
         """Check ``batch`` and split it over the data axis (a no-op if already placed).
 
@@ -467,12 +478,12 @@ class TrainStep:
         holds rows ``[i*B/P, (i+1)*B/P)``; a global ``jax.Array`` spanning every
         process is taken as it is."""
         if jax.process_count() == 1:
-            check_batch(batch, self._n, self._axis, self._k)
+            self.check_batch(batch)
             return jax.device_put(batch, self._batch_sharding)
         leaves = jax.tree.leaves(batch)
         if leaves and all(isinstance(x, jax.Array) and not x.is_fully_addressable
                           for x in leaves):
-            check_batch(batch, self._n, self._axis, self._k)
+            self.check_batch(batch)
             return jax.device_put(batch, self._batch_sharding)
         if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
             raise ValueError(

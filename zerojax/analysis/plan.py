@@ -604,19 +604,13 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
          replicas=1) -> PlanRow:
     import jax.numpy as jnp
 
-    from zerojax.analysis.report import (
-        gpt_param_shapes,
-        gpt_param_specs_of,
-        gpt_step_prediction,
-    )
+    from zerojax.analysis.report import gpt_state_estimate, gpt_step_prediction
 
     config = dataclasses.replace(shape.config(seq, param_dtype, attention), remat=remat)
     opts = {**options, **(extra or {})}
     # hierarchical sharding (replicas > 1): devices is the data axis inside a node
-    states = estimate_memory(gpt_param_shapes(config), devices, stage, tx=tx,
-                             param_dtype=param_dtype, mp=mp,
-                             model_specs=gpt_param_specs_of(config) if mp > 1 else None,
-                             replicas=replicas if opts.get("hpz") else 1, **opts)
+    states = gpt_state_estimate(config, devices, stage, tx=tx, param_dtype=param_dtype,
+                                mp=mp, replicas=replicas, **opts)
     step = gpt_step_prediction(config, devices, stage, batch * devices * replicas, tx=tx,
                                param_dtype=param_dtype, platform="gpu", mp=mp,
                                replicas=replicas, **opts)

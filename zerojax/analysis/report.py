@@ -191,7 +191,8 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     accum = _count("accum_steps", accum_steps, minimum=1)
     shard = math.ceil(psi / n)
     whole_grads = stage == 0 or (stage == 1 and scanned)
-    end = 2 * g * psi if whole_grads else g * shard
+    # stage 0: the all-reduce's input and output, in the collective's dtype
+    end = 2 * (cb if stage == 0 else g) * psi if whole_grads else g * shard
     in_flight = g * psi if whole_grads else g * shard + g * pl
     if scanned and whole_grads and remat:
         # the loop's iteration: its layer gradient beside the stack it is written into
@@ -199,8 +200,6 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
         if stage == 1:  # one leaf's relayout copy at a time, not the whole stack's
             leaf = min(largest_leaf or psi, psi)
             end = g * psi + (2 * cb * leaf if cb > g else g * leaf)
-    if stage == 0 and cb > g:
-        end = 2 * cb * psi
     if accum > 1:
         batch = -(-batch // accum)
         acc = 4 * (psi if stage < 2 else shard)
@@ -273,15 +272,11 @@ def compile_step(opt, loss_fn, params: Any, batch: Any,
     by ``model_specs``, as ``init_state`` takes them) and a global ``batch`` given as
     arrays or ``ShapeDtypeStruct``s (with ``accum_steps`` = k > 1 shaped ``(k, B,
     ...)``, as the step takes it): lowered and compiled, never run."""
-    from zerojax.step import check_batch
-
     step = opt.train_step(loss_fn)
     state = abstract_state(opt, params, model_specs)
-    k = opt.config.accum_steps
-    check_batch(batch, opt.batch_size, opt.batch_axes, k)
-    sharding = NamedSharding(opt.mesh, P(opt.batch_axes) if k == 1 else P(None, opt.batch_axes))
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                         batch)
+    step.check_batch(batch)
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), batch)
     return step.jitted.lower(state, batch, None).compile()
 
 
@@ -494,6 +489,17 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     return (ckpt + saved) * value_bytes + layer + logits
 
 
+def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any = None,
+                       mp: int = 1, replicas: int = 1, **options: Any):
+    """``estimate_memory`` of a reference ``GPTConfig``'s params (their shapes, and the
+    Megatron specs with a ``model`` axis of ``mp``): what ``init_state`` places per
+    device. ``replicas`` is hpZ's replica axis (``hpz=True``: the optimizer state over
+    replicas x ``dp``); HSDP (``replica_axis``) holds the stage's bytes over ``dp``."""
+    return estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
+                           mp=mp, model_specs=gpt_param_specs_of(config) if mp > 1 else None,
+                           replicas=replicas if options.get("hpz") else 1, **options)
+
+
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                         prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
                         platform: str | None = None, mp: int = 1, replicas: int = 1,
@@ -543,9 +549,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
              + h + 4 * h)
     psi = split(v * h) + s * h + L * layer + 2 * h
     b = global_batch // (dp * replicas)
-    e = estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
-                        mp=mp, model_specs=gpt_param_specs_of(config) if mp > 1 else None,
-                        replicas=replicas if options.get("hpz") else 1, **options)
+    e = gpt_state_estimate(config, dp, stage, tx=tx, param_dtype=param_dtype, mp=mp,
+                           replicas=replicas, **options)
     compute = jnp.dtype(param_dtype if param_dtype is not None else config.dtype).itemsize
     platform = jax.default_backend() if platform is None else platform
     grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
