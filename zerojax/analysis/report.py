@@ -448,18 +448,29 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
       ``a s b / mp`` (not checked against a compiled GPU step here: the CPU has no
       cuDNN);
     * the logits, their softmax and gradient, ``3 b s V / mp`` (``softmax_bytes``);
-    * ``"none"`` (or ``config.remat=False``): no checkpoints, every layer's internals
-      and scores kept (``L`` times the recomputed layer's). Under-counted for a
-      scanned stack: compiled on jax 0.10.2's CPU, scanned GPTs without remat held
-      1.39-1.51x the predicted peak (XLA keeps more of each iteration's residuals than
-      12 h b s), written-out layers 0.93x.
+    * ``"none"`` (or ``config.remat=False``): no checkpoints. Written-out layers: every
+      layer's internals and scores kept, ``L`` times the recomputed layer's (compiled:
+      0.93x). A scanned stack keeps what jax's partial evaluation of the block saves,
+      stacked for the backward loop, per layer: the softmax's float32 probabilities
+      and their compute-dtype copy, ``a s^2 b / mp`` each (flash attention: its
+      statistics), ``(6 f + 4 h) b s / mp`` of the MLP and attention and ``h b s`` of
+      the residual in ``internal_bytes``, and six ``h b s`` of the LayerNorms in
+      float32 (counted from the compiled stacks); plus the layer being differentiated
+      and the logits. Compiled over predicted, scanned GPTs at four shapes (seq
+      64-256, width 64-256, 2-8 layers), stages 0 and 3, fp32 and bf16: 0.905-1.056 on
+      jax 0.10.2, 0.852-1.022 on jax 0.12 (over-predicted; the old ``L x`` layer
+      count held 1.18-1.82x under).
 
     Measured against compiled steps (jax 0.10.2, 8 CPU devices, stage 0 and 3,
     ``tests/test_planner.py``): ``"dots"``, ``"qkv_proj"`` and Pa within 10% on
     data-only meshes; on data 4 x model 2, 0.93-1.01 at seq 256 (width 64) and
     1.05-1.14 at seq 128 (width 128, where XLA keeps part of the logits and scores
     whole on each model device). Pa+cpu's host memory is not seen on the CPU
-    backend, which ignores memory kinds; there it is planned as Pa.
+    backend, which ignores memory kinds; there it is planned as Pa. Not modelled:
+    ``"dots"`` on written-out layers (``scan=False``; the planner plans scanned
+    stacks) held 1.36x the prediction on jax 0.10.2's CPU (4 x 128, seq 128, stage
+    0), as much as ``"none"``: XLA:CPU schedules a policy's recomputation beside the
+    forward pass (zerojax moves it behind the cotangent only for ``"full"``).
     """
     h, v, s, L, a = config.hidden, config.vocab, config.seq, config.layers, config.heads
     f = config.mlp_ratio * h
@@ -476,7 +487,22 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     logits = math.ceil(3 * b * s * v / mp) * softmax_bytes
     policy = remat_policy
     if policy == "none" or not config.remat:
-        return L * layer + logits
+        if not config.scan:
+            return L * layer + logits
+        # a scanned stack keeps each iteration's residuals stacked (L, ...) for the
+        # backward loop, what jax's partial evaluation of the block saves: the softmax's
+        # float32 probabilities and their compute-dtype copy (2 a s^2 b in fp32), six
+        # b s f of the MLP (its input, tanh-GELU's terms, its output), five h b s of
+        # the attention's (q, k, v, its output, the residual) in the compute dtype and
+        # six of the LayerNorms' float32 values (read from the compiled stacks,
+        # jax 0.10.2 and 0.12); the layer being differentiated works beside them
+        if flash_attention(config, platform):
+            soft = math.ceil(a * s * b / mp) * 4
+        else:
+            soft = math.ceil(a * s * s * b / mp) * (softmax_bytes + value_bytes)
+        saved = (soft + math.ceil((6 * f + 4 * h) * b * s / mp) * inner + hbs * inner
+                 + 6 * hbs * max(inner, 4))
+        return L * saved + layer + logits
     if policy == "partitioned_host" and platform != "cpu":
         ckpt = 0
     elif policy in ("partitioned", "partitioned_host"):
