@@ -7,7 +7,7 @@ Compiles only (``jit(...).lower(...).compile()`` on ``ShapeDtypeStruct``s), noth
 
     python benchmarks/memory_model.py                 # everything (about 10 minutes)
     python benchmarks/memory_model.py --only grid     # one section: table1, grid,
-                                                      # hierarchical, options,
+                                                      # hierarchical, options, remat,
                                                       # largest, answers, scaled
 """
 
@@ -18,7 +18,8 @@ import time
 
 from _common import use_simulated_devices
 
-SECTIONS = ("table1", "grid", "hierarchical", "options", "largest", "answers", "scaled")
+SECTIONS = ("table1", "grid", "hierarchical", "options", "remat", "largest", "answers",
+            "scaled")
 
 # hierarchical sharding and ZeRO++ on replicas x data = 2 x (N / 2): (label, stage,
 # zero() options, replicas)
@@ -184,6 +185,35 @@ def options_grid(n, grid=OPTIONS_GRID, batch=GPT_BATCH):
     return rows
 
 
+# remat policies on scanned GPTs: (policy, dtypes, (hidden, seq, layers) shapes)
+REMAT = (("none", ("fp32", "bf16"), ((64, 256, 2), (128, 128, 4), (256, 64, 4), (128, 64, 8))),
+         ("dots", ("fp32",), ((128, 128, 4), (64, 256, 2))),
+         ("qkv_proj", ("fp32",), ((128, 128, 4), (64, 256, 2))))
+
+
+def remat_grid(n, grid=REMAT, batch=GPT_BATCH, stages=(0, 3)):
+    """[(label, stage, dtype, measured peak, predicted peak)]: the scanned reference GPT
+    under ``zero(remat_policy=...)`` (``"none"``: nothing recomputed, the scan's stacked
+    residuals; ``"dots"``, ``"qkv_proj"``: projections saved beside the checkpoints)."""
+    import jax.numpy as jnp
+
+    from zerojax.models.gpt import GPTConfig
+
+    rows = []
+    for policy, dtypes, shapes in grid:
+        for dtype in dtypes:
+            pd = jnp.bfloat16 if dtype == "bf16" else None
+            for h, s, layers in shapes:
+                cfg = GPTConfig(vocab=256, seq=s, layers=layers, hidden=h, heads=4,
+                                dtype=pd or jnp.float32)
+                for stage in stages:
+                    measured, predicted = _gpt_cell(cfg, n, stage, (batch, s + 1), pd,
+                                                    remat_policy=policy)
+                    rows.append((f"GPT scanned {layers} x {h}, seq {s}: remat_policy="
+                                 f"{policy}", stage, dtype, measured, predicted))
+    return rows
+
+
 def format_grid(rows) -> str:
     MiB = 2**20
     out = ["| model | stage | params | measured peak (MiB) | predicted (MiB) | "
@@ -274,7 +304,8 @@ def main(argv=None) -> None:
 
     for section, grid, title in (
             ("hierarchical", hierarchical_grid, "hierarchical sharding and ZeRO++"),
-            ("options", options_grid, "options beside the stage")):
+            ("options", options_grid, "options beside the stage"),
+            ("remat", remat_grid, "remat policies")):
         if section in only:
             t = time.perf_counter()
             rows = grid(n)
