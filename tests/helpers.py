@@ -9,6 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+# jax 0.11 on: the newer XLA:CPU (keeps bf16 in bf16, schedules the attention
+# differently); tests whose bounds differ between the two XLA:CPUs read this
+JAX_AT_LEAST_0_11 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
 
 def awkward_params(key=0):
     """A dict of leaves of every awkward kind: divisible, a bias of 37, a (37, 7) and a

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import (
+    JAX_AT_LEAST_0_11,
     awkward_loss,
     awkward_params,
     max_rel_err,
@@ -84,7 +85,6 @@ def test_bf16_params_peak_at_most_the_fp32_peak(stage):
     assert bf16 <= fp32, (stage, bf16 / 2**20, fp32 / 2**20)
 
 
-_JAX_AT_LEAST_0_11 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -100,7 +100,7 @@ def test_bf16_params_peak_at_most_the_fp32_peak_scanned(stage):
 
     fp32 = memory_report(_gpt_step(stage, None, True)[1]).peak
     bf16 = memory_report(_gpt_step(stage, jnp.bfloat16, True)[1]).peak
-    bound = 1.0 if _JAX_AT_LEAST_0_11 or stage < 3 else 1.05
+    bound = 1.0 if JAX_AT_LEAST_0_11 or stage < 3 else 1.05
     assert bf16 <= bound * fp32, (stage, bf16 / 2**20, fp32 / 2**20)
 
 
