@@ -466,11 +466,10 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     data-only meshes; on data 4 x model 2, 0.93-1.01 at seq 256 (width 64) and
     1.05-1.14 at seq 128 (width 128, where XLA keeps part of the logits and scores
     whole on each model device). Pa+cpu's host memory is not seen on the CPU
-    backend, which ignores memory kinds; there it is planned as Pa. Not modelled:
-    ``"dots"`` on written-out layers (``scan=False``; the planner plans scanned
-    stacks) held 1.36x the prediction on jax 0.10.2's CPU (4 x 128, seq 128, stage
-    0), as much as ``"none"``: XLA:CPU schedules a policy's recomputation beside the
-    forward pass (zerojax moves it behind the cotangent only for ``"full"``).
+    backend, which ignores memory kinds; there it is planned as Pa. Written-out layers
+    (``scan=False``) under ``"dots"``, ``"qkv_proj"``, ``"layer_inputs"`` (stages 0 and
+    3, jax 0.10.2): 0.865-1.040 at 4 x 128, seq 128; 0.672-0.892 at 2 x 64, seq 256,
+    over-predicted (there ``"dots"`` holds less than full remat: 7.4 against 8.9 MiB).
     """
     h, v, s, L, a = config.hidden, config.vocab, config.seq, config.layers, config.heads
     f = config.mlp_ratio * h
