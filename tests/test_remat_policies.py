@@ -28,12 +28,18 @@ def _batches():
             for _ in range(STEPS)]
 
 
-@functools.cache
 def _run(policy):
     """(compiled temporaries, params after STEPS Adam steps) at stage 3 on data=8: one
     compile, the compiled step trains."""
-    model = GPT(GPTConfig(**SHAPE))
-    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=STAGE,
+    return _train(policy, STAGE, True)
+
+
+@functools.cache
+def _train(policy, stage, scan):
+    """(compiled temporaries, params after STEPS Adam steps) of the GPT, its blocks
+    scanned or written out."""
+    model = GPT(GPTConfig(**SHAPE, scan=scan))
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=stage,
                        remat_policy=policy)
     state = opt.init_state(_gpt_params(model, 0))
     step = opt.train_step(lm_loss(model))
@@ -78,21 +84,6 @@ def test_temporaries_order_by_what_is_kept():
     assert min(temp["dots"], temp["projections"]) > temp["qkv_proj"] > temp["full"], temp
 
 
-@functools.cache
-def _run_unrolled(policy, stage):
-    """(compiled temporaries, params after STEPS Adam steps) of the written-out GPT."""
-    model = GPT(GPTConfig(**SHAPE, scan=False))
-    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=stage,
-                       remat_policy=policy)
-    state = opt.init_state(_gpt_params(model, 0))
-    step = opt.train_step(lm_loss(model))
-    batches = _batches()
-    compiled = step.lower(state, batches[0]).compile()
-    for b in batches:
-        state, _ = compiled(state, step.place_batch(b), None)
-    return compiled_memory(compiled).temp, opt.full_params(state)
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("policy", ["dots", "layer_inputs"])
 def test_written_out_layers_recompute_after_their_cotangent(policy, stage):
@@ -105,8 +96,8 @@ def test_written_out_layers_recompute_after_their_cotangent(policy, stage):
     2,832,736 against 2,060,704; now 1,650,216 and 1,650,216 (full remat's) at stage 0,
     1,148,576 and 1,041,760 at stage 3. And the same training as no remat (the bounds
     of test_policy_trains_like_no_remat)."""
-    temp_none, ref = _run_unrolled("none", stage)
-    temp, params = _run_unrolled(policy, stage)
+    temp_none, ref = _train("none", stage, False)
+    temp, params = _train(policy, stage, False)
     assert temp < (0.9 if stage == 0 else 0.7) * temp_none, (temp, temp_none)
     assert max_rel_err(ref, params) < 3e-4
 

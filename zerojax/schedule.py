@@ -325,16 +325,9 @@ def _policy_checkpoint(fn, raws, regulars, policy, prevent_cse: bool) -> list:
 
     def fwd(raws, regulars):
         raws, regulars, active = _split_perturbed(raws, regulars)
-        pos = [j for j, a in enumerate(active) if a]
-
-        def f(raws, act):
-            vals = list(regulars)
-            for j, v in zip(pos, act):
-                vals[j] = v
-            return fn(raws, vals)
-
+        f, act = _over_active(fn, regulars, active)
         ckpt = jax.checkpoint(f, prevent_cse=prevent_cse, policy=policy)
-        out, vjp = jax.vjp(ckpt, raws, [regulars[j] for j in pos])
+        out, vjp = jax.vjp(ckpt, raws, act)
         # the perturbed bits kept in the residuals' structure: None (perturbed) or ()
         return out, (vjp, [None if a else () for a in active])
 
@@ -512,9 +505,9 @@ def _instantiate(ct):
         is_leaf=lambda c: isinstance(c, SymbolicZero))
 
 
-def _vjp_active(fn, raws, regulars: list, active: list, ct):
-    """``(d raws, d regulars)`` of ``fn(raws, regulars)`` against ``ct``, differentiating
-    ``raws`` and the active regulars only (the others get None: a zero cotangent)."""
+def _over_active(fn, regulars: list, active: list):
+    """``(f, act)``: ``f(raws, act)`` is ``fn(raws, regulars)`` as a function of the
+    raws and of ``act``, the active (perturbed) regulars; the others stay constants."""
     pos = [j for j, a in enumerate(active) if a]
 
     def f(raws, act):
@@ -523,10 +516,17 @@ def _vjp_active(fn, raws, regulars: list, active: list, ct):
             vals[j] = v
         return fn(raws, vals)
 
-    _, vjp = jax.vjp(f, raws, [regulars[j] for j in pos])
+    return f, [regulars[j] for j in pos]
+
+
+def _vjp_active(fn, raws, regulars: list, active: list, ct):
+    """``(d raws, d regulars)`` of ``fn(raws, regulars)`` against ``ct``, differentiating
+    ``raws`` and the active regulars only (the others get None: a zero cotangent)."""
+    f, act = _over_active(fn, regulars, active)
+    _, vjp = jax.vjp(f, raws, act)
     d_raws, d_act = vjp(ct)
     d_regs: list = [None] * len(regulars)
-    for j, d in zip(pos, d_act):
+    for j, d in zip([j for j, a in enumerate(active) if a], d_act):
         d_regs[j] = d
     return d_raws, d_regs
 
