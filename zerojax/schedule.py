@@ -341,10 +341,7 @@ def _policy_checkpoint(fn, raws, regulars, policy, prevent_cse: bool) -> list:
                 after(x, probe) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
                 else x for x in leaves])
         d_raws, d_act = vjp(ct)
-        d_regs: list = [None] * len(marks)
-        for j, d in zip([j for j, m in enumerate(marks) if m is None], d_act):
-            d_regs[j] = d
-        return d_raws, d_regs
+        return d_raws, _place_active(d_act, [m is None for m in marks])
 
     layer.defvjp(fwd, bwd, symbolic_zeros=True)
     return layer(raws, regulars)
@@ -525,10 +522,16 @@ def _vjp_active(fn, raws, regulars: list, active: list, ct):
     f, act = _over_active(fn, regulars, active)
     _, vjp = jax.vjp(f, raws, act)
     d_raws, d_act = vjp(ct)
-    d_regs: list = [None] * len(regulars)
+    return d_raws, _place_active(d_act, active)
+
+
+def _place_active(d_act: list, active: list) -> list:
+    """The active regulars' cotangents ``d_act`` at their places among all regulars;
+    None (a zero cotangent) for the others."""
+    d_regs: list = [None] * len(active)
     for j, d in zip([j for j, a in enumerate(active) if a], d_act):
         d_regs[j] = d
-    return d_raws, d_regs
+    return d_regs
 
 
 def _probe(tree):
