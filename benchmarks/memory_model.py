@@ -185,32 +185,37 @@ def options_grid(n, grid=OPTIONS_GRID, batch=GPT_BATCH):
     return rows
 
 
-# remat policies on scanned GPTs: (policy, dtypes, (hidden, seq, layers) shapes)
-REMAT = (("none", ("fp32", "bf16"), ((64, 256, 2), (128, 128, 4), (256, 64, 4), (128, 64, 8))),
-         ("dots", ("fp32",), ((128, 128, 4), (64, 256, 2))),
-         ("qkv_proj", ("fp32",), ((128, 128, 4), (64, 256, 2))))
+# remat policies: (policy, dtypes, (hidden, seq, layers) shapes, scanned)
+REMAT = (("none", ("fp32", "bf16"), ((64, 256, 2), (128, 128, 4), (256, 64, 4), (128, 64, 8)),
+          True),
+         ("dots", ("fp32",), ((128, 128, 4), (64, 256, 2)), True),
+         ("qkv_proj", ("fp32",), ((128, 128, 4), (64, 256, 2)), True),
+         ("dots", ("fp32",), ((128, 128, 4), (64, 256, 2)), False),
+         ("layer_inputs", ("fp32",), ((128, 128, 4),), False))
 
 
 def remat_grid(n, grid=REMAT, batch=GPT_BATCH, stages=(0, 3)):
-    """[(label, stage, dtype, measured peak, predicted peak)]: the scanned reference GPT
-    under ``zero(remat_policy=...)`` (``"none"``: nothing recomputed, the scan's stacked
-    residuals; ``"dots"``, ``"qkv_proj"``: projections saved beside the checkpoints)."""
+    """[(label, stage, dtype, measured peak, predicted peak)]: the reference GPT, scanned
+    or written out, under ``zero(remat_policy=...)`` (``"none"``: nothing recomputed, the
+    scan's stacked residuals; ``"dots"``, ``"qkv_proj"``: projections saved beside the
+    checkpoints; ``"layer_inputs"``: the named layer inputs)."""
     import jax.numpy as jnp
 
     from zerojax.models.gpt import GPTConfig
 
     rows = []
-    for policy, dtypes, shapes in grid:
+    for policy, dtypes, shapes, scan in grid:
         for dtype in dtypes:
             pd = jnp.bfloat16 if dtype == "bf16" else None
             for h, s, layers in shapes:
                 cfg = GPTConfig(vocab=256, seq=s, layers=layers, hidden=h, heads=4,
-                                dtype=pd or jnp.float32)
+                                dtype=pd or jnp.float32, scan=scan)
                 for stage in stages:
                     measured, predicted = _gpt_cell(cfg, n, stage, (batch, s + 1), pd,
                                                     remat_policy=policy)
-                    rows.append((f"GPT scanned {layers} x {h}, seq {s}: remat_policy="
-                                 f"{policy}", stage, dtype, measured, predicted))
+                    rows.append((f"GPT {'scanned' if scan else 'unrolled'} {layers} x {h}, "
+                                 f"seq {s}: remat_policy={policy}", stage, dtype, measured,
+                                 predicted))
     return rows
 
 
