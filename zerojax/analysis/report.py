@@ -425,53 +425,131 @@ _SAVED = {"dots": lambda h, f: 3 * h + f, "projections": lambda h, f: 3 * h + f,
           "qkv_proj": lambda h, f: 3 * h}
 
 
+@dataclasses.dataclass(frozen=True)
+class GPTPhases:
+    """Activation bytes per device of a rematerialised reference GPT's train step, by
+    phase (:func:`gpt_phases`): what is live beside the checkpoints at each of the
+    backward pass's local peaks, counted from XLA's buffer assignment (the values live
+    at each peak instruction, ``XLA_FLAGS=--xla_dump_to``, its live-range report)."""
+
+    checkpoints: int  # every layer's kept values: the top of the backward, a scanned stack
+    bottom: int  # the first layer's kept values: the bottom of a written-out stack
+    mlp: int  # a recomputed layer at its MLP's backward
+    attention: int  # the same layer at its attention's backward
+    logits: int  # the logits, their softmax and gradient
+    forward: int  # a scanned layer's forward (0 for written-out layers)
+
+    def largest(self) -> int:
+        """The activations at the largest of the phases (checkpoints included)."""
+        return self.checkpoints + max(self.mlp, self.attention, self.logits, self.forward)
+
+
+def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = None,
+               value_bytes: int = 4, internal_bytes: int | None = None,
+               softmax_bytes: int = 4, platform: str = "gpu") -> GPTPhases:
+    """The activation phases of a rematerialised reference GPT's step, per device, on
+    ``batch`` sequences per data shard (b), ``mp`` model devices (heads, the MLP's
+    ``f`` and the vocabulary split ``mp`` ways; LayerNorms and residuals replicated):
+
+    * checkpoints: one layer input per layer, ``h b s L`` values (``"partitioned"``,
+      Pa: ``/ mp``; ``"partitioned_host"``, Pa+cpu: in host memory, 0 here; on
+      ``platform="cpu"``, which ignores memory kinds, as Pa), plus what the policy saves
+      beyond them for every layer but the one being recomputed: ``"dots"`` /
+      ``"projections"`` ``(3 h + f) b s / mp``, ``"qkv_proj"`` ``3 h b s / mp``. A
+      written-out stack's last layer (the bottom) holds only its own;
+    * mlp, the recomputed layer at its MLP's backward: the attention's float32
+      probabilities and exponentials, ``2 a s^2 b / mp`` (kept for the attention's
+      backward), the MLP's ``4 b s f / mp`` values in float32, or 7 in a 16-bit compute
+      dtype (XLA splits the tanh-GELU chain at its converts into 16-bit buffers), and
+      ``13 h b s`` of the LayerNorms, residual, attention output, QKV and cotangents
+      (4 of them split);
+    * attention, the same layer at its attention's backward: the probabilities, their
+      gradient and the scores' gradient, ``3 a s^2 b / mp`` in float32, and ``9 h b s``
+      (the QKV and their gradients split);
+    * logits: ``3 b s V / mp`` float32 values and ``4 h b s``;
+    * forward, a scanned layer's forward (``config.scan``): ``3 a s^2 b / mp`` float32
+      scores and softmax values, plus the causal mask, which jax hoists out of the
+      loop as a loop-invariant residual and broadcasts to the scores' shape
+      (``a s^2 b`` booleans), plus ``4 h b s``.
+
+    With cuDNN's flash attention (:func:`flash_attention`) the ``a s^2 b`` terms are
+    its float32 softmax statistics, ``a s b / mp`` (not checked against a compiled GPU
+    step here: the CPU has no cuDNN). ``internal_bytes``: bytes per value of a layer's
+    internals when they differ from ``value_bytes`` (XLA:CPU up to jax 0.10 computes
+    bf16 layers in float32 and holds a scanned stack's checkpoints in float32 for the
+    backward loop). Measured on 8 CPU devices against compiled steps, with the
+    gradients and weights live at each phase (:func:`gpt_step_prediction`):
+    ``benchmarks/memory_model.py``."""
+    h, v, s, L, a = config.hidden, config.vocab, config.seq, config.layers, config.heads
+    f = config.mlp_ratio * h
+    mp = _count("mp", mp, minimum=1)
+    b = _count("batch", batch, minimum=0)
+    inner = value_bytes if internal_bytes is None else internal_bytes
+    split = lambda n: math.ceil(n / mp)  # noqa: E731
+    hbs = h * b * s
+    if flash_attention(config, platform):
+        # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
+        probs = scores = split(a * s * b) * 4
+        mask = 0
+    else:
+        sq = split(a * s * s * b)
+        probs, scores, mask = 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq
+    mlp_values = 4 if inner >= 4 else 7
+    mlp = probs + (split(mlp_values * f * b * s) + 9 * hbs + split(4 * hbs)) * inner
+    attention = scores + (3 * hbs + split(6 * hbs)) * inner
+    logits = split(3 * b * s * v) * softmax_bytes + 4 * hbs * inner
+    forward = scores + mask + 4 * hbs * inner if config.scan else 0
+    policy = remat_policy
+    if policy == "partitioned_host" and platform != "cpu":
+        ckpt = 0
+    elif policy in ("partitioned", "partitioned_host"):
+        ckpt = split(hbs)
+    else:
+        ckpt = hbs
+    # XLA:CPU up to jax 0.10 converts a scanned stack's 16-bit checkpoints to float32
+    ckpt_bytes = inner if config.scan and inner > value_bytes else value_bytes
+    saved = split(_SAVED[policy](h, f) * b * s) if policy in _SAVED else 0
+    return GPTPhases(checkpoints=L * ckpt * ckpt_bytes + (L - 1) * saved * value_bytes,
+                     bottom=ckpt * ckpt_bytes, mlp=mlp, attention=attention, logits=logits,
+                     forward=forward)
+
+
 def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str | None = None,
                          value_bytes: int = 4, internal_bytes: int | None = None,
                          softmax_bytes: int = 4, platform: str = "gpu") -> int:
     """Activation bytes per device of the reference GPT's train step on ``batch``
-    sequences per data shard, with the ``model`` axis of size ``mp`` (Megatron: the QKV,
-    attention and MLP internals, the heads' scores and the vocabulary's logits split
-    ``mp`` ways; layer inputs, LayerNorms and residuals replicated) and
-    ``remat_policy`` (``zerojax.zero``'s; None: the model's own, ``config.remat``):
+    sequences per data shard, with the ``model`` axis of size ``mp`` and
+    ``remat_policy`` (``zerojax.zero``'s; None: the model's own, ``config.remat``).
 
-    * the checkpoints, one layer input per layer, ``h b s L`` values (``"partitioned"``,
-      Pa: ``/ mp``; ``"partitioned_host"``, Pa+cpu: in host memory, 0 here; on
-      ``platform="cpu"``, which ignores memory kinds, as Pa);
-    * what the policy saves beyond them, for every layer but the one being
-      recomputed: ``"dots"``/``"projections"`` the QKV and MLP-in outputs, ``(3 h + f)
-      b s / mp``; ``"qkv_proj"`` ``3 h b s / mp``;
-    * one layer's internals while it is recomputed: the paper's ``12 h b s``, of
-      which ``4 h b s`` replicated and ``8 h b s / mp`` split (in ``internal_bytes``,
-      default ``value_bytes``), plus its attention scores, probabilities and their
-      gradient, ``3 a s^2 b / mp`` (softmax in ``softmax_bytes``), or with cuDNN's
-      flash attention (:func:`flash_attention`) only its float32 softmax statistics,
-      ``a s b / mp`` (not checked against a compiled GPU step here: the CPU has no
-      cuDNN);
-    * the logits, their softmax and gradient, ``3 b s V / mp`` (``softmax_bytes``);
-    * ``"none"`` (or ``config.remat=False``): no checkpoints. Written-out layers: every
-      layer's internals and scores kept, ``L`` times the recomputed layer's (compiled:
-      0.93x). A scanned stack keeps what jax's partial evaluation of the block saves,
-      stacked for the backward loop, per layer: the softmax's float32 probabilities
-      and their compute-dtype copy, ``a s^2 b / mp`` each (flash attention: its
-      statistics), ``(6 f + 4 h) b s / mp`` of the MLP and attention and ``h b s`` of
-      the residual in ``internal_bytes``, and six ``h b s`` of the LayerNorms in
-      float32 (counted from the compiled stacks); plus the layer being differentiated
-      and the logits. Compiled over predicted, scanned GPTs at four shapes (seq
-      64-256, width 64-256, 2-8 layers), stages 0 and 3, fp32 and bf16: 0.905-1.056 on
-      jax 0.10.2, 0.852-1.022 on jax 0.12 (over-predicted; the old ``L x`` layer
-      count held 1.18-1.82x under).
+    Rematerialised layers (every policy but ``"none"``): the checkpoints plus the
+    largest of the phases of :func:`gpt_phases` (the recomputed layer's MLP and
+    attention backward, the logits, a scanned layer's forward).
+    :func:`gpt_step_prediction` takes each phase with the gradients and weights live
+    beside it.
 
-    Measured against compiled steps (jax 0.10.2, 8 CPU devices, stage 0 and 3,
-    ``tests/test_planner.py``): ``"dots"``, ``"qkv_proj"`` and Pa within 10% on
-    data-only meshes; on data 4 x model 2, 0.93-1.01 at seq 256 (width 64) and
-    1.05-1.14 at seq 128 (width 128, where XLA keeps part of the logits and scores
-    whole on each model device). Pa+cpu's host memory is not seen on the CPU
-    backend, which ignores memory kinds; there it is planned as Pa. Written-out layers
-    (``scan=False``) under ``"dots"``, ``"qkv_proj"``, ``"layer_inputs"`` (stages 0 and
-    3, jax 0.10.2): 0.865-1.040 at 4 x 128, seq 128; 0.672-0.892 at 2 x 64, seq 256,
-    over-predicted (there ``"dots"`` holds less than full remat: 7.4 against 8.9 MiB).
+    ``"none"`` (or ``config.remat=False``): no checkpoints. Written-out layers: every
+    layer's internals and scores kept, ``L`` times ``12 h b s`` (``4 h b s``
+    replicated and ``8 h b s / mp`` split, in ``internal_bytes``) plus ``3 a s^2 b /
+    mp`` float32 scores (compiled: 0.93x). A scanned stack keeps what jax's partial
+    evaluation of the block saves, stacked for the backward loop, per layer: the
+    softmax's float32 probabilities and their compute-dtype copy, ``a s^2 b / mp`` each
+    (flash attention: its statistics), ``(6 f + 4 h) b s / mp`` of the MLP and
+    attention and ``h b s`` of the residual in ``internal_bytes``, and six ``h b s`` of
+    the LayerNorms in float32 (counted from the compiled stacks); plus the layer being
+    differentiated and the logits. Compiled over predicted, scanned GPTs at four
+    shapes (seq 64-256, width 64-256, 2-8 layers), stages 0 and 3, fp32 and bf16:
+    0.905-1.056 on jax 0.10.2, 0.852-1.022 on jax 0.12 (over-predicted; the old ``L x``
+    layer count held 1.18-1.82x under).
+
+    Pa+cpu's host memory is not seen on the CPU backend, which ignores memory kinds;
+    there it is planned as Pa.
     """
     h, v, s, L, a = config.hidden, config.vocab, config.seq, config.layers, config.heads
+    policy = remat_policy
+    if policy != "none" and config.remat:
+        return gpt_phases(config, batch, mp=mp, remat_policy=policy, value_bytes=value_bytes,
+                          internal_bytes=internal_bytes, softmax_bytes=softmax_bytes,
+                          platform=platform).largest()
     f = config.mlp_ratio * h
     mp = _count("mp", mp, minimum=1)
     b = _count("batch", batch, minimum=0)
@@ -479,39 +557,26 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     hbs = h * b * s
     layer = (4 * hbs + math.ceil(8 * hbs / mp)) * inner
     if flash_attention(config, platform):
-        # cuDNN's flash attention: no a s^2 scores, a float32 softmax statistic per row
         layer += math.ceil(a * s * b / mp) * 4
     else:
         layer += math.ceil(3 * a * s * s * b / mp) * softmax_bytes
     logits = math.ceil(3 * b * s * v / mp) * softmax_bytes
-    policy = remat_policy
-    if policy == "none" or not config.remat:
-        if not config.scan:
-            return L * layer + logits
-        # a scanned stack keeps each iteration's residuals stacked (L, ...) for the
-        # backward loop, what jax's partial evaluation of the block saves: the softmax's
-        # float32 probabilities and their compute-dtype copy (2 a s^2 b in fp32), six
-        # b s f of the MLP (its input, tanh-GELU's terms, its output), five h b s of
-        # the attention's (q, k, v, its output, the residual) in the compute dtype and
-        # six of the LayerNorms' float32 values (read from the compiled stacks,
-        # jax 0.10.2 and 0.12); the layer being differentiated works beside them
-        if flash_attention(config, platform):
-            soft = math.ceil(a * s * b / mp) * 4
-        else:
-            soft = math.ceil(a * s * s * b / mp) * (softmax_bytes + value_bytes)
-        saved = (soft + math.ceil((6 * f + 4 * h) * b * s / mp) * inner + hbs * inner
-                 + 6 * hbs * max(inner, 4))
-        return L * saved + layer + logits
-    if policy == "partitioned_host" and platform != "cpu":
-        ckpt = 0
-    elif policy in ("partitioned", "partitioned_host"):
-        ckpt = math.ceil(hbs * L / mp)
+    if not config.scan:
+        return L * layer + logits
+    # a scanned stack keeps each iteration's residuals stacked (L, ...) for the
+    # backward loop, what jax's partial evaluation of the block saves: the softmax's
+    # float32 probabilities and their compute-dtype copy (2 a s^2 b in fp32), six
+    # b s f of the MLP (its input, tanh-GELU's terms, its output), five h b s of
+    # the attention's (q, k, v, its output, the residual) in the compute dtype and
+    # six of the LayerNorms' float32 values (read from the compiled stacks,
+    # jax 0.10.2 and 0.12); the layer being differentiated works beside them
+    if flash_attention(config, platform):
+        soft = math.ceil(a * s * b / mp) * 4
     else:
-        ckpt = hbs * L
-    saved = 0
-    if policy in _SAVED:
-        saved = (L - 1) * math.ceil(_SAVED[policy](h, f) * b * s / mp)
-    return (ckpt + saved) * value_bytes + layer + logits
+        soft = math.ceil(a * s * s * b / mp) * (softmax_bytes + value_bytes)
+    saved = (soft + math.ceil((6 * f + 4 * h) * b * s / mp) * inner + hbs * inner
+             + 6 * hbs * max(inner, 4))
+    return L * saved + layer + logits
 
 
 def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any = None,
@@ -593,7 +658,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     acts = gpt_activation_bytes(config, -(-b // accum), mp=mp, remat_policy=policy,
                                 value_bytes=compute, internal_bytes=inter,
                                 platform=platform)
-    return predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
+    step = predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=remat, prefetch=prefetch,
                                activations=acts,
@@ -606,6 +671,53 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                intermediate_bytes=inter,
                                largest_leaf=max(v * h, L * f * h),
                                collective_bytes=_collective_bytes(grad, platform))
+    if not remat:
+        return step
+    phases = gpt_phases(config, -(-b // accum), mp=mp, remat_policy=policy,
+                        value_bytes=compute, internal_bytes=inter, platform=platform)
+    return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
+                             widened=inter is not None, prefetch=prefetch)
+
+
+def _at_largest_phase(step: StepPrediction, ph: GPTPhases, scan: bool, stage: int,
+                      layer: int, layers: int, param_bytes: int, grad_bytes: int, *,
+                      widened: bool, prefetch: bool) -> StepPrediction:
+    """``step`` with its backward terms (gradients in flight, activations, working
+    weights) those of the rematerialised GPT's largest phase, each phase with what is
+    live beside it (read from XLA's live ranges at each local peak):
+
+    * the gradients before the layer's own: ``step.grads_in_flight`` less the layer's
+      ``G Psi_l`` (the whole gradient, or the partition, plus accumulators); a
+      written-out stack at stage 0 has, at its top layer, ``(L - 1) Psi_l`` fewer;
+    * the layer's weights: ``P Psi_l``, gathered (stage 3) or copied to wait for its
+      cotangent (written-out, stages 0-2; a scanned stack's iteration slice); float32
+      on an XLA:CPU that computes 16-bit layers in float32 (``widened``, scanned);
+    * the MLP's backward: the gradients before, the weights, the checkpoints (all of
+      them at the top and in a scanned stack, the layer's own at a written-out
+      bottom) and :attr:`GPTPhases.mlp`;
+    * the attention's backward: the same with the layer's gradients ``G Psi_l``
+      complete beside them and, at stage 3 with ``prefetch``, the next written-out
+      layer's gathered weights;
+    * the logits: the gradients before the top layer's and every checkpoint;
+    * a scanned layer's forward: the checkpoints and, at stage 3, the layer's weights.
+    """
+    g_pl = grad_bytes * layer
+    before = step.grads_in_flight - g_pl
+    top = before - (layers - 1) * g_pl if stage == 0 and not scan else before
+    work = (4 if widened and scan else param_bytes) * layer
+    phases = [  # (gradients in flight, activations, working weights)
+        (top, ph.checkpoints + ph.mlp, work),
+        (top + g_pl, ph.checkpoints + ph.attention,
+         work + (param_bytes * layer if stage == 3 and prefetch and not scan else 0)),
+        (top, ph.checkpoints + ph.logits, 0),
+        (0, ph.checkpoints + ph.forward, work if stage == 3 else 0),
+    ]
+    if not scan:  # the bottom layer: every other layer's gradient, its own checkpoint
+        phases += [(before, ph.bottom + ph.mlp, work),
+                   (before + g_pl, ph.bottom + ph.attention, work)]
+    # whole-model converted weights (step.converted) stand in for gradients as they die
+    flight, acts, working = max(phases, key=lambda p: max(p[0], step.converted) + p[1] + p[2])
+    return dataclasses.replace(step, grads_in_flight=flight, activations=acts, working=working)
 
 
 def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: int,
