@@ -733,10 +733,14 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
                         **options: Any) -> StepPrediction:
     """:func:`predict_step_memory` for :class:`zerojax.models.MLP` (``layers`` tanh Dense
     layers of width ``features`` on inputs of ``d_in``, a head of ``out``) on
-    ``global_batch`` rows, trained by ``zero(tx, mesh, stage=stage, ...)``. Activations:
-    the input and each layer's tanh output (what its backward reads), ``b (d_in + L f)``
-    values, plus the head's output, in float32 (flax promotes the bf16 params to the
-    float32 inputs' dtype), as are the gradients in flight; written-out layers."""
+    ``global_batch`` rows, trained by ``zero(tx, mesh, stage=stage, ...)``; written-out
+    layers, no remat. The backward's terms are those of its larger end: at the top
+    layer every layer's tanh output (what its backward reads; the input is the batch's),
+    the layer's cotangent and its own gradient, ``b ((L + 1) f + out)`` values; at the
+    bottom one layer's output and cotangent, ``2 b f``, beside every gradient in flight.
+    Activations and gradients in float32 (flax promotes the bf16 params to the float32
+    inputs' dtype). Compiled over predicted, three shapes, stages 0-3, fp32 and bf16:
+    0.926-1.049 on jax 0.10.2 and 0.12 (``benchmarks/memory_model.py``)."""
     import optax
 
     from zerojax.models import MLP
@@ -760,7 +764,8 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     # step casts them to the reduction's dtype (jax 0.12's XLA:CPU, which keeps bf16 in
     # bf16, showed the same peaks as jax 0.10's once counted so)
     grad = max(grad, act)
-    return predict_step_memory(psi, dp, stage, layer_params=features * features + features,
+    layer = features * features + features
+    step = predict_step_memory(psi, dp, stage, layer_params=layer,
                                scanned=False, hidden=features, batch=b, seq=1,
                                layers=layers, param_bytes=compute, grad_bytes=grad,
                                states=e.params + e.optimizer_state, activations=acts,
@@ -768,6 +773,14 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
                                batch_bytes=b * (d_in + out) * 4,
                                accum_steps=options.get("accum_steps", 1),
                                converted=converted)
+    # the backward's two ends, each with what is live beside it (XLA's live ranges):
+    # at the top layer every layer's output (the input is the batch's), the layer's
+    # cotangent and only its gradient; at the bottom one layer's output and cotangent
+    # and every gradient in flight
+    ends = [(grad * layer, b * ((layers + 1) * features + out) * act),
+            (step.grads_in_flight, 2 * b * features * act)]
+    flight, activations = max(ends, key=lambda e: max(e[0], converted) + e[1])
+    return dataclasses.replace(step, grads_in_flight=flight, activations=activations)
 
 
 def largest_layers_predicted(config, dp: int, stage: int, global_batch: int,
