@@ -622,11 +622,12 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     hpZ): ``dp`` is the data axis D inside a replica and ``replicas`` = R the replica
     axis; the batch splits over R x D devices, the states are ``estimate_memory``'s
     (HSDP: the stage's over D; hpZ: optimizer state over R x D, params over D), the
-    gradients in flight the shard over D. ZeRO++'s quantized collectives
-    (``quantize_weights`` / ``quantize_gradients``) add no term: their int8 / int4
-    buffers are smaller than the gathered layer and gradient already counted (compiled
-    on the CPU: within the model's band of the same step without them,
-    ``tests/test_planner.py``)."""
+    gradients in flight the shard over D. ZeRO++'s int8 / int4 buffers add no term
+    (smaller than the gathered layer and gradient already counted), but qgZ
+    (``quantize_gradients``) quantizes each gradient leaf from float32: with 16-bit
+    gradients the layer's largest leaf is held as two float32 copies beside its
+    gradient (compiled on the CPU, jax 0.12: without them the bf16 4 x 256 GPT at stage
+    3 held 1.15x the prediction; ``benchmarks/memory_model.py --only hierarchical``)."""
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
@@ -682,13 +683,17 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
         return step
     phases = gpt_phases(config, -(-b // accum), mp=mp, remat_policy=policy,
                         value_bytes=compute, internal_bytes=inter, platform=platform)
+    # ZeRO++ qgZ quantizes each gradient leaf from float32: a 16-bit gradient's largest
+    # leaf is held as two float32 copies beside the layer's gradient (seen on jax 0.12's
+    # XLA:CPU, which keeps bf16 gradients in bf16)
+    quant = 2 * 4 * split(h * f) if options.get("quantize_gradients") and grad < 4 else 0
     return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
-                             widened=inter is not None, prefetch=prefetch)
+                             widened=inter is not None, prefetch=prefetch, quantized=quant)
 
 
 def _at_largest_phase(step: StepPrediction, ph: GPTPhases, scan: bool, stage: int,
                       layer: int, layers: int, param_bytes: int, grad_bytes: int, *,
-                      widened: bool, prefetch: bool) -> StepPrediction:
+                      widened: bool, prefetch: bool, quantized: int = 0) -> StepPrediction:
     """``step`` with its backward terms (gradients in flight, activations, working
     weights) those of the rematerialised GPT's largest phase, each phase with what is
     live beside it (read from XLA's live ranges at each local peak):
@@ -703,25 +708,26 @@ def _at_largest_phase(step: StepPrediction, ph: GPTPhases, scan: bool, stage: in
       them at the top and in a scanned stack, the layer's own at a written-out
       bottom) and :attr:`GPTPhases.mlp`;
     * the attention's backward: the same with the layer's gradients ``G Psi_l``
-      complete beside them and, at stage 3 with ``prefetch``, the next written-out
-      layer's gathered weights;
+      complete beside them (and ``quantized`` bytes: qgZ's float32 copies of a leaf)
+      and, at stage 3 with ``prefetch``, the next written-out layer's gathered weights;
     * the logits: the gradients before the top layer's and every checkpoint;
     * a scanned layer's forward: the checkpoints and, at stage 3, the layer's weights.
     """
     g_pl = grad_bytes * layer
     before = step.grads_in_flight - g_pl
+    complete = g_pl + quantized
     top = before - (layers - 1) * g_pl if stage == 0 and not scan else before
     work = (4 if widened and scan else param_bytes) * layer
     phases = [  # (gradients in flight, activations, working weights)
         (top, ph.checkpoints + ph.mlp, work),
-        (top + g_pl, ph.checkpoints + ph.attention,
+        (top + complete, ph.checkpoints + ph.attention,
          work + (param_bytes * layer if stage == 3 and prefetch and not scan else 0)),
         (top, ph.checkpoints + ph.logits, 0),
         (0, ph.checkpoints + ph.forward, work if stage == 3 else 0),
     ]
     if not scan:  # the bottom layer: every other layer's gradient, its own checkpoint
         phases += [(before, ph.bottom + ph.mlp, work),
-                   (before + g_pl, ph.bottom + ph.attention, work)]
+                   (before + complete, ph.bottom + ph.attention, work)]
     # whole-model converted weights (step.converted) stand in for gradients as they die
     flight, acts, working = max(phases, key=lambda p: max(p[0], step.converted) + p[1] + p[2])
     return dataclasses.replace(step, grads_in_flight=flight, activations=acts, working=working)
