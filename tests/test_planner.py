@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import JAX_AT_LEAST_0_11
 
 import zerojax
 from zerojax.analysis import estimate_activations, estimate_buffers, estimate_memory
@@ -397,17 +398,20 @@ def test_plan_model_returns_the_table_as_data():
 def test_the_8x80gb_answer_compiles_scaled_down():
     """zerojax plan --largest's search, scaled down (hidden 16 L, 16-wide heads, seq 64,
     vocab 256, 8 sequences per device, AdamW fp32, 8 devices of 6 MiB): the largest
-    model it answers at stage 3, compiled from shapes, fits (within the model's
-    10%), and the next size up does not (benchmarks/memory_model.py --only scaled: every
-    stage, seq 256, 64 MiB)."""
+    model it answers at each stage, compiled from shapes, fits, and the next size up
+    does not (benchmarks/memory_model.py --only scaled: seq 256, 64 MiB). Compiled /
+    budget on jax 0.12: 0.896, 0.784, 0.737, 0.961 (next size up 1.08-1.44). jax 0.10's
+    XLA:CPU packs the stage-3 step's buffers looser (1.044 x the budget, within the
+    model's 10%; next size up 1.17-1.52)."""
     from zerojax.analysis.plan import OPTION_SETS, make_optimizer, plan_model
 
     budget, seq, batch = 6 * 2**20, 64, 8
-    sets = tuple(o for o in OPTION_SETS if not o[2] and o[1] == 3)
+    sets = tuple(o for o in OPTION_SETS if not o[2])
     p = plan_model(None, devices=N, budget_bytes=budget, seq=seq, batch=batch,
                    optimizer="adamw", param_dtype="fp32", largest=True, width_per_layer=16,
                    head_dim=16, vocab=256, option_sets=sets)
     mesh = zerojax.make_mesh(data=N)
+    assert [stage for _, stage, _ in sets] == [0, 1, 2, 3]
     for (label, stage, _), (_, shape, _) in zip(sets, p.largest):
         assert shape is not None and shape.layers >= 2, (label, p.largest)
         peaks = []
@@ -418,10 +422,8 @@ def test_the_8x80gb_answer_compiles_scaled_down():
             compiled = compile_step(opt, lm_loss(GPT(cfg)), gpt_param_shapes(cfg),
                                     jax.ShapeDtypeStruct((batch * N, seq + 1), jnp.int32))
             peaks.append(memory_report(compiled).peak)
-        # the planner's answer fits within the model's measured tolerance (compiled /
-        # predicted within 10%; at stage 3 this answer compiled to 1.045 x the budget,
-        # activation-heavy at this scale), and the next size up does not fit
-        assert peaks[0] <= 1.1 * budget, (stage, shape.layers, peaks, budget)
+        slack = 1.0 if JAX_AT_LEAST_0_11 else 1.1
+        assert peaks[0] <= slack * budget, (stage, shape.layers, peaks, budget)
         assert peaks[1] > budget, (stage, shape.layers, peaks, budget)
 
 
