@@ -334,12 +334,8 @@ def _policy_checkpoint(fn, raws, regulars, policy, prevent_cse: bool) -> list:
     def bwd(res, ct):
         vjp, marks = res
         ct = _instantiate(ct)
-        probe = _probe(ct)
-        if probe is not None:
-            leaves, tree = jax.tree.flatten(vjp)
-            vjp = tree.unflatten([
-                after(x, probe) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-                else x for x in leaves])
+        leaves, tree = jax.tree.flatten(vjp)
+        vjp = tree.unflatten(_wait_for(leaves, _probe(ct)))
         d_raws, d_act = vjp(ct)
         return d_raws, _place_active(d_act, [m is None for m in marks])
 
@@ -375,9 +371,7 @@ def _partitioned_checkpoint(fn, raws, regulars, split: list[int], ctx: _Ctx,
                  for j, r in enumerate(kept)]
         ct = _instantiate(ct)
         probe = _probe(ct)
-        whole = [after(r, probe) if probe is not None and hasattr(r, "dtype")
-                 and jnp.issubdtype(r.dtype, jnp.inexact) else r for r in whole]
-        return _vjp_active(fn, _after(raws, probe), whole, active, ct)
+        return _vjp_active(fn, _after(raws, probe), _wait_for(whole, probe), active, ct)
 
     layer.defvjp(fwd, bwd, symbolic_zeros=True)
     return layer(raws, regulars)
@@ -544,6 +538,16 @@ def _probe(tree):
     leaves = [c for c in jax.tree.leaves(tree)
               if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
     return leaves[0][(0,) * leaves[0].ndim] if leaves else None
+
+
+def _wait_for(values: list, probe) -> list:
+    """``values`` with each floating-point array made data-dependent on the scalar
+    ``probe`` (:func:`zerojax.collectives.after`, every value unchanged); the others,
+    and all of them when ``probe`` is None, as they are."""
+    if probe is None:
+        return list(values)
+    return [after(x, probe) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+            else x for x in values]
 
 
 def _after(raws: list, probe) -> list:

@@ -663,9 +663,11 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     inter = 4 if _widens_bf16(platform) and compute < 4 else None
     policy = options.get("remat_policy")
     remat = config.remat and policy != "none"
-    acts = gpt_activation_bytes(config, -(-b // accum), mp=mp, remat_policy=policy,
-                                value_bytes=compute, internal_bytes=inter,
-                                platform=platform)
+    counts = dict(mp=mp, remat_policy=policy, value_bytes=compute, internal_bytes=inter,
+                  platform=platform)
+    phases = gpt_phases(config, -(-b // accum), **counts) if remat else None
+    acts = (phases.largest() if remat
+            else gpt_activation_bytes(config, -(-b // accum), **counts))
     step = predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=remat, prefetch=prefetch,
@@ -681,8 +683,6 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                collective_bytes=_collective_bytes(grad, platform))
     if not remat:
         return step
-    phases = gpt_phases(config, -(-b // accum), mp=mp, remat_policy=policy,
-                        value_bytes=compute, internal_bytes=inter, platform=platform)
     # ZeRO++ qgZ quantizes each gradient leaf from float32: a 16-bit gradient's largest
     # leaf is held as two float32 copies beside the layer's gradient (seen on jax 0.12's
     # XLA:CPU, which keeps bf16 gradients in bf16)
