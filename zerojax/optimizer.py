@@ -279,27 +279,50 @@ class ZeroOptimizer:
         The caller's ``params`` are copied, never donated: they stay usable.
         With ``offload_optimizer`` / ``offload_params`` the optimizer state / params are
         created in host memory (``pinned_host``), never whole on the device.
+
+        Leaves that are already global ``jax.Array`` s on this mesh's devices (any
+        sharding, e.g. read straight into :meth:`input_shardings` by a loader; in a
+        multi-process run not fully addressable) are resharded under ``jit`` as they
+        are, never placed whole; other leaves (numpy arrays, arrays on one device) are
+        placed whole over ``data`` first. To create the model without ever holding it
+        whole, use :meth:`init_sharded`.
         """
         params, model_specs = self._split_model_specs(params, model_specs)
         _check_params(params)
         self._remember(params, model_specs)
-        cfg = self.config
         shardings = self.shardings(params)
         lays = self.layouts(params)
+        # Leaves not yet on the mesh are placed whole over data (their model split kept),
+        # then padded and split under jit; leaves on the mesh go in as they are.
+        devices = set(self.mesh.devices.flat)
+
+        def place(x, lay):
+            if isinstance(x, jax.Array) and x.sharding.device_set == devices:
+                return x
+            return jax.device_put(x, NamedSharding(self.mesh, lay.model_spec))
+
+        placed_in = jax.tree.map(place, params, lays)
+        on_host = any(k not in (None, offload.DEVICE) for k in offload.memory_kinds(placed_in))
+        build = self._init_body(params, shardings, to_device=on_host)
+        placed, opt_state = jax.jit(
+            build, out_shardings=(shardings.params, shardings.opt_state))(placed_in)
+        return self._train_state(placed, opt_state, params)
+
+    def _init_body(self, params: Any, shardings: part.StageSpecs, to_device: bool = False):
+        """``init(p) -> (stored params, optimizer state)`` for whole (unpadded) params
+        ``p`` at their own shapes: cast to ``param_dtype``, padded for the split, the
+        optimizer state (and fp32 master) created; run under ``jit`` with the stage's
+        ``out_shardings`` (shared by :meth:`init_state` and :meth:`init_sharded`)."""
+        cfg = self.config
+        lays = self.layouts(params)
         opt_lays = self.opt_state_layouts(params)
-        param_sh, opt_sh = shardings.params, shardings.opt_state
-        replicated = NamedSharding(self.mesh, P())
-        # Leaves padded for their split are placed whole first (an uneven split cannot
-        # be placed), then padded and split under jit; the others go straight to
-        # their split.
-        whole_sh = jax.tree.map(
-            lambda lay, sh: NamedSharding(self.mesh, lay.model_spec) if lay.pad
-            else sh.with_memory_kind(offload.DEVICE), lays, param_sh, is_leaf=part.is_layout)
         stage3 = cfg.stage == 3
 
         # A fresh copy laid out per stage: device_put may hand back the caller's own
         # buffers (on device 0, say), and the step donates its state.
         def init(p):
+            if to_device:  # leaves a loader left in host memory
+                p = offload.to_device(p)
             # weak types dropped: the step returns strong-typed leaves, so a weak-typed
             # leaf (a `jnp.asarray(1.5)` scale) would compile the step a second time
             p = jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype), p)
@@ -311,11 +334,46 @@ class ZeroOptimizer:
                 return compute, part.pad_tree(inner, opt_lays)
             return compute, part.pad_tree(MasterState(p, inner), opt_lays)
 
-        placed, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(
-            jax.device_put(params, whole_sh))
-        step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+        return init
+
+    def _train_state(self, placed: Any, opt_state: Any, params: Any) -> TrainState:
+        """The TrainState of freshly placed params (their own shapes registered)."""
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         part.register_logical(placed, params)
         return TrainState(step, placed, opt_state, self.init_state_loss_scale())
+
+    def input_shardings(self, like: Any, model_specs: Any = None) -> Any:
+        """Per leaf of ``like`` (the params at their own, unpadded shapes: arrays or
+        ``ShapeDtypeStruct`` s; flax partitioning boxes read for the model split), the
+        ``NamedSharding`` a loader should read that leaf into so that
+        :meth:`init_state` takes it without any device holding it whole: the stage's
+        data split (with the model split) where the leaf needs no padding; for a leaf
+        padded for its split, a split along a dimension that divides by the devices
+        (over part of a ``(replica, data)`` layout), else its model split alone (whole
+        over data: such leaves are small). Leaves below ``min_shard_size`` are whole
+        over data. Device memory, at every stage (stages 0-2 then gather the params
+        whole, as they hold them)."""
+        params, specs = self._split_model_specs(like, model_specs)
+        lays = part.layouts(params, self.data_size, self.config.min_shard_size,
+                            self.zero_axis, specs, True)
+        mesh = self.mesh
+
+        def one(lay):
+            if lay.dim is None:
+                return NamedSharding(mesh, lay.model_spec)
+            if not lay.pad:
+                return NamedSharding(mesh, lay.spec)
+            axes = self.zero_axis if isinstance(self.zero_axis, tuple) else (self.zero_axis,)
+            for axis in sorted(axes, key=lambda a: -int(mesh.shape[a])):
+                n = int(mesh.shape[axis])
+                dim = part.choose_dim(lay.shape, n, 1, lay.model) if n > 1 else None
+                if dim is not None:
+                    entries = list(lay.model or (None,) * len(lay.shape))
+                    entries[dim] = axis
+                    return NamedSharding(mesh, P(*entries))
+            return NamedSharding(mesh, lay.model_spec)
+
+        return jax.tree.map(one, lays, is_leaf=part.is_layout)
 
     def _remember(self, params: Any, model_specs: Any = None) -> None:
         """Keep the params' own shapes (and model splits) for steps of this tree."""
