@@ -1,0 +1,667 @@
+"""A Llama-family decoder with MaxText's parameter names, and the Hugging Face mapping.
+
+``Llama`` is the decoder of Llama 2 / Llama 3 (Touvron et al., arXiv:2307.09288): a
+token embedding, ``layers`` pre-RMSNorm blocks (causal grouped-query self-attention
+with rotary position embeddings, then a SwiGLU MLP, each with a residual), a final
+RMSNorm and an untied ``lm_head``; no biases anywhere. It computes the function
+Hugging Face ``transformers``' ``LlamaForCausalLM`` computes (``modeling_llama``):
+
+- RMSNorm in float32: ``x * rsqrt(mean(x**2) + eps)``, cast to the compute dtype, times
+  the scale;
+- rotary embeddings in the *rotate-half* convention: ``q * cos + rotate_half(q) * sin``
+  with ``rotate_half(x) = concat(-x[..., d/2:], x[..., :d/2])``, ``inv_freq = 1 /
+  rope_theta ** (arange(0, d, 2) / d)`` and ``cos``/``sin`` of ``concat(f, f)`` (HF's
+  checkpoints are already permuted for this convention, so they load as they are);
+- grouped-query attention: query head ``h`` reads key/value head ``h // (heads //
+  kv_heads)`` (HF's ``repeat_kv``), ``softmax(q k^T / sqrt(d))`` with float32 scores;
+- ``down(silu(gate(x)) * up(x))``.
+
+Parameters are named as MaxText names a Llama checkpoint, so its remat and sharding
+vocabulary reads the same (a scanned model; ``scan=False`` writes ``layers_0``,
+``layers_1``, ... out instead of ``layers``)::
+
+    token_embedder/embedding                          (vocab, hidden)   ("model", None)
+    decoder/layers/pre_self_attention_layer_norm/scale (L, hidden)      (None, None)
+    decoder/layers/self_attention/query/kernel         (L, hidden, heads*hd)   column
+    decoder/layers/self_attention/key/kernel           (L, hidden, kv_heads*hd) column
+    decoder/layers/self_attention/value/kernel         (L, hidden, kv_heads*hd) column
+    decoder/layers/self_attention/out/kernel           (L, heads*hd, hidden)   row
+    decoder/layers/post_self_attention_layer_norm/scale (L, hidden)     (None, None)
+    decoder/layers/mlp/wi_0/kernel   (gate)            (L, hidden, mlp_hidden) column
+    decoder/layers/mlp/wi_1/kernel   (up)              (L, hidden, mlp_hidden) column
+    decoder/layers/mlp/wo/kernel     (down)            (L, mlp_hidden, hidden) row
+    decoder/decoder_norm/scale                         (hidden,)        (None,)
+    decoder/logits_dense/kernel      (lm_head)         (hidden, vocab)  (None, "model")
+
+"column" is the Megatron column-parallel spec ``(None, None, "model")`` (the leading
+``None`` is the stacked layer axis), "row" the row-parallel ``(None, "model", None)``;
+as in :mod:`zerojax.models.gpt`, the layout is *metadata only*
+(``nn.with_partitioning``). Kernels are 2-D ``(in, out)`` (flax's ``Dense``), the
+transpose of PyTorch's ``(out, in)``; a contiguous split of ``heads * hd`` over
+``model`` gives each shard whole heads (when ``model`` divides ``kv_heads``, whole
+key/value groups too).
+
+The blocks tag their input ``"layer_input"`` and their projections' outputs with the
+names zerojax's remat policies save (``"qkv_proj"`` for each of q, k and v,
+``"out_proj"``, ``"mlpwi"`` for gate and up, ``"mlpwo"``), so
+``LlamaConfig(remat_policy=...)`` and ``zerojax.zero(remat_policy=...)`` work as for
+the GPT. ``LlamaConfig(attention=...)`` takes the GPT's attention implementations
+(:data:`zerojax.models.gpt.ATTENTIONS`); the fused ones hand the grouped key/value
+heads to ``jax.nn.dot_product_attention`` unrepeated.
+
+Hugging Face layout (``LlamaForCausalLM.state_dict()``, safetensors): see
+:func:`hf_llama_mapping` (one :class:`HFTensor` per HF tensor: its name, the params
+path, the layer it fills of a stacked leaf, and whether it is transposed),
+:func:`params_from_hf` / :func:`hf_from_params` (whole trees in memory, numpy), and
+:func:`read_hf_checkpoint` / :func:`save_hf_checkpoint` (a single file or an
+index-JSON sharded checkpoint, with ``config.json``). :meth:`LlamaConfig.from_hf` /
+:meth:`LlamaConfig.to_hf` convert the configuration. :func:`lm_loss` of
+:mod:`zerojax.models.gpt` is the loss for this model too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from zerojax.activations import checkpoint_policy
+from zerojax.models.gpt import (
+    _CUDNN_DTYPES,
+    ATTENTIONS,
+    MLP_IN,
+    MLP_OUT,
+    MODEL_REMAT_POLICIES,
+    OUT_PROJ,
+    QKV_PROJ,
+    _constrain,
+    _cudnn_head_dim,
+    resolve_attention,
+)
+
+_INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and options of :class:`Llama`.
+
+    vocab: vocabulary size (HF ``vocab_size``). seq: the longest sequence the model is
+    used with (HF ``max_position_embeddings``; no parameter depends on it, rotary
+    embeddings are computed for the positions at hand). layers: decoder blocks
+    (``num_hidden_layers``). hidden: model width (``hidden_size``). heads: query heads
+    (``num_attention_heads``; ``hidden % heads == 0``, head_dim = hidden // heads).
+    kv_heads: key/value heads (``num_key_value_heads``; ``heads % kv_heads == 0``;
+    ``None`` means ``heads``, plain multi-head attention). mlp_hidden: SwiGLU width
+    (``intermediate_size``). rope_theta: the rotary base (10000 for Llama 2, 500000 for
+    Llama 3). norm_eps: RMSNorm epsilon (``rms_norm_eps``; 1e-5 for Llama 2 and 3).
+
+    dtype, remat, scan, activation_sharding, attention and remat_policy mean what they
+    mean for :class:`zerojax.models.gpt.GPTConfig`: the compute dtype (params are
+    float32; RMSNorm, rotary tables, softmax and the loss run in float32), ``nn.remat``
+    per block, ``nn.scan`` over the blocks, a sharding constraint on the residual
+    stream, the attention implementation (``"xla"``, ``"dot_product"``, ``"cudnn"``,
+    ``"auto"``) and what a rematerialised block saves.
+    """
+
+    vocab: int = 256
+    seq: int = 128
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int | None = None
+    mlp_hidden: int = 344
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: Any = jnp.float32
+    remat: bool = True
+    scan: bool = True
+    activation_sharding: Any = None
+    attention: str = "xla"
+    remat_policy: str = "full"
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for name in ("vocab", "seq", "layers", "hidden", "heads", "kv_heads", "mlp_hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"LlamaConfig.{name} must be an int, got {value!r} "
+                                 f"({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {value}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"LlamaConfig.hidden ({self.hidden}) must be divisible by heads "
+                f"({self.heads}) so each head gets hidden // heads dims; pick hidden as a "
+                f"multiple of heads")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim = hidden // heads = {self.head_dim} "
+                             f"must be even for rotary embeddings (they rotate pairs of "
+                             f"dims); pick hidden and heads with an even quotient")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaConfig.heads ({self.heads}) must be a multiple of kv_heads "
+                f"({self.kv_heads}): each key/value head serves heads // kv_heads query "
+                f"heads (grouped-query attention); pick kv_heads dividing heads")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got "
+                                 f"{value!r}")
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError as e:
+            raise ValueError(f"LlamaConfig.dtype must be a floating dtype, got "
+                             f"{self.dtype!r}") from e
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"LlamaConfig.dtype must be a floating dtype (float32, "
+                             f"bfloat16, float16), got {dtype}")
+        for name in ("remat", "scan"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+        if self.remat_policy not in MODEL_REMAT_POLICIES:
+            raise ValueError(f"LlamaConfig.remat_policy must be one of "
+                             f"{MODEL_REMAT_POLICIES}, got {self.remat_policy!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"LlamaConfig.attention must be one of {ATTENTIONS}, got "
+                             f"{self.attention!r}")
+        if self.attention == "cudnn" and dtype not in _CUDNN_DTYPES:
+            raise ValueError(f"LlamaConfig.attention='cudnn' (cuDNN flash attention) needs "
+                             f"dtype bfloat16 or float16, got {dtype}; use "
+                             f"attention='dot_product' or 'auto' for {dtype}")
+        if self.attention == "cudnn" and not _cudnn_head_dim(self.head_dim):
+            raise ValueError(f"LlamaConfig.attention='cudnn' needs head_dim = hidden / "
+                             f"heads a multiple of 8 and at most 128, got {self.head_dim}")
+        sharding = self.activation_sharding
+        if sharding is not None and not isinstance(
+                sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+            raise ValueError(
+                f"LlamaConfig.activation_sharding must be None, a jax.sharding.Sharding "
+                f"(e.g. NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
+                f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    # --- Hugging Face config.json ------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf: dict | str | os.PathLike, **overrides) -> LlamaConfig:
+        """The config of a Hugging Face ``LlamaConfig`` (its ``config.json`` as a dict,
+        or the path of the file or of the directory holding it); ``overrides`` set
+        this class's own options (``dtype``, ``remat``, ``seq``, ...). Refuses what
+        :class:`Llama` does not compute: tied embeddings, biases, rope scaling, an
+        activation other than SiLU, a head_dim other than hidden // heads."""
+        if not isinstance(hf, dict):
+            path = os.fspath(hf)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                hf = json.load(f)
+        unsupported = []
+        if hf.get("tie_word_embeddings", False):
+            unsupported.append("tie_word_embeddings=True (Llama's lm_head is untied)")
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key, False):
+                unsupported.append(f"{key}=True (Llama has no biases)")
+        if hf.get("rope_scaling") not in (None, {}):
+            unsupported.append(f"rope_scaling={hf['rope_scaling']!r} (only plain RoPE)")
+        if hf.get("hidden_act", "silu") != "silu":
+            unsupported.append(f"hidden_act={hf['hidden_act']!r} (SwiGLU uses silu)")
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and head_dim != hf["hidden_size"] // hf["num_attention_heads"]:
+            unsupported.append(f"head_dim={head_dim} != hidden_size // num_attention_heads")
+        if unsupported:
+            raise ValueError("LlamaConfig.from_hf: this checkpoint's config has "
+                             + "; ".join(unsupported) + ", which zerojax's Llama does not "
+                             "compute; a model with them needs its own module")
+        kw = dict(vocab=hf["vocab_size"], seq=hf.get("max_position_embeddings", 2048),
+                  layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
+                  heads=hf["num_attention_heads"],
+                  kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                  mlp_hidden=hf["intermediate_size"],
+                  rope_theta=float(hf.get("rope_theta", 10000.0)),
+                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+        return cls(**{**kw, **overrides})
+
+    def to_hf(self, torch_dtype: str = "float32") -> dict:
+        """This config as a Hugging Face ``config.json`` for ``LlamaForCausalLM``."""
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "vocab_size": self.vocab, "max_position_embeddings": self.seq,
+                "num_hidden_layers": self.layers, "hidden_size": self.hidden,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim, "intermediate_size": self.mlp_hidden,
+                "rope_theta": self.rope_theta, "rms_norm_eps": self.norm_eps,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "tie_word_embeddings": False, "rope_scaling": None,
+                "initializer_range": _INIT_STD, "torch_dtype": torch_dtype}
+
+
+# --- the model -------------------------------------------------------------------------
+
+def _init(names: tuple, init=None):
+    return nn.with_partitioning(init or nn.initializers.normal(_INIT_STD), names)
+
+
+def _dense(cfg: LlamaConfig, features: int, kernel: tuple, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
+                    kernel_init=_init(kernel), name=name)
+
+
+class RMSNorm(nn.Module):
+    """``scale * x / sqrt(mean(x**2) + eps)``, the statistics in float32 and the
+    normalised ``x`` cast to ``dtype`` before the scale (HF's ``LlamaRMSNorm``)."""
+
+    eps: float = 1e-5
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_partitioning(nn.initializers.ones_init(), (None,)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * y.astype(self.dtype)
+
+
+def rope_tables(t: int, head_dim: int, theta: float, offset: int = 0):
+    """``(cos, sin)``, each float32 ``(t, head_dim)``, for positions ``offset ...
+    offset + t - 1``: HF's ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)``, angles
+    ``pos * inv_freq`` repeated as ``concat(f, f)``."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    pos = jnp.arange(offset, offset + t, dtype=jnp.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half rotary embedding of ``x`` ``(b, t, heads, d)`` with ``(t, d)``
+    tables: ``x * cos + rotate_half(x) * sin`` in ``x``'s dtype."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q, k, v, impl: str, dtype):
+    """Causal grouped-query attention: ``q`` ``(b, t, heads, d)``, ``k``/``v`` ``(b, t,
+    kv_heads, d)``, query head ``h`` reading key/value head ``h // (heads //
+    kv_heads)``; ``impl`` as :func:`zerojax.models.gpt.resolve_attention` returns it.
+    The explicit ``"xla"`` attention keeps float32 scores and groups the query heads
+    instead of repeating the keys and values."""
+    b, t, heads, d = q.shape
+    kv = k.shape[2]
+    if impl != "xla":  # fused: takes fewer key/value heads as they are
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn" if impl == "cudnn" else None)
+    qg = q.reshape(b, t, kv, heads // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return att.reshape(b, t, heads, d)
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings (MaxText's
+    ``self_attention``: ``query``, ``key``, ``value``, ``out``)."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        b, t, _ = x.shape
+        hd = cfg.head_dim
+        q = _dense(cfg, cfg.heads * hd, (None, "model"), "query")(x)
+        k = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "key")(x)
+        v = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "value")(x)
+        q = checkpoint_name(q, QKV_PROJ).reshape(b, t, cfg.heads, hd)
+        k = checkpoint_name(k, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
+        v = checkpoint_name(v, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
+        cos, sin = rope_tables(t, hd, cfg.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        att = causal_attention(q, k, v, resolve_attention(cfg), cfg.dtype)
+        att = _dense(cfg, cfg.hidden, ("model", None), "out")(att.reshape(b, t, cfg.heads * hd))
+        return checkpoint_name(att, OUT_PROJ)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``wo(silu(wi_0(x)) * wi_1(x))`` (HF's ``down(silu(gate(x)) * up(x))``)."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        gate = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_0")(x), MLP_IN)
+        up = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_1")(x), MLP_IN)
+        h = nn.silu(gate) * up
+        return checkpoint_name(_dense(cfg, cfg.hidden, ("model", None), "wo")(h), MLP_OUT)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-RMSNorm Llama block; ``(x, _) -> (x, None)`` for ``nn.scan``."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x, _):
+        cfg = self.config
+        x = checkpoint_name(_constrain(cfg, x), "layer_input")
+        h = RMSNorm(cfg.norm_eps, cfg.dtype, name="pre_self_attention_layer_norm")(x)
+        x = x + SelfAttention(cfg, name="self_attention")(h)
+        h = RMSNorm(cfg.norm_eps, cfg.dtype, name="post_self_attention_layer_norm")(x)
+        x = x + MLP(cfg, name="mlp")(h)
+        return _constrain(cfg, x), None
+
+
+class Decoder(nn.Module):
+    """The stacked layers, the final norm and the untied logits (MaxText's
+    ``decoder``: ``layers``, ``decoder_norm``, ``logits_dense``)."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        policy = None if cfg.remat_policy == "full" else checkpoint_policy(cfg.remat_policy)
+        if cfg.scan:
+            layer = (nn.remat(DecoderLayer, prevent_cse=False, policy=policy) if cfg.remat
+                     else DecoderLayer)
+            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=cfg.layers, metadata_params={nn.PARTITION_NAME: None})
+            x, _ = stack(cfg, name="layers")(x, None)
+        else:
+            layer = nn.remat(DecoderLayer, policy=policy) if cfg.remat else DecoderLayer
+            for i in range(cfg.layers):
+                x, _ = layer(cfg, name=f"layers_{i}")(x, None)
+        x = RMSNorm(cfg.norm_eps, cfg.dtype, name="decoder_norm")(x)
+        return _dense(cfg, cfg.vocab, (None, "model"), "logits_dense")(x).astype(jnp.float32)
+
+
+class Llama(nn.Module):
+    """Llama decoder. ``Llama(config)(tokens)`` with int ``tokens`` of shape ``(batch,
+    t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"Llama expects int tokens of shape (batch, t), got "
+                             f"{tokens.shape}")
+        if tokens.shape[1] > cfg.seq:
+            raise ValueError(f"Llama got sequences of length {tokens.shape[1]} > "
+                             f"config.seq = {cfg.seq}; raise LlamaConfig.seq")
+        embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
+                         embedding_init=_init(("model", None)), name="token_embedder")
+        x = _constrain(cfg, embed(tokens))
+        return Decoder(cfg, name="decoder")(x)
+
+
+def _unconstrained(model: Llama) -> Llama:
+    if model.config.activation_sharding is None:
+        return model
+    return Llama(dataclasses.replace(model.config, activation_sharding=None))
+
+
+def _dummy_tokens(model: Llama) -> jax.Array:
+    # no parameter depends on the length: a short dummy keeps the eager init cheap
+    return jnp.zeros((1, min(model.config.seq, 2)), jnp.int32)
+
+
+def llama_params(model: Llama, rng: jax.Array | int = 0) -> Any:
+    """Initialised ``params`` of ``model`` as a plain pytree of float32 arrays (the
+    ``nn.Partitioned`` boxes removed), ready for ``zerojax.zero(...).init_state``."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    variables = _unconstrained(model).init(rng, _dummy_tokens(model))
+    return nn.meta.unbox(variables["params"])
+
+
+def llama_param_specs(model: Llama, rng: jax.Array | int = 0) -> Any:
+    """The ``PartitionSpec`` tree of ``model``'s params read from their sharding
+    metadata (nothing materialised). Same tree structure as :func:`llama_params`."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    variables = jax.eval_shape(_unconstrained(model).init, rng, _dummy_tokens(model))
+    return nn.get_partition_spec(variables["params"])
+
+
+def llama_param_shapes(model: Llama) -> Any:
+    """``jax.ShapeDtypeStruct`` of each param (``jax.eval_shape`` of the init: nothing
+    materialised, so a 70B config takes well under a second)."""
+    variables = jax.eval_shape(_unconstrained(model).init, jax.random.key(0),
+                               _dummy_tokens(model))
+    return nn.meta.unbox(variables["params"])
+
+
+def llama_param_count(config: LlamaConfig) -> int:
+    """The number of parameters of ``Llama(config)``, from the traced shapes."""
+    shapes = llama_param_shapes(Llama(config))
+    return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
+
+
+# --- Hugging Face layout ---------------------------------------------------------------
+
+class HFTensor(NamedTuple):
+    """One tensor of a Hugging Face ``LlamaForCausalLM`` checkpoint and where it goes.
+
+    name: the HF tensor name (``model.layers.3.self_attn.q_proj.weight``). path: the
+    params path, a tuple of dict keys (``("decoder", "layers", "self_attention",
+    "query", "kernel")``). layer: for a scanned (stacked) leaf, the index along its
+    leading layer axis that this tensor fills (``params[path][layer] = tensor``), else
+    ``None`` (the tensor is the whole leaf). transpose: whether the HF tensor is the
+    transpose of the leaf's slice (PyTorch Linear weights are ``(out, in)``, flax
+    kernels ``(in, out)``). hf_shape: the tensor's shape in the HF file."""
+
+    name: str
+    path: tuple
+    layer: int | None
+    transpose: bool
+    hf_shape: tuple
+
+
+def hf_llama_mapping(config: LlamaConfig) -> list[HFTensor]:
+    """Every tensor of the Hugging Face checkpoint of ``config`` (in HF's order) with
+    the params leaf (and layer of a stacked leaf) it fills. The inverse direction is
+    the same list read the other way: ``hf_tensor = leaf[layer].T`` (or ``leaf.T``, or
+    the leaf itself where ``transpose`` is False)."""
+    c = config
+    hd = c.head_dim
+    out = [HFTensor("model.embed_tokens.weight", ("token_embedder", "embedding"), None,
+                    False, (c.vocab, c.hidden))]
+    per_layer = [  # (hf suffix, params path under the layer, transpose, hf shape)
+        ("self_attn.q_proj.weight", ("self_attention", "query", "kernel"), True,
+         (c.heads * hd, c.hidden)),
+        ("self_attn.k_proj.weight", ("self_attention", "key", "kernel"), True,
+         (c.kv_heads * hd, c.hidden)),
+        ("self_attn.v_proj.weight", ("self_attention", "value", "kernel"), True,
+         (c.kv_heads * hd, c.hidden)),
+        ("self_attn.o_proj.weight", ("self_attention", "out", "kernel"), True,
+         (c.hidden, c.heads * hd)),
+        ("mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), True, (c.mlp_hidden, c.hidden)),
+        ("mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), True, (c.mlp_hidden, c.hidden)),
+        ("mlp.down_proj.weight", ("mlp", "wo", "kernel"), True, (c.hidden, c.mlp_hidden)),
+        ("input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), False,
+         (c.hidden,)),
+        ("post_attention_layernorm.weight", ("post_self_attention_layer_norm", "scale"),
+         False, (c.hidden,)),
+    ]
+    for i in range(c.layers):
+        for suffix, sub, transpose, shape in per_layer:
+            if c.scan:
+                out.append(HFTensor(f"model.layers.{i}.{suffix}", ("decoder", "layers") + sub,
+                                    i, transpose, shape))
+            else:
+                out.append(HFTensor(f"model.layers.{i}.{suffix}",
+                                    ("decoder", f"layers_{i}") + sub, None, transpose, shape))
+    out.append(HFTensor("model.norm.weight", ("decoder", "decoder_norm", "scale"), None,
+                        False, (c.hidden,)))
+    out.append(HFTensor("lm_head.weight", ("decoder", "logits_dense", "kernel"), None, True,
+                        (c.vocab, c.hidden)))
+    return out
+
+
+def _leaf_shape(entry: HFTensor, config: LlamaConfig) -> tuple:
+    shape = entry.hf_shape[::-1] if entry.transpose else entry.hf_shape
+    return ((config.layers,) + shape) if entry.layer is not None else shape
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(path)
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _get(tree, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def params_from_hf(state_dict: dict, config: LlamaConfig, *, dtype=np.float32,
+                   strict: bool = True) -> dict:
+    """The params tree (numpy arrays of ``dtype``) of the Hugging Face ``state_dict``
+    (tensor name -> array, e.g. ``safetensors.numpy.load_file``): Linear weights
+    transposed to ``(in, out)``, per-layer tensors stacked along a leading layer axis
+    (scanned config). Missing tensors, misshapen ones, and (``strict``) tensors the
+    mapping does not know raise ``ValueError`` naming them before anything is
+    converted. bf16 files need ``ml_dtypes`` arrays (what safetensors' numpy loader
+    returns); they are cast to ``dtype`` exactly."""
+    mapping = hf_llama_mapping(config)
+    names = {e.name for e in mapping}
+    missing = [e.name for e in mapping if e.name not in state_dict]
+    extra = sorted(k for k in state_dict if k not in names)
+    shapes = [f"{e.name} (file {tuple(np.shape(state_dict[e.name]))}, expected "
+              f"{e.hf_shape})" for e in mapping
+              if e.name in state_dict and tuple(np.shape(state_dict[e.name])) != e.hf_shape]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing: {', '.join(missing[:5])}")
+    if strict and extra:
+        problems.append(f"{len(extra)} tensor(s) the Llama mapping does not know: "
+                        f"{', '.join(extra[:5])}")
+    if shapes:
+        problems.append(f"{len(shapes)} shape(s) that differ: {', '.join(shapes[:5])}")
+    if problems:
+        raise ValueError("params_from_hf: the checkpoint does not match "
+                         f"LlamaConfig(layers={config.layers}, hidden={config.hidden}, "
+                         f"heads={config.heads}, kv_heads={config.kv_heads}, "
+                         f"mlp_hidden={config.mlp_hidden}, vocab={config.vocab}): "
+                         + "; ".join(problems) + ". Build the config with "
+                         "LlamaConfig.from_hf(config.json), or strict=False to skip "
+                         "unknown tensors.")
+    params: dict = {}
+    stacked: dict = {}
+    for e in mapping:
+        value = np.asarray(state_dict[e.name])
+        value = (value.T if e.transpose else value).astype(dtype)
+        if e.layer is None:
+            _set(params, e.path, np.ascontiguousarray(value))
+        else:
+            if e.path not in stacked:
+                stacked[e.path] = np.empty(_leaf_shape(e, config), dtype)
+                _set(params, e.path, stacked[e.path])
+            stacked[e.path][e.layer] = value
+    return params
+
+
+def hf_from_params(params: Any, config: LlamaConfig, *, dtype=None) -> dict:
+    """The Hugging Face ``LlamaForCausalLM`` state dict (tensor name -> contiguous
+    numpy array, Linear weights ``(out, in)``) of a params tree (jax or numpy arrays,
+    with or without partitioning boxes), each tensor of ``dtype`` (default: the
+    leaf's). The exact inverse of :func:`params_from_hf`: values are only
+    transposed, sliced and (if ``dtype`` is given) cast."""
+    params = nn.meta.unbox(params)
+    out = {}
+    for e in hf_llama_mapping(config):
+        try:
+            leaf = _get(params, e.path)
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"hf_from_params: the params have no leaf "
+                             f"{_path_str(e.path)} (for {e.name}); pass the params of "
+                             f"Llama({config})") from err
+        if tuple(leaf.shape) != _leaf_shape(e, config):
+            raise ValueError(f"hf_from_params: leaf {_path_str(e.path)} has shape "
+                             f"{tuple(leaf.shape)}, expected {_leaf_shape(e, config)} for "
+                             f"{e.name}; pass the params of the model of this config")
+        value = np.asarray(leaf if e.layer is None else leaf[e.layer])
+        if e.transpose:
+            value = value.T
+        if dtype is not None:
+            value = value.astype(dtype)
+        out[e.name] = np.ascontiguousarray(value)
+    return out
+
+
+def read_hf_checkpoint(path: str | os.PathLike) -> dict:
+    """All tensors of a Hugging Face safetensors checkpoint as numpy arrays: ``path``
+    is one ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
+    holding either. Reads every tensor whole into host memory (for a model one host
+    holds; the sharded loader of :mod:`zerojax.load` reads slices instead)."""
+    from safetensors.numpy import load_file
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.exists(index):
+            path = index
+        elif os.path.exists(single):
+            path = single
+        else:
+            raise ValueError(f"read_hf_checkpoint: {path} holds neither "
+                             f"model.safetensors nor model.safetensors.index.json; pass "
+                             f"the checkpoint's directory or file")
+    if path.endswith(".json"):
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+        root = os.path.dirname(path)
+        out = {}
+        for file in sorted(set(weight_map.values())):
+            full = os.path.join(root, file)
+            if not os.path.exists(full):
+                raise ValueError(f"read_hf_checkpoint: {path} names {file}, which is not "
+                                 f"in {root}; download the checkpoint's every file")
+            out.update(load_file(full))
+        return out
+    return load_file(path)
+
+
+def save_hf_checkpoint(params: Any, config: LlamaConfig, directory: str | os.PathLike, *,
+                       dtype=None) -> str:
+    """Write ``params`` as a Hugging Face ``LlamaForCausalLM`` checkpoint in
+    ``directory``: ``model.safetensors`` (tensors of ``dtype``, default the params')
+    and ``config.json``; ``transformers.LlamaForCausalLM.from_pretrained(directory)``
+    reads it. Returns the safetensors file's path."""
+    from safetensors.numpy import save_file
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    tensors = hf_from_params(params, config, dtype=dtype)
+    torch_dtype = str(next(iter(tensors.values())).dtype)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config.to_hf(torch_dtype), f, indent=2)
+    out = os.path.join(directory, "model.safetensors")
+    save_file(tensors, out, metadata={"format": "pt"})
+    return out
