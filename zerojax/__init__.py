@@ -20,12 +20,16 @@ _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
 # them (`zerojax.distributed.initialize()`, `zerojax.analysis.compiled_memory(...)`):
 # imported on first use, so `import zerojax` stays light (no orbax, no launcher).
 _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat", "export",
-               "config", "distributed", "mesh", "models", "offload", "optimizer", "partition",
-               "preemption", "quant", "schedule", "state", "step")
+               "config", "distributed", "formats", "load", "mesh", "models", "offload",
+               "optimizer", "partition", "preemption", "quant", "schedule", "state", "step")
 
 
 def __getattr__(name):
     # checkpoints import orbax (slow to import); only when asked for
+    if name == "load_params":  # zerojax.load: no orbax
+        from zerojax import load
+
+        return load.load_params
     if name in _CHECKPOINT:
         from zerojax import checkpoint, export
 

@@ -564,7 +564,7 @@ class CheckpointManager:
         step = _check_step(step)
         treedef = jax.tree.structure(state.params)
         if treedef not in self._names_checked:  # orbax stores each leaf by its dotted
-            from zerojax.export import tensor_names  # path: two leaves of one name would
+            from zerojax.formats import tensor_names  # path: two leaves of one name would
 
             tensor_names(state.params)  # be one array on disk; refused, naming both
             self._names_checked.add(treedef)
@@ -907,9 +907,9 @@ def _resolve(directory: str | os.PathLike, step: int | None = None) -> tuple[int
     return step, os.path.join(mgr.directory, str(step)), meta
 
 
-def __getattr__(name):  # export_params / load_params live in zerojax.export
-    if name in ("export_params", "load_params"):
-        from zerojax import export
+def __getattr__(name):  # a compatibility alias: export_params / load_params live above this
+    if name in ("export_params", "load_params"):  # module (zerojax.export, zerojax.load),
+        from zerojax import export  # imported only when asked for by this old name
 
         return getattr(export, name)
     raise AttributeError(f"module 'zerojax.checkpoint' has no attribute {name!r}")

@@ -16,12 +16,11 @@ name a user of the model expects; a linen box is unboxed the same way).
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import socket
 import threading
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,144 +30,20 @@ from etils import epath
 
 from zerojax import hostmem
 from zerojax.checkpoint import CheckpointManager, _resolve
+from zerojax.formats import (  # noqa: F401 (tensor_names, load_params: re-exported)
+    _RESERVED,
+    _check_stored,
+    _check_unique,
+    _first,
+    _name,
+    _tokens_of_keystr,
+    tensor_names,
+)
+from zerojax.load import load_params  # noqa: F401
 
 # Restored arrays held at once: the largest leaf, or this many bytes of smaller leaves
 # read in one orbax call (each call costs ~0.1 s of fixed work, whatever it reads).
 _BATCH_BYTES = 16 << 20
-_RESERVED = "__metadata__"  # the safetensors header's own entry
-_SHOWN = 5  # names listed per side in an error
-
-
-# --- names -----------------------------------------------------------------------------
-# A leaf's path as ("item" | "attr", text) tokens, where text is what orbax and the
-# tensor name use for the key (str() of a dict key, a sequence index, an attribute).
-
-def _tokens_of_path(path) -> tuple[tuple[str, str], ...]:
-    """Tokens of a jax key path (key entry objects)."""
-    out = []
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            out.append(("attr", k.name))
-        elif isinstance(k, jax.tree_util.DictKey):
-            out.append(("item", str(k.key)))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(("item", str(k.idx)))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            out.append(("item", str(k.key)))
-        else:
-            raise TypeError(f"params leaf {jax.tree_util.keystr(path)}: key {k!r} of type "
-                            f"{type(k).__name__} is not a dict key, index or attribute.")
-    return tuple(out)
-
-
-def _tokens_of_keystr(text: str) -> tuple[tuple[str, str], ...]:
-    """Tokens of ``jax.tree_util.keystr(path)`` (how the checkpoint's metadata names
-    each params leaf): ``['a'][0].value`` -> item a, item 0, attr value."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        if text[i] == ".":
-            j = i + 1
-            while j < n and text[j] not in ".[":
-                j += 1
-            out.append(("attr", text[i + 1:j]))
-            i = j
-        elif text[i] == "[":
-            j, quote = i + 1, None
-            while j < n:  # to the closing bracket, skipping string literals
-                c = text[j]
-                if quote:
-                    if c == "\\":
-                        j += 1
-                    elif c == quote:
-                        quote = None
-                elif c in "'\"":
-                    quote = c
-                elif c == "]":
-                    break
-                j += 1
-            if j >= n:
-                raise ValueError(f"cannot read the params leaf path {text!r}.")
-            inner = text[i + 1:j]
-            if inner.startswith("<flat index ") and inner.endswith(">"):
-                inner = inner[len("<flat index "):-1]
-            elif inner[:1] in ("'", '"'):
-                inner = str(ast.literal_eval(inner))
-            out.append(("item", inner))  # ints, tuples...: str() and repr() agree
-            i = j + 1
-        else:
-            raise ValueError(f"cannot read the params leaf path {text!r} at {text[i:]!r}.")
-    return tuple(out)
-
-
-def _name(tokens) -> str:
-    """The tensor name: the keys joined with dots, an nnx Variable's ``.value`` left
-    out; ``params`` for a tree that is one array."""
-    if tokens and tokens[-1] == ("attr", "value"):
-        tokens = tokens[:-1]
-    return ".".join(t for _, t in tokens) or "params"
-
-
-def _first(items, k: int = _SHOWN) -> str:
-    items = list(items)
-    more = f" ... and {len(items) - k} more" if len(items) > k else ""
-    return ", ".join(items[:k]) + more
-
-
-def _check_unique(names: list[str], paths: list[str], where: str) -> None:
-    """Refuse two leaves with one tensor name (or the header's reserved name)."""
-    seen: dict[str, str] = {}
-    for name, path in zip(names, paths):
-        if name == _RESERVED:
-            raise ValueError(f"{where}: params leaf {path} would be the tensor {name!r}, a "
-                             "name the safetensors header reserves; rename that key.")
-        if name in seen:
-            raise ValueError(
-                f"{where}: params leaves {seen[name]} and {path} would both be the tensor "
-                f"{name!r} (tensor names join the keys with dots). Rename the key that "
-                "holds a dot (e.g. 'a.b' -> 'a_b') so every leaf has its own name.")
-        seen[name] = path
-
-
-def _check_stored(tokens: list, paths: list[str], where: str, saved: bool) -> None:
-    """Refuse two leaves that a checkpoint stores under one name: orbax names each
-    array by all its keys joined with dots (``.value`` too), so such leaves are
-    written to one place and only one of them is kept."""
-    seen: dict[str, str] = {}
-    for toks, path in zip(tokens, paths):
-        at = ".".join(t for _, t in toks)
-        if at in seen:
-            fix = ("Rename the key that holds a dot (e.g. 'a.b' -> 'a_b')"
-                   + (" and train and save again." if saved else "."))
-            raise ValueError(
-                f"{where}: params leaves {seen[at]} and {path} "
-                + ("were saved under one name" if saved else "would be saved under one name")
-                + f" ({at!r}: orbax joins the keys with dots), so "
-                + ("the step holds only one of the two arrays; it cannot be exported. "
-                   if saved else "a checkpoint would keep only one of the two arrays. ")
-                + fix)
-        seen[at] = path
-
-
-def tensor_names(params: Any) -> list[str]:
-    """The safetensors tensor name of each leaf of ``params`` (in
-    ``jax.tree.leaves`` order), as :func:`export_params` writes and
-    :func:`load_params` reads them: ``{"blocks": [{"qkv": {"kernel": w}}]}`` ->
-    ``blocks.0.qkv.kernel``; an nnx ``State``'s ``linear.kernel`` (no ``.value``).
-
-    Raises ``ValueError`` naming both leaves when two leaves would share a name, in
-    the file or in a checkpoint (which joins every key with dots): a key ``"a.b"``
-    beside ``{"a": {"b": ...}}``. Such a tree cannot be saved and exported whole;
-    calling this on the params before training tells you so early."""
-    from flax.core import meta as flax_meta
-
-    is_box = lambda x: isinstance(x, flax_meta.AxisMetadata)  # noqa: E731
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
-    tokens = [_tokens_of_path(p) for p, _ in flat]
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    _check_stored(tokens, paths, "params", saved=False)
-    names = [_name(t) for t in tokens]
-    _check_unique(names, paths, "params")
-    return names
 
 
 # --- export ----------------------------------------------------------------------------
@@ -331,63 +206,3 @@ def export_params(directory: str | os.PathLike, out: str | os.PathLike,
         if os.path.exists(tmp):
             os.remove(tmp)
     return out
-
-
-# --- load ------------------------------------------------------------------------------
-
-def load_params(path: str | os.PathLike, like: Any, *, strict: bool = True) -> Any:
-    """The params in the safetensors file ``path`` as ``like``'s tree (a dict, a list,
-    flax linen params with or without partitioning boxes, an nnx ``State`` for
-    ``nnx.update`` / ``nnx.merge``), each leaf a jax array of ``like``'s dtype.
-
-    Tensors are matched to ``like``'s leaves by name (:func:`tensor_names`, as
-    :func:`export_params` writes them). ``like`` must match the file: a tensor of the
-    file that ``like`` lacks, a leaf of ``like`` the file lacks, or a shape that
-    differs raises ``ValueError`` naming the first few of each, before anything is
-    read. ``strict=False`` loads a deliberate part: the tensors both have are loaded,
-    ``like``'s other leaves are returned as they are and the file's others ignored
-    (shapes must still agree, and at least one tensor must be shared).
-    """
-    from flax.core import meta as flax_meta
-    from safetensors import safe_open
-
-    is_box = lambda x: isinstance(x, flax_meta.AxisMetadata)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_box)
-    names = [_name(_tokens_of_path(p)) for p, _ in flat]
-    _check_unique(names, [jax.tree_util.keystr(p) for p, _ in flat], "`like`")
-    values = [x.unbox() if is_box(x) else x for _, x in flat]
-    path = os.fspath(path)
-    with safe_open(path, framework="np") as f:
-        in_file = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        mine = dict(zip(names, values))
-        lacks = [k for k in in_file if k not in mine]
-        missing = [k for k in names if k not in in_file]
-        shapes = [f"{k} (file {in_file[k]}, like {tuple(v.shape)})" for k, v in mine.items()
-                  if k in in_file and in_file[k] != tuple(v.shape)]
-        problems = []
-        if strict and lacks:
-            problems.append(f"{len(lacks)} tensor(s) in the file that `like` lacks: "
-                            f"{_first(lacks)}")
-        if strict and missing:
-            problems.append(f"{len(missing)} leaf/leaves of `like` that the file lacks: "
-                            f"{_first(missing)}")
-        if shapes:
-            problems.append(f"{len(shapes)} shape(s) that differ: {_first(shapes)}")
-        if not problems and len(missing) == len(names):
-            problems.append(f"no tensor in common (the file has {_first(in_file)}; `like` "
-                            f"has {_first(names)})")
-        if problems:
-            hint = ("" if not strict or shapes else
-                    " Pass the params tree that was exported, or strict=False to load only "
-                    "the tensors both have.")
-            raise ValueError(f"{path} does not match `like`: " + "; ".join(problems) +
-                             "." + hint)
-
-        out = []
-        for (_, leaf), name, value in zip(flat, names, values):
-            if name not in in_file:  # strict=False: kept as it is
-                out.append(leaf)
-                continue
-            arr = jnp.asarray(f.get_tensor(name), dtype=value.dtype)
-            out.append(leaf.replace_boxed(arr) if is_box(leaf) else arr)
-    return jax.tree_util.tree_unflatten(treedef, out)
