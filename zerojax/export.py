@@ -16,11 +16,9 @@ name a user of the model expects; a linen box is unboxed the same way).
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import socket
-import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax import hostmem
+from zerojax import hostmem, load as ld
 from zerojax.checkpoint import CheckpointManager, _resolve
 from zerojax.formats import (  # noqa: F401 (tensor_names, load_params: re-exported)
     _RESERVED,
@@ -38,6 +36,8 @@ from zerojax.formats import (  # noqa: F401 (tensor_names, load_params: re-expor
     _name,
     _tokens_of_keystr,
     tensor_names,
+    write_file,
+    write_sharded,
 )
 from zerojax.load import load_params  # noqa: F401
 
@@ -139,70 +139,257 @@ def _batches(leaves: list[_Leaf]) -> list[list[_Leaf]]:
     return out
 
 
-def export_params(directory: str | os.PathLike, out: str | os.PathLike,
-                  step: int | None = None, *, verify: bool = True) -> str:
+class FileTensor(NamedTuple):
+    """One tensor of an exported (or loaded) checkpoint in another library's layout:
+    its ``name`` in the file, its ``shape`` there and where its values live in the
+    params (``into``: a params tensor name, an :class:`~zerojax.load.Into` or a list
+    of them, as :func:`~zerojax.load.load_params`'s ``rename`` takes). A list of these
+    is a ``mapping``: :func:`export_params` writes each from the params (inverting the
+    ops), and ``load_params(path, like, rename=rename_of(mapping))`` reads it back."""
+    name: str
+    shape: tuple
+    into: Any
+
+
+def rename_of(mapping) -> dict:
+    """The ``rename`` dict of ``load_params`` that reads back what ``export_params``
+    wrote with ``mapping`` (file tensor name -> its ``into``)."""
+    return {ft.name: ft.into for ft in file_tensors(mapping)}
+
+
+def file_tensors(mapping) -> list[FileTensor]:
+    """``mapping`` as :class:`FileTensor` entries: a list of them, or of entries shaped
+    like :class:`zerojax.models.llama.HFTensor` (``name``, ``path``, ``layer``,
+    ``transpose``, ``hf_shape``: a PyTorch ``(out, in)`` weight, row ``layer`` of a
+    stacked leaf)."""
+    out = []
+    for e in mapping:
+        if isinstance(e, FileTensor):
+            out.append(e)
+        elif all(hasattr(e, a) for a in ("name", "path", "layer", "transpose", "hf_shape")):
+            ops = ((ld.transpose(),) if e.transpose else ()) + \
+                  ((ld.expand_dims(0),) if e.layer is not None else ())
+            at = {0: e.layer} if e.layer is not None else None
+            out.append(FileTensor(e.name, tuple(e.hf_shape),
+                                  ld.Into(".".join(map(str, e.path)), ops, at)))
+        else:
+            raise TypeError(f"mapping entry {e!r} is neither a zerojax.export.FileTensor nor "
+                            "an HFTensor-like (name, path, layer, transpose, hf_shape).")
+    return out
+
+
+def _file_region(piece) -> tuple[tuple, tuple]:
+    """(region of the file tensor, the ops after it) of a piece: its leading ``take``
+    ops select the region; the rest must be invertible."""
+    region = [(0, n) for n in piece.info.shape]
+    ops = list(piece.ops)
+    shape = tuple(piece.info.shape)
+    while ops and isinstance(ops[0], ld.take):
+        op = ops.pop(0)
+        ax = op.axis % len(shape)
+        a = region[ax][0]
+        region[ax] = (a + op.start, a + op.stop)
+        shape = op.shape(shape)
+    bad = [o for o in ops if isinstance(o, ld.take)]
+    if bad:
+        raise ValueError(f"tensor {piece.source}: {bad[0]!r} comes after another op; export "
+                         "inverts a mapping whose takes come first (the file tensor's part).")
+    return tuple(region), tuple(ops)
+
+
+def _pieces_by_file(mapping: list[FileTensor], leaves: list[_Leaf], dtype, where: str):
+    """Each file tensor with its pieces (params leaf region -> file region), checked:
+    every leaf exported once, every file tensor filled exactly once."""
+    file_dtype = np.dtype(np.float32 if dtype is None else dtype)
+    files = {ft.name: ld.TensorInfo("", file_dtype, tuple(ft.shape), (0, 0)) for ft in mapping}
+    if len(files) != len(mapping):
+        raise ValueError(f"mapping names a file tensor twice: {_first(ft.name for ft in mapping)}")
+    pieces = ld._plan(files, [x.name for x in leaves], [x.shape for x in leaves],
+                      [x.dtype for x in leaves], rename_of(mapping), None, True, where)
+    by_file: dict[str, list] = {ft.name: [] for ft in mapping}
+    for ps in pieces.values():
+        for p in ps:
+            region, ops = _file_region(p)
+            by_file[p.source].append((p, region, ops))
+    for name, ps in by_file.items():
+        covered = sum(ld._vol(r) for _, r, _ in ps)
+        if covered != math.prod(files[name].shape):
+            raise ValueError(f"{where}: file tensor {name} {files[name].shape} is filled "
+                             f"{covered} of {math.prod(files[name].shape)} elements by the "
+                             "mapping; map each of its parts (take ops) to a params leaf.")
+    return files, by_file
+
+
+def _file_tensor(info, parts, get_leaf) -> np.ndarray:
+    """One file tensor made from its pieces: each leaf region, through the inverse ops,
+    into its region of the file tensor (cast to the file's dtype)."""
+    buf = np.empty(info.shape, info.dtype)
+    for p, region, ops in parts:
+        x = get_leaf(p.target)[tuple(slice(a, a + n) for a, n in zip(p.at, p.shape))]
+        shapes = [tuple(b - a for a, b in region)]
+        for op in ops:
+            shapes.append(op.shape(shapes[-1]))
+        for op, shape_in in zip(reversed(ops), reversed(shapes[:-1])):
+            inv = op.inverse(shape_in)
+            _, fn = inv.source(op.shape(shape_in), ld._full(shape_in))
+            x = fn(x)
+        buf[tuple(slice(a, b) for a, b in region)] = x
+        del x
+    return buf
+
+
+def export_params(directory: Any, out: str | os.PathLike, step: int | None = None, *,
+                  verify: bool = True, format: str = "safetensors", mapping: Any = None,
+                  dtype: Any = None, max_shard_size: int = 5 << 30) -> str:
     """Write the whole fp32 params of a checkpoint (the master weights when saved, else
-    the params; padding removed) to one safetensors file, a few leaves at a time.
+    the params; padding removed) to safetensors, a few leaves at a time.
+
+    ``directory``: a checkpoint directory (:class:`~zerojax.CheckpointManager`), or a
+    params tree of arrays (e.g. ``opt.full_params(state)``; each leaf fetched to the
+    host one at a time).
+
+    ``format="safetensors"`` writes the one file ``out``; ``format="hf"`` writes the
+    Hugging Face sharded layout into the directory ``out``: files
+    ``model-0000k-of-0000n.safetensors`` of at most ``max_shard_size`` bytes and
+    ``model.safetensors.index.json`` (:func:`zerojax.load_params` and ``transformers``'
+    ``from_pretrained`` read it).
+
+    ``mapping``: the file's own layout, a list of :class:`FileTensor` (or
+    :class:`zerojax.models.llama.HFTensor`, e.g. ``hf_llama_mapping(config)``): each
+    file tensor is made from the params regions its ``into`` names, through the inverse
+    of its ops (a transposed ``(out, in)`` weight transposed back, a layer of a stacked
+    leaf taken out, a fused tensor's parts put together); every leaf must be exported
+    once and every file tensor filled, checked before anything is read. Without it the
+    tensors are the leaves, named by :func:`tensor_names`. ``dtype``: the file's dtype
+    (default float32; float64 and complex64 leaves keep theirs), e.g.
+    ``jnp.bfloat16`` as Hugging Face ships Llama.
 
     Leaves are read from disk a batch at a time (the largest leaf, or up to 16 MiB of
-    smaller ones), cast to float32 (float64 and complex64 leaves keep their type) and
-    appended to ``out``, so the host holds about one leaf, never the model. Tensor
-    names are the leaves' key paths joined with dots (``blocks.0.qkv.kernel``, an nnx
-    State's ``linear.kernel``; see :func:`tensor_names`); a step whose params have two
-    leaves of one name is refused before anything is written, naming both.
+    smaller ones) and each file tensor is written as it is made, so the host holds about
+    one leaf and one file tensor, never the model. A step whose params have two leaves
+    of one name is refused before anything is written, naming both.
 
     Reads files only, no collective: call it from one process (process 0) of a
-    multi-process job, or from every process (each writes its own temporary file and
-    renames it onto ``out`` atomically; a reader never sees a partial file). The file
-    is written by this function (the safetensors library writes only whole dicts);
-    :func:`load_params` and the safetensors library read it. Returns ``out``.
+    multi-process job, or from every process (each writes its own temporary files and
+    renames them into place atomically; a reader never sees a partial file). Returns
+    ``out`` (the index's path for ``format="hf"``).
 
     ``verify``: check the step's checksums first (:meth:`CheckpointManager.verify`:
     reads every file of the step once, optimizer state included); a damaged step
     raises ``CheckpointError`` naming the file.
     """
-    step, root, meta = _resolve(directory, step)
-    if verify:
-        CheckpointManager(directory, max_to_keep=None, _reader=True).verify(step)
-    state_dir = epath.Path(root) / "state"
-    key = "master" if meta["has_master"] else "params"
-    handler = ocp.PyTreeCheckpointHandler()  # not a Checkpointer: its restore is a barrier
+    if format not in ("safetensors", "hf"):
+        raise ValueError(f"format={format!r}: pass 'safetensors' (one file) or 'hf' (the "
+                         "Hugging Face sharded layout: an index JSON and files).")
+    if isinstance(directory, (str, os.PathLike)):
+        source = _CheckpointSource(directory, step, verify)
+    else:
+        source = _TreeSource(directory)
     out = os.fspath(out)
-    tmp = f"{out}.{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}.tmp"
     try:
-        tree = handler.metadata(state_dir).tree[key]
-        leaves = _leaves(meta, tree, key, directory, step)
-        header, offset = {}, 0
-        for leaf in leaves:
-            nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
-            header[leaf.name] = {"dtype": leaf.st_dtype,
-                                 "shape": list(leaf.shape),
-                                 "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        header[_RESERVED] = {"format": "pt", "zerojax_step": str(step)}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        with open(tmp, "wb") as f:
-            f.write(len(blob).to_bytes(8, "little"))
-            f.write(blob)
-            read = ocp.RestoreArgs(restore_type=np.ndarray)
-            for batch in _batches(leaves):
-                paths = [x.path for x in batch]
-                got = handler.restore(state_dir, args=ocp.args.PyTreeRestore(
-                    item={key: _select(tree, paths, 0)},
-                    restore_args={key: _select(tree, paths, read)}, partial_restore=True))
-                for leaf in batch:
-                    x = np.asarray(_get(got[key], leaf.path), leaf.dtype)
-                    x = x[tuple(slice(0, s) for s in leaf.shape)]
-                    f.write(memoryview(np.ascontiguousarray(x)).cast("B"))  # no extra copy
-                    del x
-                del got
+        leaves = source.leaves
+        meta = {"zerojax_step": str(source.step)} if source.step is not None else {}
+        if mapping is None:
+            mapping = [FileTensor(x.name, x.shape, x.name) for x in leaves]
+            if dtype is not None:
+                leaves = [x._replace(dtype=np.dtype(dtype)) for x in leaves]
+            if format == "safetensors" and dtype is None:  # each leaf as it is read
+                entries = [(x.name, x.dtype, x.shape) for x in leaves]
+                arrays = (x for _, x in source.read(leaves))
+                return write_file(out, entries, arrays, meta)
+        mapping = file_tensors(mapping)
+        files, by_file = _pieces_by_file(mapping, leaves, dtype, source.where)
+        index = {x.name: k for k, x in enumerate(leaves)}
+        order = sorted(files, key=lambda n: min([index[p.target] for p, _, _ in by_file[n]]
+                                               + [len(leaves)]))
+        entries = [(n, files[n].dtype, files[n].shape) for n in order]
+        cache = _LeafCache(source, leaves)
+
+        def arrays():
+            for n in order:
+                need = {p.target for p, _, _ in by_file[n]}
+                cache.keep(need)
+                yield _file_tensor(files[n], by_file[n], cache.get)
                 hostmem.release_freed_memory()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+
+        if format == "hf":
+            return write_sharded(out, entries, arrays(), max_shard_size, meta)
+        return write_file(out, entries, arrays(), meta)
     finally:
-        handler.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+        source.close()
+
+
+class _CheckpointSource:
+    """A checkpoint step's params leaves, read with orbax a batch at a time."""
+
+    def __init__(self, directory, step, verify):
+        self.step, root, meta = _resolve(directory, step)
+        if verify:
+            CheckpointManager(directory, max_to_keep=None, _reader=True).verify(self.step)
+        self.state_dir = epath.Path(root) / "state"
+        self.key = "master" if meta["has_master"] else "params"
+        self.handler = ocp.PyTreeCheckpointHandler()  # a Checkpointer's restore is a barrier
+        self.where = f"checkpoint step {self.step} in {directory}"
+        self.tree = self.handler.metadata(self.state_dir).tree[self.key]
+        self.leaves = _leaves(meta, self.tree, self.key, directory, self.step)
+
+    def read(self, leaves):
+        """(leaf, array) of each of ``leaves``, in order, padding removed."""
+        read = ocp.RestoreArgs(restore_type=np.ndarray)
+        key = self.key
+        for batch in _batches(leaves):
+            paths = [x.path for x in batch]
+            got = self.handler.restore(self.state_dir, args=ocp.args.PyTreeRestore(
+                item={key: _select(self.tree, paths, 0)},
+                restore_args={key: _select(self.tree, paths, read)}, partial_restore=True))
+            for leaf in batch:
+                x = np.asarray(_get(got[key], leaf.path), leaf.dtype)
+                yield leaf, x[tuple(slice(0, s) for s in leaf.shape)]
+                del x
+            del got
+            hostmem.release_freed_memory()
+
+    def close(self):
+        self.handler.close()
+
+
+class _TreeSource:
+    """A params tree of arrays, each leaf fetched to the host when asked for."""
+
+    def __init__(self, params):
+        self.step = None
+        self.where = "params"
+        self.names = tensor_names(params)
+        self.values = [x.unbox() if hasattr(x, "unbox") else x
+                       for x in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "unbox"))]
+        self.leaves = []
+        for name, x in zip(self.names, self.values):
+            dtype, st = _file_dtype(x.dtype, name)
+            self.leaves.append(_Leaf(name, name, None, tuple(np.shape(x)), dtype, st,
+                                     int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize))
+
+    def read(self, leaves):
+        at = {n: k for k, n in enumerate(self.names)}
+        for leaf in leaves:
+            yield leaf, np.asarray(jax.device_get(self.values[at[leaf.name]]), leaf.dtype)
+
+    def close(self):
+        pass
+
+
+class _LeafCache:
+    """The leaves the file tensor being made needs (restored on first use, dropped when
+    no longer needed)."""
+
+    def __init__(self, source, leaves):
+        self.source, self.by_name, self.held = source, {x.name: x for x in leaves}, {}
+
+    def keep(self, names):
+        for n in [n for n in self.held if n not in names]:
+            del self.held[n]
+        missing = [self.by_name[n] for n in names if n not in self.held]
+        for leaf, x in self.source.read(missing):
+            self.held[leaf.name] = x
+
+    def get(self, name):
+        return self.held[name]

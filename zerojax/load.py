@@ -389,7 +389,7 @@ def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
     shapes after the ops, offsets, casts, each leaf covered exactly once."""
     leaf = {n: i for i, n in enumerate(names)}
     pieces: dict[str, list[_Piece]] = {}
-    extra, shape_errors, cast_errors = [], [], []
+    extra, shape_errors, cast_errors, misshapen = [], [], [], set()
     for fname, info in files.items():
         base = _ops_of(transforms, fname)
         for into in _targets(rename, fname):
@@ -407,15 +407,20 @@ def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
                     shape = op.shape(shape)
             except ValueError as e:
                 shape_errors.append(f"{fname} {info.shape}: {e}")
+                misshapen.add(into.name)
                 continue
             what = f"tensor {fname} -> {into.name}"
             at = _offset(into.at, shape, shapes[i], what)
             if len(shape) != len(shapes[i]) or any(
                     a < 0 or a + n > m for a, n, m in zip(at, shape, shapes[i])):
-                ops_s = f" after {', '.join(map(repr, ops))}" if ops else ""
+                misshapen.add(into.name)
+                if not ops and into.at is None and into.name == fname:
+                    shape_errors.append(f"{fname} (file {info.shape}, like {shapes[i]})")
+                    continue
+                ops_s = f", after {', '.join(map(repr, ops))}: {shape}" if ops else ""
                 at_s = f" at {at}" if into.at is not None else ""
-                shape_errors.append(f"{fname} (file {info.shape}{ops_s}: {shape}{at_s}; "
-                                    f"like {into.name} {shapes[i]})")
+                shape_errors.append(f"{fname} (file {info.shape}{ops_s}{at_s}; like "
+                                    f"{into.name} {shapes[i]})")
                 continue
             if not _cast_ok(info.dtype, dtypes[i]):
                 cast_errors.append(f"{fname} ({info.dtype} in the file, {dtypes[i]} in "
@@ -445,7 +450,7 @@ def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
             srcs = _first(p.source for p in ps)
             problems.append(f"{name} {shapes[i]} is only partly filled ({covered} of "
                             f"{math.prod(shapes[i])} elements, from {srcs})")
-    missing = [n for n in names if n not in pieces]
+    missing = [n for n in names if n not in pieces and n not in misshapen]
     if strict and extra:
         problems.append(f"{len(extra)} tensor(s) in the file that `like` lacks: {_first(extra)}")
     if strict and missing:
@@ -592,7 +597,7 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
     flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_box)
     names = [_name(_tokens_of_path(p)) for p, _ in flat]
     _check_unique(names, [jax.tree_util.keystr(p) for p, _ in flat], "`like`")
-    values = [x.unbox() if is_box(x) else x for _, x in flat]
+    values = [_unbox(x) if is_box(x) else x for _, x in flat]
     shapes = [tuple(np.shape(v)) for v in values]
     dtypes = [np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) for v in values]
     shards = _shardings(shardings, values, flat)
@@ -635,6 +640,13 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
               (x if names[k] in pieces else leaf)
               for k, ((_, leaf), x) in enumerate(zip(flat, out))]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _unbox(box):
+    try:  # a Partitioned box with a mesh would constrain a ShapeDtypeStruct
+        return box.unbox(apply_constraint=False)
+    except TypeError:
+        return box.unbox()
 
 
 def _shardings(shardings, values, flat) -> list[Sharding]:
