@@ -22,9 +22,11 @@ from zerojax.models import (
     hf_from_params,
     hf_llama_mapping,
     llama_param_count,
+    llama_param_shapes,
     llama_param_specs,
     llama_params,
     lm_loss,
+    load_hf_llama,
     params_from_hf,
     read_hf_checkpoint,
     save_hf_checkpoint,
@@ -166,15 +168,21 @@ def test_hf_checkpoint_logits_match_numpy_reference(hf_file, tokens, attention, 
 
 @pytest.fixture(scope="module")
 def trained(hf_file, tokens):
-    """The loaded checkpoint trained one Adam step at stage 3 on 8 devices and on one."""
+    """The checkpoint loaded by the sharded loader straight into stage 3's layout on 8
+    devices and trained one Adam step there, and read whole and trained on one device."""
     path, _ = hf_file
     config = _config()
+    model = Llama(config)
     params = jax.tree.map(jnp.asarray, params_from_hf(read_hf_checkpoint(path), config))
-    loss = lm_loss(Llama(config))
+    loss = lm_loss(model)
     tx = optax.adam(1e-3)
     ref = reference_run(tx, params, loss, [tokens])
     opt = zerojax.zero(tx, zerojax.make_mesh(data=8), stage=3)
-    state = opt.init_state(params)
+    shardings = opt.input_shardings(llama_param_shapes(model))
+    loaded = load_hf_llama(path.parent, model, shardings=shardings)
+    jax.tree.map(lambda a, b, s: (a.sharding == s and np.array_equal(a, b))
+                 or pytest.fail(f"{a.sharding} vs {s}"), loaded, params, shardings)
+    state = opt.init_state(loaded)
     state, metrics = opt.train_step(loss)(state, tokens)
     return params, ref, opt.full_params(state), float(metrics["loss"])
 
@@ -233,6 +241,8 @@ def test_sharded_index_checkpoint_and_bf16(hf_file, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     params = params_from_hf(read_hf_checkpoint(tmp_path), _config())
+    sharded = load_hf_llama(tmp_path, Llama(_config()), buffer_bytes=1024)  # many reads
+    jax.tree.map(np.testing.assert_array_equal, sharded, params)
     q = params["decoder"]["layers"]["self_attention"]["query"]["kernel"]
     assert q.dtype == np.float32
     np.testing.assert_array_equal(
@@ -243,6 +253,8 @@ def test_sharded_index_checkpoint_and_bf16(hf_file, tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors, which is not"):
         read_hf_checkpoint(tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError), match="model-00002-of-00002"):
+        load_hf_llama(tmp_path, Llama(_config()))
 
 
 # --- layout, counts and bad input --------------------------------------------------------
@@ -267,8 +279,10 @@ def test_param_specs_have_megatron_layout():
     assert shapes["decoder"]["layers"]["self_attention"]["key"]["kernel"].shape == (2, 32, 16)
     jax.tree.map(lambda s, a: len(s) == a.ndim or pytest.fail(f"{s} vs {a.shape}"),
                  specs, shapes)
-    loss = lm_loss(model)(llama_params(model, 0),
-                          np.zeros((2, TINY["seq"] + 1), np.int32))
+    params = llama_params(model, 0)  # flax's eager init, the one llama_params does
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), shapes)
+    loss = jax.jit(lm_loss(model))(params, np.zeros((2, TINY["seq"] + 1), np.int32))
     assert abs(float(loss) - np.log(TINY["vocab"])) < 0.1  # near-uniform at init
 
 

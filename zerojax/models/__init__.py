@@ -7,9 +7,12 @@ from zerojax.models.llama import (
     LlamaConfig,
     hf_from_params,
     hf_llama_mapping,
+    hf_rename,
     llama_param_count,
+    llama_param_shapes,
     llama_param_specs,
     llama_params,
+    load_hf_llama,
     params_from_hf,
     read_hf_checkpoint,
     save_hf_checkpoint,
@@ -18,6 +21,6 @@ from zerojax.models.mlp import MLP, ScannedMLP, mse_loss
 
 __all__ = ["MLP", "ScannedMLP", "mse_loss", "GPT", "GPTConfig", "gpt_params",
            "gpt_param_specs", "lm_loss", "markov_tokens", "Llama", "LlamaConfig",
-           "llama_params", "llama_param_specs", "llama_param_count", "HFTensor",
-           "hf_llama_mapping", "params_from_hf", "hf_from_params", "read_hf_checkpoint",
-           "save_hf_checkpoint"]
+           "llama_params", "llama_param_specs", "llama_param_shapes", "llama_param_count",
+           "HFTensor", "hf_llama_mapping", "hf_rename", "load_hf_llama", "params_from_hf",
+           "hf_from_params", "read_hf_checkpoint", "save_hf_checkpoint"]

@@ -518,6 +518,38 @@ def hf_llama_mapping(config: LlamaConfig) -> list[HFTensor]:
     return out
 
 
+def hf_rename(config: LlamaConfig) -> dict:
+    """The ``rename`` of :func:`zerojax.load.load_params` that reads a Hugging Face
+    checkpoint of ``config`` into :class:`Llama`'s params: HF tensor name ->
+    :class:`zerojax.load.Into` (the params leaf's tensor name, ``transpose()`` for a
+    PyTorch Linear, ``expand_dims(0)`` at ``{0: layer}`` for one layer of a stacked
+    leaf). Each device then reads only its shard's region of each file tensor."""
+    from zerojax import load as ld
+
+    out = {}
+    for e in hf_llama_mapping(config):
+        ops = ((ld.transpose(),) if e.transpose else ()) + (
+            (ld.expand_dims(0),) if e.layer is not None else ())
+        out[e.name] = ld.Into(".".join(e.path), ops, None if e.layer is None else {0: e.layer})
+    return out
+
+
+def load_hf_llama(path: str | os.PathLike, model: Llama, *, shardings: Any = None,
+                  strict: bool = True, **load_options) -> Any:
+    """The params of ``model`` from the Hugging Face ``LlamaForCausalLM`` checkpoint at
+    ``path`` (one ``.safetensors`` file, an index JSON or its directory), read by the
+    sharded loader :func:`zerojax.load.load_params` with :func:`hf_rename`: each leaf
+    a float32 ``jax.Array`` in ``shardings`` (e.g. ``opt.input_shardings(like)`` for a
+    stage's layout; default: one device), each process reading only its shards'
+    regions (bf16 files cast exactly). ``load_options`` go to ``load_params``
+    (``buffer_bytes``)."""
+    from zerojax import load as ld
+
+    like = llama_param_shapes(model)
+    return ld.load_params(path, like, shardings=shardings, rename=hf_rename(model.config),
+                          strict=strict, **load_options)
+
+
 def _leaf_shape(entry: HFTensor, config: LlamaConfig) -> tuple:
     shape = entry.hf_shape[::-1] if entry.transpose else entry.hf_shape
     return ((config.layers,) + shape) if entry.layer is not None else shape
