@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax.core import meta as flax_meta
+from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C, offload, partition as part
@@ -41,6 +42,100 @@ def _axes_size(mesh: Mesh, axes) -> int:
     return math.prod(int(mesh.shape[a]) for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
+def _eager_eval(jaxpr: Any, consts: list, args: list, zero: jax.Array) -> list:
+    """``jaxpr`` evaluated inside ``jit`` with the eager init's numerics.
+
+    Run eagerly, each top-level equation of an init (``jax.random.normal``, a jitted
+    unit; ``* 0.02``; a ``scan`` over layers) is its own XLA program; in one program
+    XLA's algebraic simplifier reassociates across them: ``normal(key) * 0.02``
+    became ``r * (sqrt(2) * 0.02)`` where the eager init rounds ``r * sqrt(2)``
+    first (1 ulp apart in 1 of 4 values of a GPT's embedding, jax 0.10.2 XLA:CPU).
+    Each top-level output (and each float literal a call equation takes, which the
+    eager call passes as an argument) is fenced as ``x - zero``, ``zero`` a runtime
+    +0.0: the same bits for every ``x`` (-0, inf, NaN included) and nothing XLA can
+    see through, so every equation computes what its eager program computes."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def fence(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact):
+            return x - zero.astype(x.dtype)
+        return x
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        call = any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values())
+        ins = [fence(jnp.asarray(read(v))) if call and isinstance(v, jcore.Literal) else read(v)
+               for v in eqn.invars]
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*ins, **params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = fence(x)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _unbox(tree: Any) -> Any:
+    """``tree`` without flax partitioning boxes (``nn.Partitioned`` and kin)."""
+    if any(isinstance(x, flax_meta.AxisMetadata) for x in jax.tree.leaves(
+            tree, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))):
+        return flax_meta.unbox(tree)
+    return tree
+
+
+_FLAX_COLLECTIONS = ("params", "batch_stats", "cache", "intermediates", "losses")
+
+
+def _abstract_params(init_fn: Callable, args: tuple) -> Any:
+    """``jax.eval_shape`` of ``init_fn(*args)``, checked to be a params tree of float
+    arrays (flax boxes kept): anything else raises naming what came back and the fix."""
+    bad: list = []
+    name = getattr(init_fn, "__name__", type(init_fn).__name__)
+
+    def probe(*a):
+        out = init_fn(*a)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(out)
+        kept = []
+        for path, x in flat:
+            if isinstance(x, jax.Array):
+                kept.append(x)
+            else:
+                bad.append((jax.tree_util.keystr(path), x))
+                kept.append(None)
+        return jax.tree.unflatten(treedef, kept)
+
+    abstract = jax.eval_shape(probe, *args)
+    fix = ("init_sharded needs init_fn(*args) to return the params: a pytree whose "
+           "leaves are floating-point arrays, e.g. lambda key: model.init(key, "
+           "tokens)['params'].")
+    if bad:
+        where = ", ".join(f"{path or 'the result'}: {type(x).__name__} {x!r:.40}"
+                          for path, x in bad[:4])
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise TypeError(f"init_fn {name} returned non-array leaves ({where}{more}); {fix}")
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    if not leaves:
+        raise TypeError(f"init_fn {name} returned {abstract!r:.80}, which holds no arrays; {fix}")
+    if (isinstance(abstract, Mapping) and "params" in abstract
+            and set(abstract) <= set(_FLAX_COLLECTIONS) | {"params"}):
+        raise TypeError(
+            f"init_fn {name} returned flax variables (collections {sorted(abstract)}), not "
+            f"the params: return variables['params'] (e.g. lambda key: model.init(key, "
+            f"tokens)['params']); keep other collections (batch_stats) outside the optimizer.")
+    for path, x in leaves:
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            raise TypeError(
+                f"init_fn {name} returned leaf {jax.tree_util.keystr(path) or 'the result'} "
+                f"of dtype {x.dtype} and shape {tuple(x.shape)}; parameters must be floating "
+                f"point. {fix} Keep integer state (counters, indices) outside the params.")
+    return abstract
+
+
 class ZeroOptimizer:
     """An optax optimizer partitioned ZeRO-style over the ``data`` axis of a mesh.
 
@@ -65,6 +160,7 @@ class ZeroOptimizer:
         # stored stage-3 params of a padded leaf have the padded shape
         self._logical: dict = {}
         self._full_params_fns: dict = {}  # (treedef, partitioned) -> jitted gather
+        self._init_jits: dict = {}  # (init_fn, argument shapes) -> init_sharded's jit
         if config.bucket_size is not None and config.bucket_size < self.data_size:
             raise ValueError(
                 f"bucket_size={config.bucket_size} is smaller than the {config.data_axis!r} "
@@ -307,6 +403,81 @@ class ZeroOptimizer:
         placed, opt_state = jax.jit(
             build, out_shardings=(shardings.params, shardings.opt_state))(placed_in)
         return self._train_state(placed, opt_state, params)
+
+    def init_sharded(self, init_fn: Callable, *args: Any, model_specs: Any = None
+                     ) -> TrainState:
+        """Create the model and its train state sharded from the start: each device
+        computes only its own shard, no device and no host ever holds a leaf whole.
+
+        ``init_fn(*args)`` returns the params tree (e.g. ``lambda key: model.init(key,
+        tokens)["params"]`` for flax linen, boxes of ``nn.with_partitioning`` included;
+        ``nnx.state(Model(rngs=nnx.Rngs(0)), nnx.Param)``; any function returning a
+        pytree of float arrays). It is first evaluated abstractly (``jax.eval_shape``:
+        shapes, dtypes and flax partitioning metadata, which gives the ``model`` split;
+        ``model_specs`` gives it for plain params), then run once inside one ``jax.jit``
+        with the stage's ``out_shardings``: the cast to ``param_dtype``, the padding,
+        the optimizer state and master weights are made in the same program, in the
+        memory they live in (``pinned_host`` with ``offload_params`` /
+        ``offload_optimizer``: born on the host, never on the device). In a
+        multi-process run every process calls it with the same arguments and creates
+        only its addressable shards.
+
+        The params are bitwise those of ``init_state(init_fn(*args))`` (JAX's
+        ``threefry`` random bits do not depend on how the output is split). Array
+        arguments (a PRNG key) are replicated over the mesh; pass everything else by
+        closure. The compiled program is kept per ``init_fn`` and argument shapes:
+        :meth:`lower_init_sharded` with the same ``init_fn`` and arguments shows its
+        memory (``.compile().memory_analysis()``) before anything is allocated.
+        """
+        jitted, placed_args, params = self._sharded_init_jit(init_fn, args, model_specs)
+        stored, opt_state = jitted(*placed_args)
+        return self._train_state(stored, opt_state, params)
+
+    def lower_init_sharded(self, init_fn: Callable, *args: Any, model_specs: Any = None):
+        """The ``jax.stages.Lowered`` program of :meth:`init_sharded` (``.compile()``
+        it to read its per-device memory before running it; a later
+        ``init_sharded`` with the same ``init_fn`` and arguments reuses the
+        compilation)."""
+        jitted, placed_args, _ = self._sharded_init_jit(init_fn, args, model_specs)
+        return jitted.lower(*placed_args)
+
+    def _sharded_init_jit(self, init_fn: Callable, args: tuple, model_specs: Any):
+        if not callable(init_fn):
+            raise TypeError(
+                f"init_sharded(init_fn, *args) needs a function returning the params, got "
+                f"{type(init_fn).__name__} {init_fn!r:.80}; e.g. opt.init_sharded(lambda key: "
+                f"model.init(key, tokens)['params'], jax.random.key(0)).")
+        replicated = NamedSharding(self.mesh, P())
+        devices = set(self.mesh.devices.flat)
+        placed_args = jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == devices
+            else jax.device_put(x, replicated) if isinstance(x, jax.Array) else x, args)
+        abstract = _abstract_params(init_fn, placed_args)
+        params, specs = self._split_model_specs(abstract, model_specs)
+        _check_params(params)
+        self._remember(params, specs)
+        key = (init_fn, jax.tree.structure(placed_args), tuple(
+            (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
+            for x in jax.tree.leaves(placed_args)))
+        jitted = self._init_jits.get(key)
+        if jitted is None:
+            shardings = self.shardings(params)
+            body = self._init_body(params, shardings)
+            flat_args, in_tree = jax.tree.flatten(placed_args)
+            closed, out_shape = jax.make_jaxpr(
+                lambda *flat: init_fn(*jax.tree.unflatten(in_tree, flat)),
+                return_shape=True)(*flat_args)
+            out_tree = jax.tree.structure(out_shape)
+
+            def build(zero, *flat):
+                out = _eager_eval(closed.jaxpr, closed.consts, list(flat), zero)
+                return body(_unbox(jax.tree.unflatten(out_tree, out)))
+
+            jitted = self._init_jits[key] = jax.jit(
+                build, out_shardings=(shardings.params, shardings.opt_state))
+        zero = jax.device_put(jnp.zeros((), jnp.float32), replicated)
+        placed_args = (zero, *jax.tree.leaves(placed_args))
+        return jitted, placed_args, params
 
     def _init_body(self, params: Any, shardings: part.StageSpecs, to_device: bool = False):
         """``init(p) -> (stored params, optimizer state)`` for whole (unpadded) params
