@@ -315,6 +315,15 @@ def causal_attention(q, k, v, impl: str, dtype):
     return att.reshape(b, t, heads, d)
 
 
+def _attention(cfg: LlamaConfig) -> str:
+    """:func:`zerojax.models.gpt.resolve_attention` for this config, its error naming
+    ``LlamaConfig``."""
+    try:
+        return resolve_attention(cfg)
+    except ValueError as e:
+        raise ValueError(str(e).replace("GPTConfig", "LlamaConfig")) from None
+
+
 class SelfAttention(nn.Module):
     """Grouped-query self-attention with rotary embeddings (MaxText's
     ``self_attention``: ``query``, ``key``, ``value``, ``out``)."""
@@ -334,7 +343,7 @@ class SelfAttention(nn.Module):
         v = checkpoint_name(v, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
         cos, sin = rope_tables(t, hd, cfg.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        att = causal_attention(q, k, v, resolve_attention(cfg), cfg.dtype)
+        att = causal_attention(q, k, v, _attention(cfg), cfg.dtype)
         att = _dense(cfg, cfg.hidden, ("model", None), "out")(att.reshape(b, t, cfg.heads * hd))
         return checkpoint_name(att, OUT_PROJ)
 
