@@ -233,6 +233,19 @@ def test_export_to_hf_and_reload_bitwise(hf_file, trained, tmp_path):
     reloaded = params_from_hf(read_hf_checkpoint(tmp_path / "export"), config)
     assert jax.tree.structure(reloaded) == jax.tree.structure(got)
     jax.tree.map(np.testing.assert_array_equal, reloaded, jax.tree.map(np.asarray, got))
+    # zerojax's streaming export in the HF sharded layout (index + files) with the
+    # mapping: the same tensors, and the sharded loader reads them back bitwise
+    from zerojax.export import export_params
+
+    index = export_params(got, tmp_path / "hf", format="hf",
+                          mapping=hf_llama_mapping(config), max_shard_size=16 << 10)
+    with open(index) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1  # several files
+    streamed = read_hf_checkpoint(index)
+    assert streamed.keys() == written.keys()
+    for name, value in written.items():
+        np.testing.assert_array_equal(streamed[name], value, err_msg=name)
+    jax.tree.map(np.testing.assert_array_equal, load_hf_llama(index, Llama(config)), got)
     # a written-out (scan=False) model reads the same file into per-layer leaves
     flat = params_from_hf(written, _config(scan=False))
     for i in range(TINY["layers"]):
