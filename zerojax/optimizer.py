@@ -303,15 +303,76 @@ class ZeroOptimizer:
         return part.layouts(params, self.data_size, self.config.min_shard_size,
                             self.zero_axis, model_specs, pad)
 
-    def logical_params(self, params: Any) -> Any:
-        """ShapeDtypeStructs of ``params`` at their own (unpadded) shapes: as given to
-        :meth:`init_state` for a tree of that structure (stored stage-3 params of a
-        padded leaf have the padded shape), else the shapes of ``params``."""
+    def logical_params(self, params: Any, like: Any = None) -> Any:
+        """ShapeDtypeStructs of ``params`` (stored, as a state holds them) at their own
+        (unpadded) shapes: those of ``like`` when given (the params tree, arrays or
+        ShapeDtypeStructs); else as given to this optimizer's :meth:`init_state` (or
+        :meth:`init_sharded`, or a restore) for a tree of that structure; else as
+        registered by any optimizer for params stored alike (a fresh ``zero(...)``
+        after a restore or beside the one that made the state); else the stored shapes
+        when no leaf can be a padded one. Never a padded shape silently: where the
+        stored shapes could be padded and nothing says, it raises naming the leaf and
+        ``like=``."""
         params = self._split_model_specs(params)[0]
-        structs = self._logical.get(jax.tree.structure(params))
+        treedef = jax.tree.structure(params)
+        if like is not None:
+            structs = self._split_model_specs(like)[0]
+            if jax.tree.structure(structs) != treedef:
+                raise ValueError(
+                    f"like= has the tree {str(jax.tree.structure(structs))[:200]}, but the "
+                    f"state's params have {str(treedef)[:200]}: pass the params tree the state "
+                    "was made from (arrays or jax.ShapeDtypeStructs at their own shapes).")
+            self._check_like(params, structs)
+        else:
+            structs = self._logical.get(treedef)
         if structs is None:
+            found = part.registered_logical(params)
+            if len(found) == 1:
+                return jax.tree.unflatten(treedef, [
+                    jax.ShapeDtypeStruct(shape, x.dtype)
+                    for shape, x in zip(found[0], jax.tree.leaves(params))])
+            self._refuse_guess(params, len(found))
             structs = params
         return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, x.dtype), structs, params)
+
+    def _padded_from(self, shape: tuple, taken: tuple) -> tuple | None:
+        """A smaller shape this optimizer stores padded as ``shape``, or None."""
+        n, min_size = self.data_size, self.config.min_shard_size
+        for d, size in enumerate(shape):
+            for k in range(1, min(n, size)):
+                cand = tuple(size - k if e == d else s for e, s in enumerate(shape))
+                if part.choose_split(cand, n, min_size, taken) == (d, k):
+                    return cand
+        return None
+
+    def _refuse_guess(self, params: Any, registered: int) -> None:
+        if self.config.stage != 3:  # stages 0-2 store the params at their own shapes
+            return
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+            shape = tuple(int(s) for s in x.shape)
+            cand = self._padded_from(shape, ())
+            if cand is not None:
+                why = (f"{registered} different params trees were stored alike in this "
+                       "process" if registered else "no optimizer in this process made or "
+                       "restored this state")
+                raise ValueError(
+                    f"state.params{jax.tree_util.keystr(path)} is stored as {shape}, which "
+                    f"{self!r} also stores a {cand} parameter as (padded for its split), and "
+                    f"{why}: the params' own shapes are unknown. Pass like=params (the params "
+                    f"tree at its own shapes, arrays or jax.ShapeDtypeStructs), or use the "
+                    f"optimizer that made the state.")
+
+    def _check_like(self, params: Any, structs: Any) -> None:
+        lays = part.layouts(structs, self.data_size, self.config.min_shard_size,
+                            self.zero_axis, None, True)
+        for (path, x), lay in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(lays, is_leaf=part.is_layout)):
+            if tuple(x.shape) not in (lay.shape, lay.padded_shape):
+                raise ValueError(
+                    f"like{jax.tree_util.keystr(path)} has shape {lay.shape}, but the state "
+                    f"stores that leaf as {tuple(x.shape)} (this optimizer stores a "
+                    f"{lay.shape} leaf as {lay.padded_shape}): pass the params tree the state "
+                    "was made from.")
 
     def _opt_shapes(self, params: Any):
         structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -589,24 +650,58 @@ class ZeroOptimizer:
         aux = self.config.has_aux if has_aux is None else has_aux
         return build_train_step(loss_fn, self, bool(aux), weighted)
 
-    def full_params(self, state: TrainState) -> Any:
-        """Whole parameters, replicated on every device: the master weights (fp32) with
-        ``param_dtype`` set, else the params; partitioned leaves are all-gathered.
+    def _weights(self, state: TrainState):
+        """``(the fp32 truth, whether it is stored partitioned)``: the master weights with
+        ``param_dtype``, else the params."""
+        cfg = self.config
+        if cfg.param_dtype is not None:
+            return state.opt_state.master, cfg.stage > 0
+        return state.params, cfg.stage == 3
+
+    def full_params(self, state: TrainState, sharding: Any = None, *, like: Any = None
+                    ) -> Any:
+        """The parameters at their own shapes: the master weights (fp32) with
+        ``param_dtype`` set, else the params; padding dropped.
+
+        ``sharding``: where the result lives.
+
+        * ``None`` (default): whole, replicated on every device (partitioned leaves
+          all-gathered), in device memory: every device holds the whole model.
+        * ``"split"``: each leaf split as :meth:`input_shardings` says (the stage's
+          data split, unpadded): no device holds more than its share; what
+          :meth:`init_state` takes back as it is.
+        * a ``jax.sharding.Sharding`` (e.g. ``NamedSharding(mesh, P())``, or one on
+          ``pinned_host`` memory) or a ``PartitionSpec`` on this mesh, for every leaf;
+          or a tree of them with the params' structure.
+
+        To read the weights on the host leaf by leaf (export), see
+        :meth:`iter_full_params`. ``like``: the params tree (arrays or
+        ShapeDtypeStructs) at their own shapes, needed only where nothing in this
+        process registered them (see :meth:`logical_params`).
 
         The result is always new arrays (never the state's own buffers), so it survives
         the donated steps that follow: ``before = opt.full_params(state)`` stays
-        readable. One ``jax.jit`` per optimizer and params tree structure, compiled
-        once per set of shapes. Offloaded master weights or params are read from host
-        memory; the result is in device memory."""
+        readable. One ``jax.jit`` per optimizer, params tree structure and
+        ``sharding``. Offloaded master weights or params are read from host memory."""
         cfg = self.config
-        if cfg.param_dtype is not None:
-            src = state.opt_state.master
-            partitioned = cfg.stage > 0
-        else:
-            src = state.params
-            partitioned = cfg.stage == 3
-        logical = self.logical_params(state.params)
+        src, partitioned = self._weights(state)
+        logical = self.logical_params(state.params, like)
         treedef = jax.tree.structure(logical)
+        if sharding is not None:
+            targets = self._target_shardings(logical, sharding)
+            key = (treedef, partitioned, tuple(jax.tree.leaves(targets)))
+            fn = self._full_params_fns.get(key)
+            if fn is None:
+                lays = self.layouts(logical)
+
+                def _resharded(p):
+                    p = offload.to_device(p)
+                    if partitioned:
+                        p = part.unpad_tree(p, lays)
+                    return jax.tree.map(jnp.copy, p)
+
+                fn = self._full_params_fns[key] = jax.jit(_resharded, out_shardings=targets)
+            return fn(src)
         fn = self._full_params_fns.get((treedef, partitioned))
         if fn is None:
             lays = self.layouts(logical)
@@ -622,6 +717,68 @@ class ZeroOptimizer:
 
             fn = self._full_params_fns[(treedef, partitioned)] = jax.jit(_full_params)
         return fn(src)
+
+    def _target_shardings(self, logical: Any, sharding: Any) -> Any:
+        """A Sharding per leaf of ``logical`` for ``full_params(sharding=...)``."""
+        if isinstance(sharding, str):
+            if sharding != "split":
+                raise ValueError(
+                    f"full_params(sharding={sharding!r}): the string form is 'split' (each "
+                    f"leaf split as input_shardings says); else pass a jax.sharding.Sharding, "
+                    f"a PartitionSpec or a tree of them, or None for whole on every device.")
+            return self.input_shardings(logical)
+
+        def one(path, s):
+            if isinstance(s, P):
+                return NamedSharding(self.mesh, s)
+            if isinstance(s, jax.sharding.Sharding):
+                return s
+            raise TypeError(
+                f"full_params(sharding=...): leaf {jax.tree_util.keystr(path)} got "
+                f"{type(s).__name__} {s!r:.60}; pass a jax.sharding.Sharding or a "
+                "PartitionSpec (on this optimizer's mesh) per leaf, or one for all.")
+
+        is_spec = lambda x: isinstance(x, (P, jax.sharding.Sharding))  # noqa: E731
+        if is_spec(sharding):
+            return jax.tree.map(lambda _: one((), sharding), logical)
+        treedef = jax.tree.structure(logical)
+        try:
+            flat = treedef.flatten_up_to(sharding)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"full_params(sharding=...) must be one Sharding / PartitionSpec or a tree of "
+                f"them with the params' structure: {e}") from None
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(logical)[0]]
+        return jax.tree.unflatten(treedef, [one(p, s) for p, s in zip(paths, flat)])
+
+    def iter_full_params(self, state: TrainState, *, like: Any = None):
+        """Yield ``(path, numpy array)`` per leaf of the parameters (the fp32 master
+        weights with ``param_dtype``), in tree order, at their own shapes, each leaf
+        gathered alone into host memory: the host holds one whole leaf at a time and
+        no device ever holds more than its shards (its shards are copied to the host,
+        the padding cut there). ``path`` is ``jax.tree_util.keystr`` of the leaf's key
+        path (``"['blocks']['qkv']['kernel']"``). For export that streams, e.g.
+        ``{path: x for path, x in opt.iter_full_params(state)}`` written one by one.
+
+        In a multi-process run every process calls it (a leaf a process does not hold
+        all of is all-gathered, one leaf at a time, by
+        ``jax.experimental.multihost_utils.process_allgather``) and every process gets
+        every leaf. ``like``: as for :meth:`full_params`."""
+        import numpy as np
+
+        src, _ = self._weights(state)
+        logical = self.logical_params(state.params, like)
+        flat = jax.tree_util.tree_flatten_with_path(src)[0]
+        for (path, x), want in zip(flat, jax.tree.leaves(logical)):
+            if getattr(x, "is_fully_addressable", True):
+                host = np.asarray(x)
+            else:
+                from jax.experimental import multihost_utils
+
+                host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            if host.shape != tuple(want.shape):
+                host = np.ascontiguousarray(host[tuple(slice(0, n) for n in want.shape)])
+            yield jax.tree_util.keystr(path), host
 
     # -- optax interface ------------------------------------------------------------
     @property

@@ -298,10 +298,24 @@ def unpad_tree(tree: Any, layout_tree: Any) -> Any:
 _LOGICAL: dict = {}
 
 
+# the same key -> every distinct list of own shapes registered for it (a (40, 4) leaf
+# and a (37, 4) one padded to (40, 4) are stored alike: ZeroOptimizer.logical_params
+# refuses to guess between them)
+_LOGICAL_ALL: dict = {}
+
+
 def register_logical(stored: Any, logical: Any) -> None:
     """Remember that params stored as ``stored`` are ``logical`` (ShapeDtypeStructs)."""
     key = (jax.tree.structure(stored), tuple(tuple(x.shape) for x in jax.tree.leaves(stored)))
     _LOGICAL[key] = [tuple(x.shape) for x in jax.tree.leaves(logical)]
+    _LOGICAL_ALL.setdefault(key, {})[tuple(_LOGICAL[key])] = None
+
+
+def registered_logical(stored: Any) -> list:
+    """Every list of own leaf shapes registered (by any optimizer) for params stored
+    as ``stored``: empty when none was, several when distinct params store alike."""
+    key = (jax.tree.structure(stored), tuple(tuple(x.shape) for x in jax.tree.leaves(stored)))
+    return [list(shapes) for shapes in _LOGICAL_ALL.get(key, {})]
 
 
 def logical_shapes(stored: Any) -> list:
