@@ -189,7 +189,7 @@ class TensorInfo(NamedTuple):
     file: str  # the file's path
     dtype: np.dtype
     shape: tuple
-    offsets: tuple  # (begin, end) in bytes, after the header
+    offsets: tuple  # (begin, end) in bytes from the start of the file
 
     @property
     def nbytes(self) -> int:
@@ -227,8 +227,50 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         if entry.get("dtype") not in _ST_DTYPES:
             raise ValueError(f"{path}: tensor {name} has dtype {entry.get('dtype')!r}, which "
                              f"zerojax does not read (it reads {', '.join(_ST_DTYPES)}).")
+        begin, end = (8 + n + int(o) for o in entry["data_offsets"])
         out[name] = TensorInfo(path, _ST_DTYPES[entry["dtype"]], tuple(entry["shape"]),
-                               tuple(entry["data_offsets"]))
+                               (begin, end))
+    return out
+
+
+def read_region(fd: int, info: TensorInfo, region: tuple, buffer_bytes: int = 64 << 20
+                ) -> np.ndarray:
+    """``tensor[region]`` (``region``: ``(start, stop)`` per axis) read from the open
+    file ``fd`` with ``os.preadv``: each read is one span of the file holding a part of
+    the region, at most ``buffer_bytes`` (or one contiguous run of the region, which is
+    all needed), so the host holds the region plus one span. No memory map: the file's
+    pages never count in this process's resident memory, and a strided region (columns
+    of a row-major tensor) reads the rows it crosses a buffer at a time, never the
+    whole tensor at once."""
+    shape, item = tuple(info.shape), info.dtype.itemsize
+    strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
+    out = np.empty([b - a for a, b in region], info.dtype)
+    if out.size == 0:
+        return out
+
+    def read(reg, dst):
+        first = sum(a * s for (a, _), s in zip(reg, strides))
+        last = sum((b - 1) * s for (_, b), s in zip(reg, strides))
+        span = (last - first + 1) * item
+        q = next((k for k, (a, b) in enumerate(reg) if b - a > 1), len(reg))
+        contiguous = all(reg[k] == (0, shape[k]) for k in range(q + 1, len(reg)))
+        if span <= buffer_bytes or contiguous:
+            raw = np.empty(span, np.uint8)
+            got = os.preadv(fd, [raw], info.offsets[0] + first * item)
+            if got != span:
+                raise ValueError(f"{info.file}: read {got} of {span} bytes at "
+                                 f"{info.offsets[0] + first * item}; the file is truncated.")
+            dst[...] = np.lib.stride_tricks.as_strided(
+                raw.view(info.dtype), shape=dst.shape, strides=[s * item for s in strides],
+                writeable=False)
+            return
+        a, b = reg[q]
+        mid = (a + b) // 2
+        for lo, hi in ((a, mid), (mid, b)):
+            sub = dst[(slice(None),) * q + (slice(lo - a, hi - a),)]
+            read(reg[:q] + ((lo, hi),) + reg[q + 1:], sub)
+
+    read(tuple(region), out)
     return out
 
 
@@ -376,5 +418,5 @@ def natural_key(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-__all__ = ["tensor_names", "read_header", "checkpoint_files", "write_file", "write_sharded",
-           "shard_names", "st_dtype", "TensorInfo", "INDEX_NAME", "natural_key"]
+__all__ = ["tensor_names", "read_header", "read_region", "checkpoint_files", "write_file",
+           "write_sharded", "shard_names", "st_dtype", "TensorInfo", "INDEX_NAME", "natural_key"]

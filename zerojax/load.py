@@ -6,9 +6,10 @@ params tree shaped like ``like`` (arrays or ``jax.ShapeDtypeStruct``, e.g.
 ``jax.eval_shape(init, key)``), each leaf a global ``jax.Array`` in the sharding asked
 for. Each process builds only its addressable shards (``jax.make_array_from_callback``,
 one read per distinct shard), and each shard reads from disk only the region of the
-file tensor it needs (safetensors' ``get_slice``), in pieces of at most
-``buffer_bytes``: a process opens only the files holding its slices and its host
-memory holds its own shards plus about one buffer, never a whole file.
+file tensor it needs (:func:`zerojax.formats.read_region`: ``os.preadv`` of spans of
+at most ``buffer_bytes``, no memory map): a process opens only the files holding its
+slices and its host memory holds its own shards plus about one buffer, never a whole
+file.
 
 File tensors are matched to params leaves by name (:func:`zerojax.formats.tensor_names`);
 ``rename`` maps a file's names (a Hugging Face model's ``model.layers.0.mlp.up_proj
@@ -46,6 +47,7 @@ from zerojax.formats import (
     _name,
     _tokens_of_path,
     checkpoint_files,
+    read_region,
 )
 
 Region = tuple  # ((start, stop), ...) per axis
@@ -475,32 +477,30 @@ def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
 
 # --- reading ---------------------------------------------------------------------------
 
-def _safe_open(path):
-    from safetensors import safe_open
-
-    return safe_open(path, framework="np")
+_open_file = os.open  # module attributes: tests count what is opened and read
+_read_region = read_region
 
 
 class _Reader:
-    """Open files (a few at a time) and region reads from them."""
+    """Open files (a few at a time) and region reads from them (``os.preadv`` of
+    spans of at most the buffer: no memory map, see :func:`zerojax.formats.read_region`)."""
 
-    def __init__(self, keep: int = 2):
-        self.handles: OrderedDict = OrderedDict()
-        self.keep = keep
+    def __init__(self, buffer_bytes: int, keep: int = 2):
+        self.fds: OrderedDict = OrderedDict()
+        self.keep, self.buffer = keep, buffer_bytes
 
     def read(self, info: TensorInfo, name: str, region: Region) -> np.ndarray:
-        f = self.handles.pop(info.file, None)
-        if f is None:
-            f = _safe_open(info.file).__enter__()
-        self.handles[info.file] = f
-        while len(self.handles) > self.keep:
-            self.handles.popitem(last=False)[1].__exit__(None, None, None)
-        x = f.get_slice(name)[tuple(slice(a, b) for a, b in region)]
-        return np.asarray(x).reshape([b - a for a, b in region])
+        fd = self.fds.pop(info.file, None)
+        if fd is None:
+            fd = _open_file(info.file, os.O_RDONLY)
+        self.fds[info.file] = fd
+        while len(self.fds) > self.keep:
+            os.close(self.fds.popitem(last=False)[1])
+        return _read_region(fd, info, region, self.buffer)
 
     def close(self):
-        while self.handles:
-            self.handles.popitem()[1].__exit__(None, None, None)
+        while self.fds:
+            os.close(self.fds.popitem()[1])
 
 
 def _source(piece: _Piece, region: Region) -> tuple[Region, list[Callable]]:
@@ -613,7 +613,7 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
             raise ValueError(f"params leaf {name} {shape}: its sharding {sharding} does not "
                              f"fit: {e}") from None
 
-    reader = _Reader()
+    reader = _Reader(buffer_bytes)
     out = list(values)
     try:
         # leaves in the order their tensors lie in the files: each file opened once
