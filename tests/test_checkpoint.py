@@ -700,3 +700,130 @@ def test_a_first_format_step_still_lists_and_restores(tmp_path, small):
     _same(opt, mgr.restore(opt, like=awkward_params()), a)
     mgr.save(7, a)  # a new step beside it, in the new format
     assert mgr.all_steps() == [6, 7]
+
+
+# -- issue 31: a rollback or a collision never loses a step; temporaries; markers -----
+
+
+def _temporaries(d):
+    return sorted(n for n in os.listdir(d) if n.startswith(".zerojax"))
+
+
+def test_a_rollback_over_a_colliding_folder_keeps_the_newer_step(tmp_path, small):
+    opt, a, b = small
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    mgr.save(6, a)
+    mgr.save(8, b)
+    mgr.wait()
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match="did not write"):
+        with pytest.raises(CheckpointError, match=rf"step 7: {re.escape(str(tmp_path / '7'))} "
+                                                  r"exists and zerojax did not write it.*nothing"):
+            mgr.save(7, a, overwrite=True)  # refused at save, before anything moves
+    mgr.save(9, a)  # the next successful save
+    assert mgr.all_steps() == [6, 8, 9]
+    _same(opt, mgr.restore(opt, like=awkward_params(), step=8), b)
+    assert (tmp_path / "7" / "notes.txt").read_text() == "mine"
+    assert not _temporaries(tmp_path)
+
+
+def test_a_failed_rollback_names_the_cause_and_keeps_every_step(tmp_path, small,
+                                                               monkeypatch):
+    """The folder appears after `save` checked (between save and the rename): the
+    rename fails, nothing older or newer is removed, the error names the path."""
+    opt, a, b = small
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    mgr.save(6, a)
+    mgr.save(8, b)
+    mgr.wait()
+    real = checkpoint._checksums
+
+    def user_makes_7(root, names, segments=None):
+        (tmp_path / "7").mkdir(exist_ok=True)
+        (tmp_path / "7" / "notes.txt").write_text("mine")
+        return real(root, names, segments)
+
+    monkeypatch.setattr(checkpoint, "_checksums", user_makes_7)
+    mgr.save(7, a, overwrite=True)
+    with pytest.warns(UserWarning, match="did not write"):
+        with pytest.raises(CheckpointError, match=rf"step is NOT saved.*"
+                           rf"{re.escape(str(tmp_path / '7'))}.*did not write"):
+            mgr.wait()
+    monkeypatch.undo()
+    assert mgr.all_steps() == [6, 8]
+    mgr.save(9, a)
+    assert mgr.all_steps() == [6, 8, 9]
+    _same(opt, mgr.restore(opt, like=awkward_params(), step=8), b)
+    assert (tmp_path / "7" / "notes.txt").read_text() == "mine"
+    assert not _temporaries(tmp_path)
+
+
+def test_a_colliding_save_fails_at_save_and_temporaries_are_removed(tmp_path, small,
+                                                                    monkeypatch):
+    opt, a, _ = small
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"did not write: \['12'\]"):
+        mgr = CheckpointManager(tmp_path, max_to_keep=None)
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / '12'))} exists"
+                                                  r" and zerojax did not write it"):
+            mgr.save(12, a)
+    assert not _temporaries(tmp_path)  # nothing was written
+    # a failed save leaves its temporary; the next save removes it
+    monkeypatch.setattr(checkpoint, "_checksums", lambda *a: (_ for _ in ()).throw(
+        OSError("disk full")))
+    mgr.save(13, a)
+    with pytest.raises(CheckpointError, match="NOT saved.*disk full"):
+        mgr.wait()
+    monkeypatch.undo()
+    assert _temporaries(tmp_path) == [".zerojax-tmp-13"]
+    mgr.save(14, a)
+    mgr.wait()
+    assert not _temporaries(tmp_path) and mgr.all_steps() == [14]
+    # a killed save's temporary (its process is gone) is removed when a manager opens;
+    # a live save's, or one zerojax did not write, is left alone
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, pid in ((".zerojax-tmp-15", dead.pid), (".zerojax-tmp-16", os.getppid())):
+        (tmp_path / name / "state").mkdir(parents=True)
+        (tmp_path / name / "meta.json").write_text("{}")
+        checkpoint._write_json(str(tmp_path / name / checkpoint._OWNER),
+                               {"host": checkpoint._HOST, "pid": pid, "save": "x"})
+    (tmp_path / ".zerojax-tmp-17").mkdir()
+    (tmp_path / ".zerojax-tmp-17" / "notes.txt").write_text("not zerojax's")
+    CheckpointManager(tmp_path)
+    assert _temporaries(tmp_path) == [".zerojax-tmp-16", ".zerojax-tmp-17"]
+
+
+@pytest.mark.parametrize("damage", ["delete", "garbage"])
+def test_a_removed_marker_is_reported_as_a_damaged_step(tmp_path, small, damage):
+    opt, a, b = small
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    mgr.save(1, a)
+    mgr.save(2, b)
+    mgr.wait()
+    marker = tmp_path / "2" / checkpoint.MARKER
+    if damage == "delete":
+        marker.unlink()
+        why = "is missing"
+    else:
+        marker.write_text("{not json")
+        why = "is not valid JSON"
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    with pytest.warns(UserWarning, match=rf"step 2 in {re.escape(str(tmp_path))} is a damaged "
+                                         rf"zerojax step: its marker {checkpoint.MARKER} {why}"
+                      ) as rec:
+        assert mgr.all_steps() == [1]
+    assert not any("did not write" in str(w.message) for w in rec)
+    assert list(mgr.damaged_steps()) == [2]
+    with pytest.raises(CheckpointError, match=r"the newest step 2 .* is damaged.*marker.*"
+                                              r"step=1 or fallback=True"):
+        mgr.restore(opt, like=awkward_params())
+    with pytest.warns(UserWarning, match=r"step 2 .* damaged.*restoring step 1"):
+        _same(opt, mgr.restore(opt, like=awkward_params(), fallback=True), a)
+    with pytest.raises(CheckpointError, match=r"step 2 exists \(damaged"):
+        mgr.save(2, b)
+    mgr.save(2, b, overwrite=True)  # zerojax's own damaged step may be replaced
+    assert mgr.all_steps() == [1, 2] and not mgr.damaged_steps()
+    _same(opt, mgr.restore(opt, like=awkward_params()), b)

@@ -198,3 +198,53 @@ def test_zerojax_train_checkpoint_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         demo.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# --- issue 31: repeated signals while the exit-time flush runs -------------------------
+
+_SAVE_THEN_WAIT = r"""
+import sys, time
+sys.path.insert(0, {here!r})
+import optax, zerojax
+from helpers import awkward_params
+from zerojax import checkpoint
+real = checkpoint._checksums
+def slow(*args, **kw):  # the flush takes a second: the signals arrive during it
+    time.sleep(1.0)
+    return real(*args, **kw)
+checkpoint._checksums = slow
+opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=2), stage=3, min_shard_size=16)
+state = opt.init_state(awkward_params())
+checkpoint.CheckpointManager(sys.argv[1]).save(1, state)   # async; nobody asks
+print("saved", flush=True)
+time.sleep(60)
+"""
+
+
+def test_repeated_signals_during_the_exit_flush_never_lose_the_step(tmp_path):
+    """SIGTERM ends the script (nobody asks reached_preemption); a second SIGTERM 10 ms
+    later and a SIGINT 10 ms after that arrive while the exit hook finishes the pending
+    save (what `timeout`, systemd and schedulers send). The step is complete and the
+    exit status is 143: never a silent loss."""
+    from zerojax.checkpoint import CheckpointManager
+
+    d = tmp_path / "ckpt"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-c", _SAVE_THEN_WAIT.format(here=str(HERE)),
+                             str(d)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "saved\n", proc.communicate(timeout=120)
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+        proc.send_signal(sig)
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=120)
+    assert sorted(os.listdir(d)) == ["1"], (os.listdir(d), err[-3000:])  # no temporary
+    mgr = CheckpointManager(d)
+    assert mgr.all_steps() == [1]
+    mgr.verify(1)  # every file as written
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "NOT saved" not in err, err[-3000:]
+    for why in ("SIGTERM", "SIGTERM while exiting", "SIGINT while exiting"):
+        assert f"{why}: finishing the pending checkpoint save of step 1" in err, err[-3000:]
+    preemption.uninstall()

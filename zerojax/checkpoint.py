@@ -55,6 +55,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -73,8 +74,14 @@ from zerojax.state import LossScaleState, MasterState, TrainState
 
 FORMAT = 2
 MARKER = "_zerojax_step.json"
-_TMP = ".zerojax-tmp-"
-_DELETE = ".zerojax-delete-"
+_TMP = ".zerojax-tmp-"          # a save in progress (or a failed or killed one)
+_DELETE = ".zerojax-delete-"    # being deleted (a pruned, or rolled-back, step)
+_REPLACED = ".zerojax-replaced-"  # a step moved aside while its replacement moves in
+_ROLLBACK = ".zerojax-rollback-"  # a rollback's journal: the newer steps it deletes
+_OWNER = "_zerojax_tmp_owner.json"  # in a temporary directory: who writes it
+_HOST = socket.gethostname()
+_STALE_S = 600  # a temporary directory without an owner record is stale after this
+_live_saves: set[str] = set()  # temporary directories of this process's saves in flight
 _CHUNK = 1 << 20  # checksum reads: one reused 1 MiB buffer per thread
 _COMMIT_TIMEOUT = float(os.environ.get("ZEROJAX_CHECKPOINT_COMMIT_TIMEOUT", 1800))
 
@@ -283,6 +290,96 @@ def _sync(path: str) -> None:
         pass
 
 
+def _marker_damage(root: str, step: int) -> str | None:
+    """None when the step directory ``root`` holds a sound marker, else what is wrong
+    with it (``"is missing"``, ``"is not valid JSON"``...)."""
+    try:
+        with open(os.path.join(root, MARKER)) as f:
+            marker = json.load(f)
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+        return f"is not valid JSON ({type(e).__name__})"
+    if not isinstance(marker, dict) or "zerojax_checkpoint" not in marker:
+        return "is not a zerojax marker"
+    if marker.get("step") != step:
+        return f"names step {marker.get('step')!r}"
+    return None
+
+
+def _looks_like_a_step(root: str) -> bool:
+    """Whether the directory ``root`` (its marker missing) is one zerojax wrote: its
+    ``state/`` item beside the metadata zerojax writes."""
+    try:
+        names = set(os.listdir(root))
+    except OSError:
+        return False
+    return "state" in names and bool(names & {"meta.json", VALUES} or any(
+        re.fullmatch(r"extra\.process-\d+\.json", n) for n in names))
+
+
+def _recognisable_tmp(path: str) -> bool:
+    """Whether ``path`` is a temporary directory of a zerojax save: its name, and only
+    files a save writes in it (anything else there is left alone)."""
+    if not re.fullmatch(re.escape(_TMP) + r"\d+", os.path.basename(path)):
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:  # not a directory, or gone
+        return False
+    return all(n in ("state", "meta.json", MARKER, VALUES, _OWNER) or n.endswith(".tmp")
+               or re.fullmatch(r"extra\.process-\d+\.json", n) for n in names)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process: alive
+    return True
+
+
+def _tmp_is_live(path: str, at_save: bool) -> bool:
+    """Whether the temporary directory ``path`` may belong to a save still running:
+    one of this process's saves in flight, or one whose owner (process 0 of its job)
+    runs on this host. A save on another host cannot be checked: at a save (when every
+    process of this job has finished its previous save) it is stale; when a manager
+    opens it is left alone. Without an owner record (killed before writing it, or made
+    a moment ago by another process of the job), it is stale at a save, and when a
+    manager opens once it is ``_STALE_S`` seconds old."""
+    if path in _live_saves:
+        return True
+    try:
+        with open(os.path.join(path, _OWNER)) as f:
+            owner = json.load(f)
+        host, pid = owner["host"], int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        if at_save:
+            return False
+        try:
+            return time.time() - os.stat(path).st_mtime < _STALE_S
+        except OSError:
+            return False
+    if host != _HOST:
+        return not at_save
+    return pid != os.getpid() and _pid_alive(pid)
+
+
+def _process_index() -> int:
+    """``jax.process_index()``, without starting JAX's backends before a
+    ``jax.distributed.initialize`` that is still to come (0 while none ran)."""
+    try:
+        from jax._src import distributed as jd
+
+        if jd.global_state.client is None:
+            return 0
+    except (ImportError, AttributeError):  # pragma: no cover - private module moved
+        pass
+    return jax.process_index()
+
+
 def _finish_at_exit(manager: CheckpointManager) -> None:
     """Finish ``manager``'s pending writes when the interpreter exits (a script that
     ends right after ``save``, or raises). Registered with threading's exit hooks after
@@ -291,16 +388,33 @@ def _finish_at_exit(manager: CheckpointManager) -> None:
     needs (a plain atexit hook runs too late and leaves a temporary directory)."""
     # A strong reference: `CheckpointManager(d).save(step, state)` as the script's last
     # line drops the manager at once, and its writes must still finish.
+    from zerojax import preemption
+
+    def say(why: str) -> None:
+        print(f"zerojax.CheckpointManager({manager.directory!r}): {why}: finishing the "
+              f"pending checkpoint save of step {manager._pending} before exiting (SIGKILL "
+              "would lose it).", file=sys.stderr, flush=True)
+
     def finish():
-        if manager._closed:
+        if manager._closed or manager._commit is None:
             return
-        try:
-            manager.wait()
-        except Exception as e:  # say so: a lost step must not pass silently
-            print(f"zerojax.CheckpointManager({manager.directory!r}): pending saves could not "
-                  f"be finished at exit, the step is NOT saved: {e}", file=sys.stderr,
-                  flush=True)
-            os._exit(distributed.EXIT_FAILURE)
+        if preemption._state["exiting"]:
+            say("SIGTERM")
+        # SIGTERM and SIGINT again (timeout, systemd, a second Ctrl-C) are noted, not
+        # obeyed: the process is exiting anyway, and they would interrupt the write
+        with preemption.held_signals(note=lambda name: say(f"{name} while exiting"),
+                                     redeliver=False):
+            while True:
+                try:
+                    manager.wait()
+                    return
+                except (KeyboardInterrupt, SystemExit):
+                    continue  # a signal came before it was held: wait on
+                except BaseException as e:  # noqa: BLE001 -- a lost step must not pass silently
+                    print(f"zerojax.CheckpointManager({manager.directory!r}): pending saves "
+                          f"could not be finished at exit, the step is NOT saved: {e}",
+                          file=sys.stderr, flush=True)
+                    os._exit(distributed.EXIT_FAILURE)
 
     register = getattr(threading, "_register_atexit", None)
     try:
@@ -386,11 +500,16 @@ class CheckpointManager:
         self._closed = False
         self._exit_hook = False
         self._warned_foreign = False
+        self._warned_damaged: set[int] = set()
+        self._damaged: dict[int, str] = {}
+        self._pending: int | None = None  # the step of the save in flight
         self._names_checked: set = set()
         if not _reader:  # SIGTERM is noticed (reached_preemption), not fatal at once
             from zerojax import preemption
 
             preemption.install()
+            if _process_index() == 0:  # a killed save's leftovers (never a live save's)
+                self._cleanup(at_save=False)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -403,29 +522,43 @@ class CheckpointManager:
 
     # -- the steps on disk ------------------------------------------------------------
     def _scan(self) -> dict[int, int]:
-        """``{step: format}`` of the complete steps this class wrote; warns (once) about
-        anything else found in the directory."""
-        steps, foreign = {}, []
+        """``{step: format}`` of the complete steps this class wrote; ``self._damaged``:
+        ``{step: why}`` of the step directories it wrote whose marker is missing or
+        damaged. Warns (once each) about those and about anything else found in the
+        directory."""
+        steps, foreign, damaged = {}, [], {}
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
-            return {}
+            names = []
         for name in names:
             path = os.path.join(self.directory, name)
-            if name.startswith((_TMP, _DELETE)):
+            if name.startswith((_TMP, _DELETE, _REPLACED, _ROLLBACK)):
                 continue
             fmt = None
             if re.fullmatch(r"0|[1-9][0-9]*", name) and os.path.isdir(path):
-                if os.path.isfile(os.path.join(path, MARKER)):
+                why = _marker_damage(path, int(name))
+                if why is None:
                     fmt = FORMAT
                 elif (os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) and
                       os.path.isfile(os.path.join(path, "meta", "metadata")) and
                       os.path.isdir(os.path.join(path, "state"))):
                     fmt = 1  # zerojax's first format: orbax CheckpointManager's layout
-            if fmt is None:
-                foreign.append(name)
-            else:
+                elif why != "is missing" or _looks_like_a_step(path):
+                    damaged[int(name)] = f"its marker {MARKER} {why}"
+            if fmt is not None:
                 steps[int(name)] = fmt
+            elif not (name.isdigit() and int(name) in damaged):
+                foreign.append(name)
+        self._damaged = damaged
+        new = sorted(set(damaged) - self._warned_damaged)
+        if new:
+            self._warned_damaged |= set(new)
+            warnings.warn(" ".join(
+                f"step {s} in {self.directory} is a damaged zerojax step: {damaged[s]}."
+                for s in new) + " It is not listed or restored (restore() without a step "
+                "refuses while it is the newest); restore an earlier step, or replace it "
+                "with save(step, state, overwrite=True).", stacklevel=3)
         if foreign and not self._warned_foreign:
             self._warned_foreign = True
             warnings.warn(
@@ -442,7 +575,7 @@ class CheckpointManager:
         t = self._commit
         if t is not None:
             t.join()
-            self._commit = None
+            self._commit = self._pending = None
         distributed.note_progress()
         err, self._commit_error = self._commit_error, None
         if err is not None:
@@ -451,9 +584,74 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk, oldest first (after this manager's pending saves
-        are written). Reads files only: any one process may call it."""
+        are written). Reads files only: any one process may call it. Step directories
+        zerojax wrote whose marker is missing or damaged are not listed: a warning names
+        them (see :meth:`damaged_steps`)."""
         self.wait()
         return sorted(self._scan())
+
+    def damaged_steps(self) -> dict[int, str]:
+        """``{step: what is wrong}`` of the step directories zerojax wrote whose marker
+        is missing or damaged (deleted, cut short, overwritten): not listed by
+        :meth:`all_steps`, never restored, pruned or deleted; ``save(step, state,
+        overwrite=True)`` replaces one. (Damage to the other files shows in
+        :meth:`verify`.)"""
+        self.wait()
+        self._scan()
+        return dict(sorted(self._damaged.items()))
+
+    def _cleanup(self, at_save: bool, keep: str | None = None) -> None:
+        """Process 0: finish what a killed save left half done, and remove the
+        temporary directories of failed or killed saves (only recognisable ones, never
+        a live save's: see :func:`_tmp_is_live`) and ``keep``'s aside. A rollback's
+        journal whose new step is in place deletes the newer steps it names; a step
+        moved aside whose replacement never moved in is put back."""
+        d = self.directory
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(d, name)
+            try:
+                if name.startswith(_ROLLBACK) and name.endswith(".json"):
+                    self._end_rollback(path)
+                elif name.startswith(_REPLACED):
+                    m = re.fullmatch(re.escape(_REPLACED) + r"(\d+)-\d+", name)
+                    if m and not os.path.lexists(os.path.join(d, m.group(1))):
+                        os.replace(path, os.path.join(d, m.group(1)))  # put back
+                    else:
+                        shutil.rmtree(path, ignore_errors=True)
+                elif name.startswith(_DELETE):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif (name.startswith(_TMP) and path != keep and _recognisable_tmp(path)
+                      and not _tmp_is_live(path, at_save)):
+                    gone = os.path.join(d, f"{_DELETE}{name[len(_TMP):]}-{time.time_ns()}")
+                    os.replace(path, gone)  # atomically out of the way, then deleted
+                    shutil.rmtree(gone, ignore_errors=True)
+            except OSError:  # another process got there first; the next save retries
+                pass
+
+    def _end_rollback(self, journal: str) -> None:
+        """A rollback's journal: when its step is in place (its marker holds the
+        journal's token), delete the newer steps it names; then drop the journal."""
+        with open(journal) as f:
+            j = json.load(f)
+        root = os.path.join(self.directory, str(j["step"]))
+        try:
+            with open(os.path.join(root, MARKER)) as f:
+                done = json.load(f).get("token") == j["token"]
+        except (OSError, ValueError):
+            done = False
+        if done:
+            for s in j["doomed"]:
+                path = os.path.join(self.directory, str(s))
+                if os.path.isdir(path) and (_marker_damage(path, s) is None or
+                                            _looks_like_a_step(path)):
+                    gone = os.path.join(self.directory, f"{_DELETE}{s}-{time.time_ns()}")
+                    os.replace(path, gone)
+                    shutil.rmtree(gone, ignore_errors=True)
+        os.remove(journal)
 
     def latest_step(self, verify: bool = False) -> int | None:
         """The newest complete step (None if there is none). ``verify=True``: the newest
@@ -503,6 +701,38 @@ class CheckpointManager:
         if any(not n.startswith("extra.process-") for n in extra):
             warnings.warn(f"checkpoint step {step} in {self.directory} holds files written "
                           f"after the save: {extra[:5]}", stacklevel=2)
+
+    def _newest(self, verify: bool, fallback: bool) -> int:
+        """The newest step to restore (verified with ``verify``); a damaged newer one
+        raises, or with ``fallback`` is named in a warning and skipped."""
+        steps = self.all_steps()
+        skipped = [(s, why) for s, why in sorted(self._damaged.items(), reverse=True)
+                   if not steps or s > steps[-1]]
+        for s in reversed(steps):
+            if skipped and not fallback:
+                bad, why = skipped[0]
+                raise CheckpointError(
+                    f"the newest step {bad} in {self.directory} is damaged: {why}. The newest "
+                    f"step that restores is {s}: pass step={s} or fallback=True to restore "
+                    f"it (or remove or replace step {bad}).")
+            try:
+                if verify:
+                    self.verify(s)
+            except CheckpointError as e:
+                if not fallback and not skipped:
+                    raise
+                skipped.append((s, str(e)))
+                continue
+            if skipped:
+                warnings.warn("; ".join(f"step {b} in {self.directory} is damaged ({why})"
+                                        for b, why in skipped) + f"; restoring step {s}.",
+                              stacklevel=3)
+            return s
+        if skipped:
+            raise CheckpointError(
+                f"no step in {self.directory} restores: "
+                + "; ".join(f"step {b} is damaged ({why})" for b, why in skipped) + ".")
+        raise FileNotFoundError(_nothing_here(self.directory))
 
     def _step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -575,15 +805,23 @@ class CheckpointManager:
                              ) from None
         self.wait()  # one save in flight; and every process sees the same steps below
         steps = self._scan()
-        newer = sorted(s for s in steps if s >= step)
+        known = set(steps) | set(self._damaged)  # damaged steps are zerojax's too
+        newer = sorted(s for s in known if s >= step)
         if newer and not overwrite:
             what = (f"step {step} exists" if step in steps else
-                    f"step {step} is below the newest step {max(steps)}")
+                    f"step {step} exists (damaged: {self._damaged[step]})" if step in known
+                    else f"step {step} is below the newest step {max(known)}")
             raise CheckpointError(
                 f"{what} in {self.directory} (complete steps: {sorted(steps)}); nothing was "
                 f"written. Pass overwrite=True to replace step {step} and delete the newer "
                 f"steps {[s for s in newer if s > step]} once it is written (a rollback), "
                 "or save to another directory.")
+        final = os.path.join(self.directory, str(step))
+        if step not in known and os.path.lexists(final):
+            raise CheckpointError(
+                f"cannot save step {step}: {final} exists and zerojax did not write it (it "
+                f"holds no {MARKER}); nothing was written and no step was touched. Move it "
+                f"out of {self.directory}, or save to another directory.")
         mixed = isinstance(state.opt_state, MasterState)
         inner_state = state.opt_state.inner if mixed else state.opt_state
         tree: dict[str, Any] = {"step": state.step, "params": state.params,
@@ -607,30 +845,51 @@ class CheckpointManager:
             "extra": extra if jax.process_index() == 0 else None,
         }
         tmp = os.path.join(self.directory, f"{_TMP}{step}")
-        os.makedirs(tmp, exist_ok=True)
         me = jax.process_index()
-        with open(os.path.join(tmp, f"extra.process-{me}.json"), "w") as f:
-            f.write(extra_json)
-        if me == 0:
-            _write_json(os.path.join(tmp, "meta.json"), meta)
-        if self._ckptr is None:
-            # uncompressed: zstd held a compressed copy of each array in host memory and
-            # cost CPU time for little gain on trained weights (see benchmarks/README.md)
-            self._ckptr = (ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(
-                use_compression=False)) if self.async_save
-                else ocp.Checkpointer(_stream_handler()))
         self._saves += 1
         token = f"{step}:{self._saves}"
-        # the blocking part: the device-to-host copies (orbax writes in the background)
-        self._ckptr.save(os.path.join(tmp, "state"), args=ocp.args.PyTreeSave(tree),
-                         force=True)
-        if not self._exit_hook:
-            _finish_at_exit(self)
-            self._exit_hook = True
-        self._commit = threading.Thread(
-            target=self._finish, args=(step, tmp, token, overwrite), daemon=True,
-            name=f"zerojax-checkpoint-{step}")
-        self._commit.start()
+        from zerojax import preemption
+
+        # SIGTERM / SIGINT while the save starts would leave it half started and
+        # unreported: they act once the write is under way (and the exit hook then
+        # finishes it)
+        with preemption.held_signals():
+            if me == 0:  # failed or killed saves' leftovers (every process has finished
+                # the previous save: other temporaries are stale); this step's own
+                # temporary too with one process (with several, the others may be
+                # writing into it already: it is reused)
+                self._cleanup(at_save=True, keep=tmp if jax.process_count() > 1 else None)
+            _live_saves.add(tmp)
+            os.makedirs(tmp, exist_ok=True)
+            if me == 0:
+                _write_json(os.path.join(tmp, _OWNER),
+                            {"host": _HOST, "pid": os.getpid(), "save": token})
+            with open(os.path.join(tmp, f"extra.process-{me}.json"), "w") as f:
+                f.write(extra_json)
+            if me == 0:
+                _write_json(os.path.join(tmp, "meta.json"), meta)
+            if self._ckptr is None:
+                # uncompressed: zstd held a compressed copy of each array in host memory
+                # and cost CPU time for little gain on trained weights (benchmarks/README)
+                self._ckptr = (ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(
+                    use_compression=False)) if self.async_save
+                    else ocp.Checkpointer(_stream_handler()))
+            try:
+                # the blocking part: the device-to-host copies (orbax writes in the
+                # background)
+                self._ckptr.save(os.path.join(tmp, "state"), args=ocp.args.PyTreeSave(tree),
+                                 force=True)
+            except BaseException:
+                _live_saves.discard(tmp)
+                raise
+            if not self._exit_hook:
+                _finish_at_exit(self)
+                self._exit_hook = True
+            self._pending = step
+            self._commit = threading.Thread(
+                target=self._finish, args=(step, tmp, token, overwrite), daemon=True,
+                name=f"zerojax-checkpoint-{step}")
+            self._commit.start()
         if not self.async_save:
             self.wait()
 
@@ -646,15 +905,27 @@ class CheckpointManager:
         except BaseException as e:  # noqa: BLE001 -- handed to wait()
             self._commit_error = e
         finally:
+            _live_saves.discard(tmp)  # failed: the next save or open removes it
             hostmem.release_freed_memory()
 
     def _publish(self, step: int, tmp: str, final: str, token: str, overwrite: bool) -> None:
-        """Process 0: checksum every file, write the marker, rename into place, prune."""
+        """Process 0: checksum every file, write the marker, rename into place; only
+        then delete the steps it replaces (a rollback's newer ones) and prune.
+
+        Never loses a step: the step it replaces is moved aside (``.zerojax-replaced-``)
+        and put back if the rename fails; the newer steps a rollback deletes are named
+        in a journal (``.zerojax-rollback-N.json``) and deleted after the new step is in
+        place, so a process killed at any point leaves either the old steps or the new
+        step (the next save or open finishes or undoes what was half done)."""
         n = jax.process_count()
         for name in os.listdir(tmp):  # a crashed earlier run's extra of a larger job
             m = re.fullmatch(r"extra\.process-(\d+)\.json", name)
             if m and int(m.group(1)) >= n:
                 os.remove(os.path.join(tmp, name))
+        try:
+            os.remove(os.path.join(tmp, _OWNER))  # not part of the step
+        except FileNotFoundError:
+            pass
         names = [f for f in _files(tmp)
                  if f not in (MARKER, VALUES) and not f.endswith(".tmp")]
         chunks = _ocdbt_chunks(os.path.join(tmp, "state"))  # where each array chunk lies
@@ -667,13 +938,37 @@ class CheckpointManager:
         marker = {"zerojax_checkpoint": FORMAT, "step": step, "token": token,
                   "time": time.time(), "files": files}
         _write_json(os.path.join(tmp, MARKER), marker)
+        d = self.directory
         steps = self._scan()
-        doomed = sorted(s for s in steps if s >= step) if overwrite else []
-        for s in doomed:  # out of the way first: a crash here leaves the older steps
-            os.replace(os.path.join(self.directory, str(s)),
-                       os.path.join(self.directory, f"{_DELETE}{s}-{time.time_ns()}"))
-        os.replace(tmp, final)
-        _sync(self.directory)
+        known = set(steps) | set(self._damaged)
+        if os.path.lexists(final) and step not in known:
+            raise CheckpointError(
+                f"step {step} could not be put in place: {final} exists and zerojax did "
+                f"not write it (it appeared after save({step}) was called); no step was "
+                f"removed (complete steps: {sorted(steps)}). Move it out of {d}.")
+        doomed = sorted(s for s in known if s > step) if overwrite else []
+        journal = os.path.join(d, f"{_ROLLBACK}{step}.json")
+        if doomed:
+            _write_json(journal, {"step": step, "token": token, "doomed": doomed})
+        aside = None
+        if os.path.lexists(final):  # the step replaced (overwrite=True): aside, not gone
+            aside = os.path.join(d, f"{_REPLACED}{step}-{time.time_ns()}")
+            os.replace(final, aside)
+        try:
+            os.replace(tmp, final)
+        except OSError as e:
+            if aside is not None:
+                os.replace(aside, final)
+            if doomed:
+                os.remove(journal)
+            raise CheckpointError(
+                f"step {step} could not be put in place: renaming {tmp} to {final} failed "
+                f"({e}); no step was removed (complete steps: {sorted(steps)}).") from e
+        _sync(d)
+        if doomed:  # the new step is on disk: the rollback's newer steps go now
+            self._end_rollback(journal)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
         keep = sorted(self._scan())
         if self.max_to_keep is not None:
             for s in keep[:-self.max_to_keep]:
@@ -721,7 +1016,7 @@ class CheckpointManager:
 
     # -- restore --------------------------------------------------------------------
     def restore(self, opt, like: Any, step: int | None = None, *,
-                verify: bool = True) -> TrainState:
+                verify: bool = True, fallback: bool = False) -> TrainState:
         """The state saved at ``step`` (default: the latest complete step), laid out by
         ``opt`` (its mesh, data and model degrees, stage, ``param_dtype``, loss scale).
         Collective: every process calls it.
@@ -733,11 +1028,20 @@ class CheckpointManager:
         wins over the saved one (a dynamic one continues from the saved scale).
         ``verify``: check every file's checksum first (reads the step once more;
         raises :class:`CheckpointError` naming the damaged file, and the previous step
-        still restores)."""
+        still restores).
+
+        Without ``step``, a damaged newest step is never skipped silently: when the
+        newest step zerojax wrote is damaged (its marker missing or damaged, or, with
+        ``verify``, a file), this raises :class:`CheckpointError` naming it and the
+        newest step that would restore; ``fallback=True`` restores that one instead,
+        with a warning naming each damaged step skipped."""
         distributed.note_progress()  # a long read is not a stalled process
-        step = self._step(step)
-        if verify:
-            self.verify(step)
+        if step is None:
+            step = self._newest(verify, fallback)
+        else:
+            step = self._step(step)
+            if verify:
+                self.verify(step)
         meta = self.meta(step)
         root = os.path.join(self.directory, str(step))
         params_like, model_specs = opt._split_model_specs(like)
@@ -902,7 +1206,7 @@ def _resolve(directory: str | os.PathLike, step: int | None = None) -> tuple[int
     ``directory``: ``root/state`` is the orbax PyTree item of the arrays; ``meta`` is the
     saved metadata. Reads files only (no collective: any one process may call it)."""
     mgr = CheckpointManager(directory, max_to_keep=None, async_save=False, _reader=True)
-    step = mgr._step(step)
+    step = mgr._newest(verify=False, fallback=False) if step is None else mgr._step(step)
     meta = mgr.meta(step)
     return step, os.path.join(mgr.directory, str(step)), meta
 

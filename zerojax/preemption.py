@@ -47,13 +47,15 @@ multi-process run it never ends the process: the notice waits for the first call
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import signal
 import sys
 import threading
 from typing import Any
 
-__all__ = ["install", "uninstall", "reached_preemption", "received", "preempted_at"]
+__all__ = ["install", "uninstall", "reached_preemption", "received", "preempted_at",
+           "held_signals"]
 
 # The key JAX's preemption sync manager (XLA's tsl/distributed_runtime/preemption)
 # watches in the coordination service's key-value store; its value is the death time.
@@ -66,6 +68,7 @@ _state: dict[str, Any] = {
     "published": False,   # this process posted the notice to the coordination service
     "calls": 0,           # reached_preemption calls so far (the sync manager's counter)
     "stopped": None,      # the step at which reached_preemption first returned True
+    "exiting": False,     # _on_sigterm raised SystemExit: a second SIGTERM does not
 }
 
 
@@ -87,7 +90,7 @@ def uninstall() -> None:
         previous = _state["previous"]
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     _state.update(installed=False, previous=None, received=False, published=False, calls=0,
-                  stopped=None)
+                  stopped=None, exiting=False)
 
 
 def received() -> bool:
@@ -108,11 +111,58 @@ def _on_sigterm(signum, frame) -> None:
         return
     if previous == signal.SIG_IGN or _state["calls"] or _distributed():
         return  # the loop asks (or will: several processes) at its next step
+    if _state["exiting"]:  # a second SIGTERM (timeout, systemd): the first one's exit
+        print("zerojax.preemption: SIGTERM again: already exiting, pending checkpoint "
+              "saves finish first.", file=sys.stderr, flush=True)
+        return  # runs the exit hooks; raising again would interrupt them
     # Nobody asks yet, one process: end as SIGTERM did before, but through SystemExit so
     # exit hooks run (a CheckpointManager's pending writes finish).
+    _state["exiting"] = True
     print("zerojax.preemption: SIGTERM before the first reached_preemption() call: "
           "exiting (status 143).", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
+
+
+_HELD = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def held_signals(note=None, redeliver: bool = True):
+    """SIGTERM and SIGINT arriving inside the block are held, not acted on; on leaving
+    it the handlers are put back and each held signal is delivered again (once), so
+    what it does (``SystemExit``, ``KeyboardInterrupt``, the preemption flag) happens
+    after the block. ``note(signame)``, if given, is called for each one held (to say
+    why the process does not stop yet); ``redeliver=False``: they are dropped (the
+    process is exiting already). Where signals cannot be handled (a thread other
+    than the main one, or a handler not set from Python, e.g. JAX's C++ SIGTERM handler)
+    the block runs unprotected. :class:`zerojax.CheckpointManager` holds them while a
+    save starts and while pending saves are finished at exit: a signal there would
+    leave a half-started or half-written step behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def hold(signum, frame):
+        if signum not in got:
+            got.append(signum)
+        if note is not None:
+            note(signal.Signals(signum).name)
+
+    before = {}
+    try:
+        for sig in _HELD:
+            h = signal.getsignal(sig)
+            if h is not None:  # None: not set from Python; cannot be put back
+                before[sig] = h
+                signal.signal(sig, hold)
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+        for sig in got if redeliver else ():
+            if sig in before:
+                signal.raise_signal(sig)
 
 
 def _distributed() -> bool:
