@@ -195,7 +195,7 @@ def test_plan_answers_the_question_in_one_command(capsys):
     assert "recommendation: " in out and "not counted:" in out
     code, out, _ = _exit_code(["plan", "--devices", "8", "--memory", "80GB", "--model",
                                "llama-7b", "--gpus-per-node", "8"], capsys)
-    assert code == 0 and "Psi = 6.58B" in out and re.search(r"stage 3 .* yes", out), out
+    assert code == 0 and "Psi = 6.74B" in out and re.search(r"stage 3 .* yes", out), out
 
 
 def test_train_small_run_all_stages_agree(tmp_path, capsys):

@@ -695,8 +695,12 @@ def test_plan_model_refuses_splits_that_cannot_be_made(capsys):
     from zerojax.cli import main
 
     kw = dict(devices=8, budget_bytes=int(80e9), seq=2048, batch=8)
-    with pytest.raises(ValueError, match="llama-7b: heads 32 is not divisible by mp 3"):
+    with pytest.raises(ValueError, match="llama2-7b: heads 32 is not divisible by mp 3"):
         plan_model("llama-7b", mp=3, **kw)
+    # Llama-2-70B's 8 key-value heads (GQA) split at most 8 ways
+    with pytest.raises(ValueError, match="llama2-70b: key-value heads 8 is not divisible "
+                                         "by mp 16"):
+        plan_model("llama2-70b", mp=16, **kw)
     with pytest.raises(ValueError, match="vocab 50257 is not divisible by mp 2"):
         plan_model(largest=True, mp=2, vocab=50257, **kw)
     with pytest.raises(ValueError, match="devices 8 is not a whole number of nodes of "
@@ -756,3 +760,109 @@ def test_planner_counts_cudnn_flash_attention_where_train_runs_it():
     flash, explicit = plan_model(shape, **kw), plan_model(shape, attention="xla", **kw)
     assert all(f.activations < e.activations for f, e in zip(flash.rows, explicit.rows))
     assert "cuDNN flash attention" in str(flash) and "s x s scores materialised" in str(explicit)
+
+
+# --- presets from real configurations --------------------------------------------------------
+
+# Psi of the released checkpoints (Hugging Face's LlamaForCausalLM, every tensor counted)
+LLAMA_PARAMS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320,
+                "llama2-70b": 68_976_648_192, "llama3-8b": 8_030_261_248,
+                "llama3-70b": 70_553_706_496}
+
+
+def test_presets_count_the_real_models_parameters_exactly():
+    """The Llama presets are the real shapes (GQA, SwiGLU widths, vocab, untied head,
+    rotary positions, RMSNorm, no biases): Psi equal to the released checkpoints', leaf
+    for leaf the sizes of the planned params tree, the same at every --seq (the GPT-2
+    shape the old llama-7b was counted 6.58B and grew with seq); GPT presets stay
+    GPT-shaped with their context's fixed position table; the old names are aliases."""
+    from zerojax.analysis.plan import ALIASES, PRESETS, ModelShape, plan_model
+    from zerojax.analysis.report import DecoderConfig, gpt_param_specs_of
+
+    for name, psi in LLAMA_PARAMS.items():
+        shape = PRESETS[name]
+        assert shape.num_params() == psi, name
+        for seq in (512, 2048, 8192):
+            assert shape.num_params(seq) == psi, (name, seq)
+            config = shape.config(seq)
+            assert isinstance(config, DecoderConfig) and config.positions == 0
+            leaves = jax.tree.leaves(gpt_param_shapes(config))
+            assert sum(math.prod(x.shape) for x in leaves) == psi, (name, seq)
+            specs = gpt_param_specs_of(config)
+            is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+            assert (jax.tree.structure(specs, is_leaf=is_spec)
+                    == jax.tree.structure(gpt_param_shapes(config)))
+    l70 = PRESETS["llama2-70b"]
+    assert (l70.layers, l70.hidden, l70.heads, l70.kv_heads, l70.mlp_hidden, l70.vocab) == (
+        80, 8192, 64, 8, 28672, 32000)
+    assert not (l70.tied or l70.bias or l70.positions) and l70.gated and l70.norm == "rmsnorm"
+    block = gpt_param_shapes(l70.config(4096))["blocks"]
+    assert block["key"]["kernel"].shape == (80, 8192, 1024)  # 8 heads of 128
+    assert block["mlp_gate"]["kernel"].shape == (80, 8192, 28672) and "bias" not in block["ln_1"]
+    kw = dict(devices=8, budget_bytes=int(80e9), batch=1)
+    assert (plan_model("llama3-8b", seq=1024, **kw).num_params
+            == plan_model("llama3-8b", seq=8192, **kw).num_params == LLAMA_PARAMS["llama3-8b"])
+    for name in ("gpt2-1.5b", "gpt3-175b"):  # learned positions, a fixed table
+        shape = PRESETS[name]
+        assert shape.gpt_shaped and shape.num_params(512) == shape.num_params(8192)
+    assert PRESETS["gpt3-175b"].num_params() == 174_604_836_864
+    # a shape given without positions is the reference GPT: its table is seq rows
+    gpt = ModelShape(4, 128, 4, 256)
+    assert gpt.num_params(256) - gpt.num_params(128) == 128 * 128
+    with pytest.raises(ValueError, match="give seq, or fix positions"):
+        gpt.num_params()
+    for old, new in ALIASES.items():
+        assert PRESETS[old] is PRESETS[new]
+    with pytest.raises(ValueError, match="kv_heads 3 must divide heads 32"):
+        ModelShape.llama(32, 4096, 32, kv_heads=3, mlp_hidden=11008, vocab=32000)
+
+
+def test_plan_cli_takes_the_llama_presets(capsys):
+    """zerojax plan --model llama2-7b / llama3-8b: the real shape and its exact Psi in
+    the table; the old name llama-7b plans the same model and says so."""
+    from zerojax.cli import main
+
+    argv = ["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048", "--batch", "8"]
+    assert main([*argv, "--model", "llama2-7b"]) == 0
+    out = capsys.readouterr().out
+    assert "Psi = 6.74B (6,738,415,616)" in out and "SwiGLU MLP 11008" in out
+    assert "recommendation: stage" in out
+    assert main([*argv, "--model", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "(8,030,261,248)" in out and "32 heads (8 key-value)" in out
+    assert main([*argv, "--model", "llama-7b"]) == 0
+    old = capsys.readouterr().out
+    assert "(6,738,415,616)" in old and "llama-7b is llama2-7b" in old
+
+
+def test_llama_shape_changes_the_prediction_where_its_shape_does():
+    """The memory model on a Llama shape: the states are the real params' (an untied
+    head and SwiGLU's three matrices: more than the GPT-shaped count of the same width),
+    GQA's narrower k and v hold less, a gated MLP more, and a DecoderConfig with every
+    default predicts exactly what the reference GPTConfig does."""
+    from zerojax.analysis.plan import PRESETS, ModelShape
+    from zerojax.analysis.report import DecoderConfig
+
+    tx = optax.adamw(1e-3)
+    llama = PRESETS["llama2-7b"].config(2048, jnp.bfloat16)
+    gpt = ModelShape(32, 4096, 32, 32000).config(2048, jnp.bfloat16)
+    kw = dict(tx=tx, param_dtype=jnp.bfloat16, platform="gpu")
+    a, b = gpt_step_prediction(llama, 8, 3, 64, **kw), gpt_step_prediction(gpt, 8, 3, 64, **kw)
+    assert a.states > b.states
+    small = GPTConfig(vocab=256, seq=64, layers=2, hidden=64, heads=4)
+    same = DecoderConfig(vocab=256, seq=64, layers=2, hidden=64, heads=4)
+    for stage in range(4):
+        assert (gpt_step_prediction(same, N, stage, 16, tx=tx)
+                == gpt_step_prediction(small, N, stage, 16, tx=tx))
+    import dataclasses
+
+    from zerojax.analysis.report import gpt_activation_bytes
+
+    for policy in (None, "none"):
+        base = gpt_activation_bytes(dataclasses.replace(same, mlp_hidden=256), 4,
+                                    remat_policy=policy)
+        gqa = gpt_activation_bytes(dataclasses.replace(same, kv_heads=1, mlp_hidden=256), 4,
+                                   remat_policy=policy)
+        gated = gpt_activation_bytes(dataclasses.replace(same, gated=True, mlp_hidden=256), 4,
+                                     remat_policy=policy)
+        assert gqa < base < gated, (policy, gqa, base, gated)

@@ -433,11 +433,22 @@ def _paper_round(gb: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """A GPT-style transformer's shape, planned as zerojax's reference
-    :class:`~zerojax.models.gpt.GPT` (learned positions, tied embedding, MLP of
-    ``mlp_ratio * hidden``, scanned and rematerialised blocks). A preset of another
-    family (LLaMA's SwiGLU, untied head) is its closest shape in that layout; its Psi
-    is printed."""
+    """A decoder's shape, planned with zerojax's memory model. With the defaults it is
+    the reference :class:`~zerojax.models.gpt.GPT` (learned positions, one per token
+    of ``seq``, tied embedding, GELU MLP of ``mlp_ratio * hidden``, LayerNorms and
+    biases, scanned and rematerialised blocks). The other fields describe other
+    families (:meth:`llama`; the presets' Llama-2 and Llama-3 shapes):
+
+    * ``kv_heads``: grouped-query attention's key-value heads (None: ``heads``);
+    * ``mlp_hidden``: the MLP's intermediate width (None: ``mlp_ratio * hidden``);
+    * ``gated``: a gated MLP (SwiGLU: gate, up and down, three matrices);
+    * ``tied``: logits through the token embedding (False: an untied head);
+    * ``positions``: rows of a learned position table (None: ``seq``, the reference
+      GPT's; 0: none, rotary positions). A fixed count makes the parameter count
+      independent of ``seq``;
+    * ``norm``: ``"layernorm"`` or ``"rmsnorm"`` (a scale, no bias);
+    * ``bias``: biases on the attention and MLP projections.
+    """
 
     layers: int
     hidden: int
@@ -445,45 +456,141 @@ class ModelShape:
     vocab: int = 50304
     mlp_ratio: int = 4
     name: str = ""
+    kv_heads: int | None = None
+    mlp_hidden: int | None = None
+    gated: bool = False
+    tied: bool = True
+    positions: int | None = None
+    norm: str = "layernorm"
+    bias: bool = True
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "vocab", "mlp_ratio"):
             _count(f, getattr(self, f), minimum=1)
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
+        if self.kv_heads is not None:
+            _count("kv_heads", self.kv_heads, minimum=1, hint="key-value heads (GQA)")
+            if self.heads % self.kv_heads:
+                raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads} "
+                                 "(each key-value head serves heads / kv_heads query heads)")
+        if self.mlp_hidden is not None:
+            _count("mlp_hidden", self.mlp_hidden, minimum=1, hint="the MLP's width")
+        if self.positions is not None:
+            _count("positions", self.positions, minimum=0,
+                   hint="rows of the learned position table, 0 for rotary positions")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm {self.norm!r} is not 'layernorm' or 'rmsnorm'")
+
+    @classmethod
+    def llama(cls, layers: int, hidden: int, heads: int, *, kv_heads: int,
+              mlp_hidden: int, vocab: int, name: str = "") -> ModelShape:
+        """A Llama-family shape (Hugging Face's ``LlamaConfig``: ``num_hidden_layers``,
+        ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+        ``intermediate_size``, ``vocab_size``): SwiGLU MLP, untied head, rotary
+        positions (no table), RMSNorm, no biases."""
+        return cls(layers, hidden, heads, vocab, name=name, kv_heads=kv_heads,
+                   mlp_hidden=mlp_hidden, gated=True, tied=False, positions=0,
+                   norm="rmsnorm", bias=False)
+
+    @property
+    def gpt_shaped(self) -> bool:
+        """The reference GPT's layout (positions aside)."""
+        return (self.kv_heads in (None, self.heads) and self.mlp_hidden in (
+            None, self.mlp_ratio * self.hidden) and not self.gated and self.tied
+            and self.norm == "layernorm" and self.bias)
 
     def config(self, seq: int, dtype: Any = None, attention: str = "xla"):
+        """The config the memory model reads at sequence length ``seq``: the reference
+        ``GPTConfig`` for a GPT shape whose positions are ``seq`` (or not fixed), else a
+        :class:`~zerojax.analysis.report.DecoderConfig` with the shape's own fields."""
         import jax.numpy as jnp
 
-        from zerojax.models.gpt import GPTConfig
+        dtype = jnp.float32 if dtype is None else dtype
+        if self.gpt_shaped and self.positions in (None, seq):
+            from zerojax.models.gpt import GPTConfig
 
-        return GPTConfig(vocab=self.vocab, seq=seq, layers=self.layers, hidden=self.hidden,
-                         heads=self.heads, mlp_ratio=self.mlp_ratio,
-                         dtype=jnp.float32 if dtype is None else dtype, attention=attention)
+            return GPTConfig(vocab=self.vocab, seq=seq, layers=self.layers,
+                             hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
+                             dtype=dtype, attention=attention)
+        from zerojax.analysis.report import DecoderConfig
 
-    def num_params(self, seq: int) -> int:
-        h, f = self.hidden, self.mlp_ratio * self.hidden
-        return (self.vocab * h + seq * h + 2 * h
-                + self.layers * (4 * h * h + 2 * f * h + 9 * h + f))
+        return DecoderConfig(vocab=self.vocab, seq=seq, layers=self.layers,
+                             hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
+                             dtype=dtype, attention=attention, kv_heads=self.kv_heads,
+                             mlp_hidden=self.mlp_hidden, gated=self.gated, tied=self.tied,
+                             positions=self.positions, norm=self.norm, bias=self.bias)
+
+    def num_params(self, seq: int | None = None) -> int:
+        """Psi: every parameter, exactly. ``seq`` is the position table's rows when
+        ``positions`` is None (the reference GPT's); with fixed ``positions`` (every
+        preset) it is not needed and does not change the count."""
+        positions = self.positions if self.positions is not None else seq
+        if positions is None:
+            raise ValueError(f"{self.name or 'this shape'} learns one position per token "
+                             "of the sequence (positions=None): give seq, or fix positions")
+        h = self.hidden
+        f = self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * h
+        if self.gpt_shaped:
+            return (self.vocab * h + positions * h + 2 * h
+                    + self.layers * (4 * h * h + 2 * f * h + 9 * h + f))
+        kv = (self.kv_heads or self.heads) * (h // self.heads)  # the k and v widths
+        nb = int(self.bias)
+        norm = h if self.norm == "rmsnorm" else 2 * h
+        attn = h * (h + 2 * kv) + nb * (h + 2 * kv) + h * h + nb * h
+        mlp = (3 if self.gated else 2) * h * f + nb * ((2 if self.gated else 1) * f + h)
+        return (self.vocab * h * (1 if self.tied else 2) + positions * h + norm
+                + self.layers * (attn + mlp + 2 * norm))
 
     def __str__(self) -> str:
-        return ((f"{self.name}: " if self.name else "")
-                + f"{self.layers} layers x hidden {self.hidden}, {self.heads} heads, "
-                  f"vocab {self.vocab}")
+        out = ((f"{self.name}: " if self.name else "")
+               + f"{self.layers} layers x hidden {self.hidden}, {self.heads} heads")
+        if self.kv_heads not in (None, self.heads):
+            out += f" ({self.kv_heads} key-value)"
+        if not self.gpt_shaped or self.mlp_hidden is not None:
+            f = self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.hidden
+            out += f", {'SwiGLU' if self.gated else 'GELU'} MLP {f}"
+        out += f", vocab {self.vocab}"
+        if not self.tied:
+            out += ", untied head"
+        if self.positions == 0:
+            out += ", rotary positions"
+        elif self.positions is not None:
+            out += f", {self.positions} learned positions"
+        if self.norm == "rmsnorm":
+            out += ", RMSNorm"
+        if not self.bias:
+            out += ", no biases"
+        return out
 
 
+# Llama-2 (Touvron et al. 2023) and Llama-3 (Meta, 2024) from their Hugging Face
+# config.json files (num_hidden_layers, hidden_size, num_attention_heads,
+# num_key_value_heads, intermediate_size, vocab_size); GPT-2 and GPT-3 as the reference
+# GPT with their context lengths' learned positions (1024, 2048)
 PRESETS = {
-    "gpt2-124m": ModelShape(12, 768, 12, 50304, name="gpt2-124m"),
-    "gpt2-350m": ModelShape(24, 1024, 16, 50304, name="gpt2-350m"),
-    "gpt2-1.5b": ModelShape(48, 1600, 25, 50304, name="gpt2-1.5b"),
-    "gpt3-2.7b": ModelShape(32, 2560, 32, 50304, name="gpt3-2.7b"),
-    "gpt3-6.7b": ModelShape(32, 4096, 32, 50304, name="gpt3-6.7b"),
-    "gpt3-13b": ModelShape(40, 5120, 40, 50304, name="gpt3-13b"),
-    "gpt3-175b": ModelShape(96, 12288, 96, 50304, name="gpt3-175b"),
-    "llama-7b": ModelShape(32, 4096, 32, 32000, name="llama-7b"),
-    "llama-13b": ModelShape(40, 5120, 40, 32000, name="llama-13b"),
-    "llama-70b": ModelShape(80, 8192, 64, 32000, name="llama-70b"),
+    "gpt2-124m": ModelShape(12, 768, 12, 50304, name="gpt2-124m", positions=1024),
+    "gpt2-350m": ModelShape(24, 1024, 16, 50304, name="gpt2-350m", positions=1024),
+    "gpt2-1.5b": ModelShape(48, 1600, 25, 50304, name="gpt2-1.5b", positions=1024),
+    "gpt3-2.7b": ModelShape(32, 2560, 32, 50304, name="gpt3-2.7b", positions=2048),
+    "gpt3-6.7b": ModelShape(32, 4096, 32, 50304, name="gpt3-6.7b", positions=2048),
+    "gpt3-13b": ModelShape(40, 5120, 40, 50304, name="gpt3-13b", positions=2048),
+    "gpt3-175b": ModelShape(96, 12288, 96, 50304, name="gpt3-175b", positions=2048),
+    "llama2-7b": ModelShape.llama(32, 4096, 32, kv_heads=32, mlp_hidden=11008, vocab=32000,
+                                  name="llama2-7b"),
+    "llama2-13b": ModelShape.llama(40, 5120, 40, kv_heads=40, mlp_hidden=13824,
+                                   vocab=32000, name="llama2-13b"),
+    "llama2-70b": ModelShape.llama(80, 8192, 64, kv_heads=8, mlp_hidden=28672, vocab=32000,
+                                   name="llama2-70b"),
+    "llama3-8b": ModelShape.llama(32, 4096, 32, kv_heads=8, mlp_hidden=14336, vocab=128256,
+                                  name="llama3-8b"),
+    "llama3-70b": ModelShape.llama(80, 8192, 64, kv_heads=8, mlp_hidden=28672,
+                                   vocab=128256, name="llama3-70b"),
 }
+# the old names, GPT-2 shapes until the real ones above (6.58B for Llama-2-7B's 6.74B)
+ALIASES = {"llama-7b": "llama2-7b", "llama-13b": "llama2-13b", "llama-70b": "llama2-70b"}
+PRESETS.update({old: PRESETS[new] for old, new in ALIASES.items()})
+
 
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "momentum", "lion", "adafactor")
 
@@ -573,6 +680,7 @@ class ModelPlan:
     mp: int = 1  # the model axis beside the data-parallel devices
     attention: str = "auto"  # GPTConfig.attention planned
     options: dict = dataclasses.field(default_factory=dict)  # zero() options of every row
+    note: str = ""  # a preset asked for by its old name
 
     def row(self, label: str) -> PlanRow:
         for r in self.rows:
@@ -667,10 +775,14 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                 f"devices {devices} is not a whole number of nodes of devices_per_node "
                 f"{devices_per_node}; give a multiple of {devices_per_node} (or the devices "
                 "of one node)")
+    note = ""
     if isinstance(model, str):
         if model not in PRESETS:
             raise ValueError(f"model {model!r} is not a preset; use one of "
                              f"{', '.join(PRESETS)} or give layers/hidden/heads/vocab")
+        if model in ALIASES:
+            note = (f"{model} is {ALIASES[model]} (Llama-2's real shape; the old name "
+                    "planned a GPT-2 shape of that width)")
         model = PRESETS[model]
     if model is None and not largest:
         raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
@@ -753,7 +865,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
                      pd, rows, best, reason, tuple(found), links=links, mp=mp,
-                     options=dict(options), attention=attention, link_rows=link_rows)
+                     options=dict(options), attention=attention, link_rows=link_rows,
+                     note=note)
 
 
 def _check_model_axis(model: ModelShape, mp: int) -> None:
@@ -762,10 +875,12 @@ def _check_model_axis(model: ModelShape, mp: int) -> None:
     the embedding's vocabulary rows are split over the model axis)."""
     if mp == 1:
         return
+    mlp = model.mlp_hidden if model.mlp_hidden is not None else model.mlp_ratio * model.hidden
     for what, n, fix in (("heads", model.heads, "--heads"),
+                         ("key-value heads", model.kv_heads or model.heads, "kv_heads"),
                          ("hidden", model.hidden, "--hidden"),
                          ("vocab", model.vocab, "--vocab (padded)"),
-                         ("MLP width", model.mlp_ratio * model.hidden, "--hidden")):
+                         ("MLP width", mlp, "--hidden")):
         if n % mp:
             name = model.name or f"{model.layers} x {model.hidden}"
             raise ValueError(
@@ -791,7 +906,8 @@ def format_model_plan(p: ModelPlan) -> str:
             f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
             f"{precision} (fp32 master weights and optimizer state){extra}"]
     if p.shape is not None:
-        head.append(f"model: {p.shape}; Psi = {_human(p.num_params)} ({p.num_params:,})")
+        head.append(f"model: {p.shape}; Psi = {_human(p.num_params)} ({p.num_params:,})"
+                    + (f"\n({p.note})" if p.note else ""))
         from zerojax.analysis.report import flash_attention
 
         flash = flash_attention(p.shape.config(p.seq, p.param_dtype, p.attention))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -328,13 +328,176 @@ def format_comparison(rows: list[Comparison]) -> str:
 # --- the largest model that fits: predicted and compiled ----------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder's shape as the memory model reads it, for shapes the reference
+    ``GPTConfig`` cannot say: the ``GPTConfig`` fields the prediction reads (vocab,
+    seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy) plus
+
+    * ``kv_heads``: grouped-query attention's key-value heads (None: ``heads``);
+    * ``mlp_hidden``: the MLP's intermediate width (None: ``mlp_ratio * hidden``);
+    * ``gated``: a gated MLP (SwiGLU: gate and up projections of ``mlp_hidden``, then
+      down), three matrices in place of two;
+    * ``tied``: logits through the token embedding (False: an ``(hidden, vocab)`` head);
+    * ``positions``: rows of a learned position table (None: ``seq``, as the reference
+      GPT; 0: none, rotary positions);
+    * ``norm``: ``"layernorm"`` (scale and bias) or ``"rmsnorm"`` (scale only);
+    * ``bias``: biases on the attention and MLP projections.
+
+    ``ModelShape.config`` makes one for a preset that is not the reference GPT
+    (Llama-2 / Llama-3: GQA, SwiGLU, untied head, rotary positions, RMSNorm, no
+    biases); with every default it describes the reference GPT."""
+
+    vocab: int = 256
+    seq: int = 128
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    mlp_ratio: int = 4
+    dtype: Any = jnp.float32
+    remat: bool = True
+    scan: bool = True
+    attention: str = "xla"
+    remat_policy: str = "full"
+    kv_heads: int | None = None
+    mlp_hidden: int | None = None
+    gated: bool = False
+    tied: bool = True
+    positions: int | None = None
+    norm: str = "layernorm"
+    bias: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
+            _count(f"DecoderConfig.{name}", getattr(self, name), minimum=1)
+        if self.hidden % self.heads:
+            raise ValueError(f"DecoderConfig.hidden {self.hidden} must be a multiple of "
+                             f"heads {self.heads}")
+        kv = self.heads if self.kv_heads is None else self.kv_heads
+        _count("DecoderConfig.kv_heads", kv, minimum=1)
+        if self.heads % kv:
+            raise ValueError(f"DecoderConfig.kv_heads {kv} must divide heads {self.heads} "
+                             "(each key-value head serves heads / kv_heads query heads)")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"DecoderConfig.norm {self.norm!r} is not 'layernorm' or "
+                             "'rmsnorm'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class _Dims(NamedTuple):
+    """A config's shape (``GPTConfig``, :class:`DecoderConfig`, or any config with
+    those attribute names): the reference GPT's where an attribute is absent."""
+
+    h: int
+    v: int
+    s: int
+    L: int
+    a: int
+    kv: int
+    d: int
+    f: int
+    gated: bool
+    tied: bool
+    positions: int
+    rms: bool
+    bias: bool
+
+    @property
+    def gpt(self) -> bool:
+        """The reference GPT's layout (its tree, specs and calibrated counts)."""
+        return (self.kv == self.a and not self.gated and self.tied
+                and self.positions == self.s and not self.rms and self.bias)
+
+    @property
+    def qkv(self) -> int:
+        """The QKV projection's width: ``h + 2 kv d`` (3 h without GQA)."""
+        return self.h + 2 * self.kv * self.d
+
+    @property
+    def mlp_values(self) -> int:
+        """The MLP's intermediate values per position in units of the GPT's ``f``: a
+        gated MLP holds gate, up and their product where the GPT holds the
+        pre-activation and the GELU (3 f / 2 for 2 f)."""
+        return 3 * self.f // 2 if self.gated else self.f
+
+
+def _dims(config) -> _Dims:
+    """The shape of a ``GPTConfig``, a :class:`DecoderConfig` or a
+    :class:`~zerojax.models.llama.LlamaConfig` (SwiGLU, untied, rotary, RMSNorm, no
+    biases)."""
+    from zerojax.models.llama import LlamaConfig
+
+    h, a = config.hidden, config.heads
+    kv = getattr(config, "kv_heads", None) or a
+    f = getattr(config, "mlp_hidden", None) or getattr(config, "mlp_ratio", 4) * h
+    if isinstance(config, LlamaConfig):
+        return _Dims(h, config.vocab, config.seq, config.layers, a, kv, h // a, f,
+                     gated=True, tied=False, positions=0, rms=True, bias=False)
+    positions = getattr(config, "positions", None)
+    return _Dims(h, config.vocab, config.seq, config.layers, a, kv, h // a, f,
+                 bool(getattr(config, "gated", False)), bool(getattr(config, "tied", True)),
+                 config.seq if positions is None else positions,
+                 getattr(config, "norm", "layernorm") == "rmsnorm",
+                 bool(getattr(config, "bias", True)))
+
+
+def _decoder_tree(config, leaf, *, lin, norm, lead_layer) -> dict:
+    """The params tree of a decoder that is not the reference GPT (GQA's separate
+    query / key / value, a gated MLP's ``mlp_gate``, RMSNorm's scale alone, an untied
+    ``lm_head``, no position table with rotary positions): ``lin(din, dout, lead,
+    kind)`` and ``norm(lead)`` make its leaves, ``leaf(shape)`` the top-level ones."""
+    dm = _dims(config)
+    h, f, d = dm.h, dm.f, dm.d
+
+    def block(*lead):
+        out = {}
+        if dm.kv == dm.a:
+            out["qkv"] = lin(h, dm.qkv, lead, "col")
+        else:
+            out.update(query=lin(h, dm.a * d, lead, "col"), key=lin(h, dm.kv * d, lead, "col"),
+                       value=lin(h, dm.kv * d, lead, "col"))
+        out.update(attn_out=lin(dm.a * d, h, lead, "row"), ln_1=norm(lead), ln_2=norm(lead))
+        if dm.gated:
+            out["mlp_gate"] = lin(h, f, lead, "col")
+        out.update(mlp_in=lin(h, f, lead, "col"), mlp_out=lin(f, h, lead, "row"))
+        return out
+
+    out = {"embed": {"embedding": leaf("embed")}, "ln_f": norm(())}
+    if dm.positions:
+        out["pos_embed"] = leaf("pos_embed")
+    if not dm.tied:
+        out["lm_head"] = {"kernel": leaf("lm_head")}
+    if config.scan:
+        out["blocks"] = block(*lead_layer)
+    else:
+        out.update({f"blocks_{i}": block() for i in range(dm.L)})
+    return out
+
+
 def gpt_param_shapes(config, dtype: Any = jnp.float32) -> dict:
     """The params of a zerojax reference ``GPT(config)`` (``config.scan``: the blocks
     stacked on a leading layer axis) as ``ShapeDtypeStruct``s, without tracing the
-    model (the same tree as ``jax.eval_shape(lambda: gpt_params(GPT(config)))``)."""
-    h, v, s, L, f = (config.hidden, config.vocab, config.seq, config.layers,
-                     config.mlp_ratio * config.hidden)
+    model (the same tree as ``jax.eval_shape(lambda: gpt_params(GPT(config)))``). A
+    :class:`DecoderConfig` of another shape: its own tree (GQA's ``query`` / ``key`` /
+    ``value``, a gated MLP's ``mlp_gate``, RMSNorm's ``scale`` alone, an untied
+    ``lm_head``, a ``pos_embed`` of ``positions`` rows or none), leaf for leaf the sizes
+    of that model."""
+    dm = _dims(config)
+    h, v, s, L, f = dm.h, dm.v, dm.s, dm.L, dm.f
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
+    if not dm.gpt:  # a DecoderConfig's own shape (GQA, SwiGLU, untied, ...)
+        tops = {"embed": (v, h), "pos_embed": (dm.positions, h), "lm_head": (h, v)}
+        return _decoder_tree(
+            config, lambda name: sd(*tops[name]),
+            lin=lambda din, dout, lead, kind: {"kernel": sd(*lead, din, dout),
+                                               **({"bias": sd(*lead, dout)} if dm.bias
+                                                  else {})},
+            norm=lambda lead: {"scale": sd(*lead, h),
+                               **({} if dm.rms else {"bias": sd(*lead, h)})},
+            lead_layer=(L,))
 
     def block(*lead):
         return {"attn_out": {"bias": sd(*lead, h), "kernel": sd(*lead, h, h)},
@@ -391,6 +554,23 @@ def gpt_param_specs_of(config) -> dict:
     col = {"bias": sp("model"), "kernel": sp(None, "model")}
     row = {"bias": sp(None), "kernel": sp("model", None)}
     norm = {"bias": sp(None), "scale": sp(None)}
+    dm = _dims(config)
+    if not dm.gpt:
+        tops = {"embed": P("model", None), "pos_embed": P(None, None),
+                "lm_head": P(None, "model")}
+
+        def lin(din, dout, lead, kind):
+            pre = (None,) * len(lead)
+            k = P(*pre, None, "model") if kind == "col" else P(*pre, "model", None)
+            b = P(*pre, "model") if kind == "col" else P(*pre, None)
+            return {"kernel": k, **({"bias": b} if dm.bias else {})}
+
+        def norm_spec(lead):
+            pre = (None,) * len(lead)
+            return {"scale": P(*pre, None), **({} if dm.rms else {"bias": P(*pre, None)})}
+
+        return _decoder_tree(config, lambda name: tops[name], lin=lin, norm=norm_spec,
+                             lead_layer=(None,))
 
     def block():
         return {"attn_out": dict(row), "ln_1": dict(norm), "ln_2": dict(norm),
@@ -421,8 +601,10 @@ def flash_attention(config, platform: str = "gpu") -> bool:
 # the remat policies whose saved tensors the model counts, and what each keeps per layer
 # beyond the layer input (in units of b s values, split over the model axis): the QKV
 # projection (3 h) and the MLP's first projection (f); see zerojax.activations
-_SAVED = {"dots": lambda h, f: 3 * h + f, "projections": lambda h, f: 3 * h + f,
-          "qkv_proj": lambda h, f: 3 * h}
+# (a gated MLP saves its gate and up projections, 2 f; GQA's QKV is h + 2 kv d wide)
+_SAVED = {"dots": lambda dm: dm.qkv + dm.f * (1 + dm.gated),
+          "projections": lambda dm: dm.qkv + dm.f * (1 + dm.gated),
+          "qkv_proj": lambda dm: dm.qkv}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,12 +663,15 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
     gradients and weights live at each phase (:func:`gpt_step_prediction`):
     ``benchmarks/memory_model.py``."""
     h, v, s, L, a = config.hidden, config.vocab, config.seq, config.layers, config.heads
-    f = config.mlp_ratio * h
+    dm = _dims(config)
+    f = dm.mlp_values
     mp = _count("mp", mp, minimum=1)
     b = _count("batch", batch, minimum=0)
     inner = value_bytes if internal_bytes is None else internal_bytes
     split = lambda n: math.ceil(n / mp)  # noqa: E731
     hbs = h * b * s
+    # GQA's narrower k and v beside the recomputed layer's MLP (0 without GQA)
+    narrow = split((dm.qkv - 3 * h) * b * s) * inner
     if flash_attention(config, platform):
         # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
         probs = scores = split(a * s * b) * 4
@@ -495,7 +680,7 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         sq = split(a * s * s * b)
         probs, scores, mask = 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq
     mlp_values = 4 if inner >= 4 else 7
-    mlp = probs + (split(mlp_values * f * b * s) + 9 * hbs + split(4 * hbs)) * inner
+    mlp = probs + (split(mlp_values * f * b * s) + 9 * hbs + split(4 * hbs)) * inner + narrow
     attention = scores + (3 * hbs + split(6 * hbs)) * inner
     logits = split(3 * b * s * v) * softmax_bytes + 4 * hbs * inner
     forward = scores + mask + 4 * hbs * inner if config.scan else 0
@@ -508,7 +693,7 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         ckpt = hbs
     # XLA:CPU up to jax 0.10 converts a scanned stack's 16-bit checkpoints to float32
     ckpt_bytes = inner if config.scan and inner > value_bytes else value_bytes
-    saved = split(_SAVED[policy](h, f) * b * s) if policy in _SAVED else 0
+    saved = split(_SAVED[policy](dm) * b * s) if policy in _SAVED else 0
     return GPTPhases(checkpoints=L * ckpt * ckpt_bytes + (L - 1) * saved * value_bytes,
                      bottom=ckpt * ckpt_bytes, mlp=mlp, attention=attention, logits=logits,
                      forward=forward)
@@ -550,12 +735,15 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
         return gpt_phases(config, batch, mp=mp, remat_policy=policy, value_bytes=value_bytes,
                           internal_bytes=internal_bytes, softmax_bytes=softmax_bytes,
                           platform=platform).largest()
-    f = config.mlp_ratio * h
+    dm = _dims(config)
+    f = dm.mlp_values
     mp = _count("mp", mp, minimum=1)
     b = _count("batch", batch, minimum=0)
     inner = value_bytes if internal_bytes is None else internal_bytes
     hbs = h * b * s
     layer = (4 * hbs + math.ceil(8 * hbs / mp)) * inner
+    if not dm.gpt:  # the 8 h b s hold the GPT's 3 h of QKV and 4 h of MLP
+        layer += math.ceil((dm.qkv - 3 * h + f - 4 * h) * b * s / mp) * inner
     if flash_attention(config, platform):
         layer += math.ceil(a * s * b / mp) * 4
     else:
@@ -574,7 +762,8 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
         soft = math.ceil(a * s * b / mp) * 4
     else:
         soft = math.ceil(a * s * s * b / mp) * (softmax_bytes + value_bytes)
-    saved = (soft + math.ceil((6 * f + 4 * h) * b * s / mp) * inner + hbs * inner
+    saved = (soft + math.ceil((6 * f + 4 * h + dm.qkv - 3 * h) * b * s / mp) * inner
+             + hbs * inner
              + 6 * hbs * max(inner, 4))
     return L * saved + layer + logits
 
@@ -639,13 +828,22 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
             "replica_axis='replica' (HSDP) or hpz=True with it; plain ZeRO over replica x "
             f"data devices is dp = {replicas} x D")
     h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
-    f = config.mlp_ratio * h
+    dm = _dims(config)
+    f = dm.f
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
     split = lambda n: -(-n // mp)  # noqa: E731  (a leaf split over the model axis)
     # per device: QKV and MLP-in column-parallel, attention-out and MLP-out row-parallel
     layer = (split(3 * h * h + 3 * h) + split(h * h) + h + split(h * f + f) + split(f * h)
              + h + 4 * h)
     psi = split(v * h) + s * h + L * layer + 2 * h
+    if not dm.gpt:  # GQA's k and v, a gated MLP, RMSNorm, no biases, an untied head
+        nb = int(dm.bias)
+        qkv = (split(h * dm.qkv + nb * dm.qkv) if dm.kv == dm.a else
+               split(h * h + nb * h) + 2 * split(h * dm.kv * dm.d + nb * dm.kv * dm.d))
+        layer = (qkv + split(h * h) + nb * h + (1 + dm.gated) * split(h * f + nb * f)
+                 + split(f * h) + nb * h + 2 * h * (1 if dm.rms else 2))
+        psi = (split(v * h) * (1 if dm.tied else 2) + dm.positions * h + L * layer
+               + h * (1 if dm.rms else 2))
     b = global_batch // (dp * replicas)
     e = gpt_state_estimate(config, dp, stage, tx=tx, param_dtype=param_dtype, mp=mp,
                            replicas=replicas, **options)
