@@ -308,6 +308,15 @@ def test_param_specs_have_megatron_layout():
     assert shapes["decoder"]["layers"]["self_attention"]["key"]["kernel"].shape == (2, 32, 16)
     jax.tree.map(lambda s, a: len(s) == a.ndim or pytest.fail(f"{s} vs {a.shape}"),
                  specs, shapes)
+    # activation_sharding constrains the residual stream as the GPT's does: after the
+    # embedding and at the scanned layer's input and output (lowered, not compiled)
+    from jax.sharding import NamedSharding
+
+    split = NamedSharding(zerojax.make_mesh(data=8), P("data"))
+    batch = jax.ShapeDtypeStruct((8, TINY["seq"] + 1), jnp.int32, sharding=split)
+    text = jax.jit(lm_loss(Llama(_config(activation_sharding=split)))).lower(
+        shapes, batch).as_text()
+    assert text.count("sharding_constraint") == 3
     params = llama_params(model, 0)  # flax's eager init, the one llama_params does
     assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
         lambda a: (a.shape, a.dtype), shapes)

@@ -33,6 +33,10 @@ vocabulary reads the same (a scanned model; ``scan=False`` writes ``layers_0``,
     decoder/decoder_norm/scale                         (hidden,)        (None,)
     decoder/logits_dense/kernel      (lm_head)         (hidden, vocab)  (None, "model")
 
+The names are MaxText's; the layouts are zerojax's: 2-D ``(in, out)`` kernels (MaxText's
+``DenseGeneral`` keeps ``(hidden, heads, head_dim)``) and the layer axis first (MaxText
+scans along axis 1), so a MaxText checkpoint needs a reshape and a transpose per leaf.
+
 "column" is the Megatron column-parallel spec ``(None, None, "model")`` (the leading
 ``None`` is the stacked layer axis), "row" the row-parallel ``(None, "model", None)``;
 as in :mod:`zerojax.models.gpt`, the layout is *metadata only*
