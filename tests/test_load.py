@@ -397,3 +397,44 @@ def test_two_processes_load_their_shards_in_bounded_memory_equal_to_one(tmp_path
     two = results[0]["digests"] | results[1]["digests"]
     assert len(results[0]["digests"]) == len(results[1]["digests"]) == len(two) // 2
     assert two == one["digests"]
+
+
+def test_zerojax_export_format_hf_writes_a_llama_checkpoint_transformers_layout(tmp_path,
+                                                                                capsys):
+    """``zerojax export CKPT OUT --format hf --mapping llama --hf-config config.json``:
+    the LlamaForCausalLM tensors (as models.llama.hf_from_params makes them whole), in
+    several bf16 files, read back by the sharded loader into the params exactly as
+    bf16 rounds them."""
+    from zerojax.cli.command import main
+    from zerojax.models import llama
+
+    cfg = llama.LlamaConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, kv_heads=2,
+                            mlp_hidden=48)
+    shapes = llama.llama_param_shapes(llama.Llama(cfg))  # traced only: no 8 s init compile
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3, min_shard_size=4)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(3, opt.init_state(params))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf("bfloat16")))
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "ckpt"), str(out), "--format", "hf", "--mapping",
+                 "llama", "--hf-config", str(tmp_path / "config.json"), "--dtype", "bfloat16",
+                 "--max-shard-size", "16KB"]) == 0
+    assert "bfloat16 params of step 3" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+    index = json.loads((out / formats.INDEX_NAME).read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    written = {}
+    for f in set(index["weight_map"].values()):
+        written.update(load_file(out / f))
+    want = llama.hf_from_params(params, cfg, dtype=BF16)
+    assert sorted(written) == sorted(want)
+    for name, x in want.items():
+        assert written[name].dtype == BF16
+        np.testing.assert_array_equal(written[name], x)
+    back = llama.load_hf_llama(out, llama.Llama(cfg))
+    _same(back, jax.tree.map(lambda x: np.asarray(x).astype(BF16).astype(np.float32), params))
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"),
+                 "--mapping", "llama"]) == 2
+    assert "--mapping goes with --format hf" in capsys.readouterr().err

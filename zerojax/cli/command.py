@@ -6,6 +6,7 @@
     zerojax train                                      # the demo: char-level GPT, ZeRO
     zerojax bench ...                                  # the side-by-side benchmark
     zerojax export CKPT_DIR OUT.safetensors [--step N] # a checkpoint's params, one file
+    zerojax export CKPT_DIR OUT_DIR --format hf --mapping llama --hf-config config.json
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (with a
 message saying which and why), 1 when the work itself failed.
@@ -329,27 +330,87 @@ def _export(args: argparse.Namespace) -> int:
     if args.step is not None and args.step < 0:
         print(f"zerojax export: --step {args.step} must be >= 0.", file=sys.stderr)
         return 2
-    if os.path.isdir(args.out):
+    if args.format == "safetensors" and os.path.isdir(args.out):
         print(f"zerojax export: OUT {args.out!r} is a directory; name the file to write, "
-              f"e.g. {os.path.join(args.out, 'params.safetensors')}", file=sys.stderr)
+              f"e.g. {os.path.join(args.out, 'params.safetensors')} (or pass --format hf "
+              "to write the Hugging Face sharded layout into a directory)", file=sys.stderr)
+        return 2
+    if args.format == "hf" and os.path.isfile(args.out):
+        print(f"zerojax export: OUT {args.out!r} is a file; --format hf writes a directory "
+              "(the index JSON and its files): name a directory", file=sys.stderr)
         return 2
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         print(f"zerojax export: OUT {args.out!r}: folder {folder} does not exist; create it "
               "or write elsewhere", file=sys.stderr)
         return 2
+    if args.mapping is not None and args.format != "hf":
+        print("zerojax export: --mapping goes with --format hf.", file=sys.stderr)
+        return 2
+    if args.mapping == "llama" and args.hf_config is None:
+        print("zerojax export: --mapping llama needs --hf-config CONFIG.json (the Hugging "
+              "Face config of the model: its shapes, copied beside the weights).",
+              file=sys.stderr)
+        return 2
     try:
         step = CheckpointManager(args.ckpt_dir, max_to_keep=None)._step(args.step)
-        out = export_params(args.ckpt_dir, args.out, step=step)
-    except (FileNotFoundError, ValueError) as e:
+        mapping = _export_mapping(args, step)
+        out = export_params(args.ckpt_dir, args.out, step=step, format=args.format,
+                            mapping=mapping, dtype=args.dtype,
+                            max_shard_size=args.max_shard_size)
+        if args.hf_config is not None and args.format == "hf":
+            import shutil
+
+            shutil.copyfile(args.hf_config, os.path.join(args.out, "config.json"))
+    except (FileNotFoundError, ValueError, TypeError, ImportError, AttributeError) as e:
         print(f"zerojax export: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"zerojax export: could not write {args.out!r}: {e}", file=sys.stderr)
         return 1
+    if args.format == "hf":
+        import json
+
+        with open(out) as f:
+            index = json.load(f)
+        n = len(set(index["weight_map"].values()))
+        print(f"wrote {out} ({n} files, {index['metadata']['total_size'] / 2**20:.1f} MiB, "
+              f"{args.dtype or 'float32'} params of step {step})")
+        return 0
     size = os.path.getsize(out)
-    print(f"wrote {out} ({size / 2**20:.1f} MiB, fp32 params of step {step})")
+    print(f"wrote {out} ({size / 2**20:.1f} MiB, {args.dtype or 'fp32'} params of step {step})")
     return 0
+
+
+def _export_mapping(args: argparse.Namespace, step: int):
+    """The file layout --mapping names: ``llama`` (the Hugging Face LlamaForCausalLM
+    layout of --hf-config; scanned or not as the checkpoint's params are) or
+    ``MODULE:ATTR`` (a list of zerojax.export.FileTensor, or a function of the
+    --hf-config dict, or of nothing, returning one)."""
+    import importlib
+    import json
+
+    if args.mapping is None:
+        return None
+    hf = None
+    if args.hf_config is not None:
+        with open(args.hf_config) as f:
+            hf = json.load(f)
+    if args.mapping == "llama":
+        from zerojax.checkpoint import _resolve
+        from zerojax.formats import _name, _tokens_of_keystr
+        from zerojax.models import llama
+
+        names = [_name(_tokens_of_keystr(k)) for k in _resolve(args.ckpt_dir, step)[2]["params"]]
+        scan = any(n.startswith("decoder.layers.") for n in names)
+        return llama.hf_llama_mapping(llama.LlamaConfig.from_hf(hf, scan=scan))
+    module, _, attr = args.mapping.partition(":")
+    if not attr:
+        raise ValueError(f"--mapping {args.mapping!r}: pass 'llama' or MODULE:ATTR.")
+    value = getattr(importlib.import_module(module), attr)
+    if callable(value):
+        value = value(hf) if hf is not None else value()
+    return value
 
 
 # --- the parser ------------------------------------------------------------------------
@@ -499,17 +560,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     export = command(
-        "export", "write a checkpoint's whole fp32 params to one safetensors file",
+        "export", "write a checkpoint's whole fp32 params to safetensors (one file, or the "
+        "Hugging Face sharded layout)",
         "Write the whole fp32 params of a zerojax checkpoint (the master weights when "
         "saved, else the params; padding removed) to one safetensors file, leaf by leaf: "
         "host memory stays near the largest leaf. Tensor names are the dot-joined key "
         "paths (blocks.0.qkv.kernel; an nnx State's linear.kernel); zerojax.load_params "
-        "reads the file back into a params tree. Reads files only: run it on one machine "
-        "of a multi-process job.")
+        "reads the file back into a params tree. --format hf writes the Hugging Face "
+        "sharded layout (model.safetensors.index.json and model-0000k-of-0000n.safetensors) "
+        "into OUT, with --mapping's tensor names and layouts (llama: LlamaForCausalLM's). "
+        "Reads files only: run it on one machine of a multi-process job.")
     export.add_argument("ckpt_dir", help="the directory given to zerojax.CheckpointManager")
-    export.add_argument("out", help="the .safetensors file to write")
+    export.add_argument("out", help="the .safetensors file to write (--format hf: the "
+                        "directory)")
     export.add_argument("--step", type=int, default=None,
                         help="the step to export (default: the latest complete step)")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: one file; hf: the Hugging Face sharded layout")
+    export.add_argument("--mapping", default=None, metavar="llama|MODULE:ATTR",
+                        help="the file's tensor names and layouts (--format hf): llama "
+                             "(LlamaForCausalLM, needs --hf-config), or MODULE:ATTR naming a "
+                             "list of zerojax.export.FileTensor or a function returning one "
+                             "(default: the params' own names)")
+    export.add_argument("--hf-config", default=None, metavar="CONFIG.json",
+                        help="the Hugging Face config.json of the model (copied into OUT)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="the tensors' dtype in the file (default float32)")
+    export.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
+                        help="largest file of --format hf (default 5GB)")
     export.set_defaults(func=_export)
     return parser
 
