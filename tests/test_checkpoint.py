@@ -5,6 +5,7 @@ safetensors file, clear errors."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import re
@@ -827,3 +828,25 @@ def test_a_removed_marker_is_reported_as_a_damaged_step(tmp_path, small, damage)
     mgr.save(2, b, overwrite=True)  # zerojax's own damaged step may be replaced
     assert mgr.all_steps() == [1, 2] and not mgr.damaged_steps()
     _same(opt, mgr.restore(opt, like=awkward_params()), b)
+
+
+def test_a_save_killed_between_its_renames_is_finished_or_undone_at_open(tmp_path, small):
+    """What `_publish` leaves if the process dies between two renames: a replaced step
+    moved aside (its replacement never moved in) comes back; a rollback whose new step
+    is not in place deletes nothing; one whose new step is in place deletes the newer
+    steps its journal names."""
+    opt, a, b = small
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    for s in (3, 5, 6):
+        mgr.save(s, a)
+    mgr.wait()
+    os.replace(tmp_path / "6", tmp_path / ".zerojax-replaced-6-123")
+    checkpoint._write_json(str(tmp_path / ".zerojax-rollback-5.json"),
+                           {"step": 5, "token": "5:99", "doomed": [6]})
+    assert CheckpointManager(tmp_path, max_to_keep=None).all_steps() == [3, 5, 6]
+    assert not _temporaries(tmp_path)
+    token = json.loads((tmp_path / "3" / checkpoint.MARKER).read_text())["token"]
+    checkpoint._write_json(str(tmp_path / ".zerojax-rollback-3.json"),
+                           {"step": 3, "token": token, "doomed": [5, 6]})
+    assert CheckpointManager(tmp_path, max_to_keep=None).all_steps() == [3]
+    assert not _temporaries(tmp_path)
