@@ -12,18 +12,22 @@ On disk (format 2)::
         meta.json                  saving configuration, params shapes, optimizer state kinds
         extra.process-0.json ...   each process's ``extra``
         state/                     orbax PyTree item (tensorstore OCDBT): each device's shards
-      .zerojax-tmp-13/             a save in progress (renamed to ``13`` when complete)
+      .zerojax-tmp-13/             a save in progress (renamed to ``13`` when complete;
+                                   a failed or killed one's is removed by the next save
+                                   or open, never a live save's)
 
 orbax-checkpoint writes the arrays (every device writes only the shards it holds,
 asynchronously by default); zerojax manages the steps: a step directory appears only
 when everything in it is written and checksummed (a temporary directory renamed into
 place by process 0), only directories holding a zerojax marker count as steps (other
-entries are reported and never listed, pruned or deleted), a step is never overwritten
-or dropped silently (``save`` of an existing step, or of one below the newest, raises
-unless ``overwrite=True``), and ``restore`` verifies each file's checksum first (a
-damaged file is named with its step and the leaves whose chunks in it changed). Steps
-written by zerojax's first format (orbax's own CheckpointManager layout) are still
-listed and restored, without checksums.
+entries are reported and never listed, pruned or deleted; a step whose marker is
+missing or damaged is reported as a damaged step), a step is never overwritten or
+dropped silently (``save`` of an existing step, or of one below the newest, raises
+unless ``overwrite=True``; a name zerojax did not write is refused at ``save``; a step
+is removed only after the step replacing it is complete on disk), and ``restore``
+verifies each file's checksum first (a damaged file is named with its step and the
+leaves whose chunks in it changed). Steps written by zerojax's first format (orbax's
+own CheckpointManager layout) are still listed and restored, without checksums.
 
 What is saved in ``state``: ``step``; ``params`` as stored (stage 3: each leaf's padded
 split, see :mod:`zerojax.partition`); ``master`` (the fp32 master weights, with
@@ -476,11 +480,12 @@ class CheckpointManager:
         bytes are written in the background (``wait()`` blocks until they are on disk);
         False: ``save`` returns when the step is on disk.
 
-    A save is not lost when the script ends right after it (returns or raises): pending
-    writes are finished when the interpreter exits (or it exits non-zero saying the
-    step was not written). ``all_steps``, ``latest_step`` and ``restore`` wait for this
-    manager's pending saves first. As a context manager (``with CheckpointManager(d) as
-    mgr:``) it is closed, waiting, at the block's end.
+    A save is not lost when the script ends right after it (returns, raises, exits,
+    SIGTERM, Ctrl-C): pending writes are finished when the interpreter exits, more
+    SIGTERMs or SIGINTs meanwhile are noted on stderr and not obeyed (or it exits
+    non-zero saying the step was not written). ``all_steps``, ``latest_step`` and
+    ``restore`` wait for this manager's pending saves first. As a context manager
+    (``with CheckpointManager(d) as mgr:``) it is closed, waiting, at the block's end.
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
