@@ -374,6 +374,9 @@ def test_bad_checkpoints_raise(hf_file):
     assert params_from_hf(extra, config, strict=False).keys() == {"token_embedder", "decoder"}
     with pytest.raises(ValueError, match="tie_word_embeddings=True"):
         LlamaConfig.from_hf({**config.to_hf(), "tie_word_embeddings": True})
+    with pytest.raises(ValueError, match="lacks intermediate_size"):
+        LlamaConfig.from_hf({k: v for k, v in config.to_hf().items()
+                             if k != "intermediate_size"})
     with pytest.raises(ValueError, match="rope_scaling"):
         LlamaConfig.from_hf({**config.to_hf(), "rope_scaling": {"rope_type": "llama3"}})
     with pytest.raises(ValueError, match="leaf decoder/layers/mlp/wi_0/kernel has shape"):

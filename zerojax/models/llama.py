@@ -212,6 +212,12 @@ class LlamaConfig:
                 path = os.path.join(path, "config.json")
             with open(path) as f:
                 hf = json.load(f)
+        needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")
+        lacking = [k for k in needed if k not in hf]
+        if lacking:
+            raise ValueError(f"LlamaConfig.from_hf: the config lacks {', '.join(lacking)}; "
+                             f"pass a LlamaForCausalLM config.json (it has {sorted(hf)})")
         unsupported = []
         if hf.get("tie_word_embeddings", False):
             unsupported.append("tie_word_embeddings=True (Llama's lm_head is untied)")
