@@ -210,7 +210,10 @@ def test_a_save_killed_midway_leaves_the_previous_step_whole(tmp_path):
     ckpt = tmp_path / "ckpt"
     out = _py(_KILLED.format(here=str(HERE)), ckpt, tmp_path / "saved.npy")
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    left = _temporaries(ckpt)
+    assert left == [".zerojax-tmp-2"], left
     mgr = CheckpointManager(ckpt)
+    assert not _temporaries(ckpt)  # its process is gone: removed when a manager opens
     assert mgr.latest_step() == 1, os.listdir(ckpt)
     opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3)
     like = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in range(12)}

@@ -332,6 +332,7 @@ def _recognisable_tmp(path: str) -> bool:
     except OSError:  # not a directory, or gone
         return False
     return all(n in ("state", "meta.json", MARKER, VALUES, _OWNER) or n.endswith(".tmp")
+               or n.startswith("state.orbax-checkpoint-tmp")  # orbax's, killed mid-write
                or re.fullmatch(r"extra\.process-\d+\.json", n) for n in names)
 
 
