@@ -191,6 +191,21 @@ def test_hf_sharded_checkpoint_loads_sharded_equal_to_the_eager_whole_load(hf_di
           got)
 
 
+@pytest.mark.parametrize("options", [dict(stage=3), dict(stage=1),
+                                     dict(stage=3, offload_params=True)])
+def test_loads_into_a_stages_input_shardings_and_init_state_takes_it(hf_dir, options):
+    """``opt.input_shardings(like)``: each leaf read straight into the stage's split;
+    init_state takes it as it is, the same state as from the eager params."""
+    d, tensors = hf_dir
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), min_shard_size=4,
+                       **options)
+    sh = opt.input_shardings(LIKE)
+    got = load_params(d, LIKE, shardings=sh, rename=_rename)
+    _same(got, _eager(tensors), sh)
+    state = opt.init_state(got)
+    _same(opt.full_params(state), opt.full_params(opt.init_state(_eager(tensors))))
+
+
 def test_a_small_buffer_splits_the_reads_and_changes_nothing(hf_dir, monkeypatch):
     d, tensors = hf_dir
     count = _Counting(monkeypatch)
