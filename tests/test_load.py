@@ -344,8 +344,18 @@ def _mapping(params):
 
 
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
-def test_export_writes_the_hf_layout_back_through_the_inverse_ops(hf_dir, tmp_path, dtype):
+def test_export_writes_the_hf_layout_back_through_the_inverse_ops(hf_dir, tmp_path, dtype,
+                                                                  monkeypatch):
+    """Each file tensor reads only its regions of the checkpoint's leaves (one layer of
+    a stacked leaf, not the stack): the whole-leaf restore is never called."""
+    from zerojax import export
+
     d, tensors = hf_dir
+    regions = []
+    real_region = export._CheckpointSource.region
+    monkeypatch.setattr(export._CheckpointSource, "read", None)  # no whole leaf
+    monkeypatch.setattr(export._CheckpointSource, "region", lambda self, leaf, region: (
+        regions.append((leaf.name, region)), real_region(self, leaf, region))[1])
     params = jax.tree.map(np.asarray, load_params(d, LIKE, rename=_rename))
     opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3, min_shard_size=4)
     state = opt.init_state(params)
@@ -354,6 +364,8 @@ def test_export_writes_the_hf_layout_back_through_the_inverse_ops(hf_dir, tmp_pa
     index = export_params(tmp_path / "ckpt", tmp_path / "out", format="hf",
                           mapping=_mapping(params), dtype=dtype, max_shard_size=3000)
     assert index == str(tmp_path / "out" / formats.INDEX_NAME)
+    assert ("layers.up.kernel", ((1, 2), (0, D), (0, F))) in regions  # layer 1's up
+    assert len(regions) == 1 + 4 * L + 1  # embed, q k v up per layer, head
     weight_map = json.loads(open(index).read())["weight_map"]
     assert sorted(weight_map) == sorted(tensors) and len(set(weight_map.values())) >= 3
     written = {}

@@ -16,6 +16,7 @@ name a user of the model expects; a linen box is unboxed the same way).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, NamedTuple
@@ -220,12 +221,12 @@ def _pieces_by_file(mapping: list[FileTensor], leaves: list[_Leaf], dtype, where
     return files, by_file
 
 
-def _file_tensor(info, parts, get_leaf) -> np.ndarray:
+def _file_tensor(info, parts, read) -> np.ndarray:
     """One file tensor made from its pieces: each leaf region, through the inverse ops,
     into its region of the file tensor (cast to the file's dtype)."""
     buf = np.empty(info.shape, info.dtype)
     for p, region, ops in parts:
-        x = get_leaf(p.target)[tuple(slice(a, a + n) for a, n in zip(p.at, p.shape))]
+        x = read(p.target, tuple((a, a + n) for a, n in zip(p.at, p.shape)))
         shapes = [tuple(b - a for a, b in region)]
         for op in ops:
             shapes.append(op.shape(shapes[-1]))
@@ -264,9 +265,12 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
     (default float32; float64 and complex64 leaves keep theirs), e.g.
     ``jnp.bfloat16`` as Hugging Face ships Llama.
 
-    Leaves are read from disk a batch at a time (the largest leaf, or up to 16 MiB of
-    smaller ones) and each file tensor is written as it is made, so the host holds about
-    one leaf and one file tensor, never the model. A step whose params have two leaves
+    Without a mapping, leaves are read from disk a batch at a time (the largest leaf, or
+    up to 16 MiB of smaller ones) and written as they come: the host holds about one
+    leaf. With one, each file tensor reads only its regions of the leaves (tensorstore
+    region reads of orbax's arrays: one layer of a stacked leaf, not the stack; a params
+    tree is sliced where it lives) and is written as it is made: the host holds about
+    one file tensor, never the model. A step whose params have two leaves
     of one name is refused before anything is written, naming both.
 
     Reads files only, no collective: call it from one process (process 0) of a
@@ -303,13 +307,14 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
         order = sorted(files, key=lambda n: min([index[p.target] for p, _, _ in by_file[n]]
                                                + [len(leaves)]))
         entries = [(n, files[n].dtype, files[n].shape) for n in order]
-        cache = _LeafCache(source, leaves)
+        by_name = {x.name: x for x in leaves}
 
         def arrays():
             for n in order:
                 need = {p.target for p, _, _ in by_file[n]}
-                cache.keep(need)
-                yield _file_tensor(files[n], by_file[n], cache.get)
+                source.keep(need)
+                yield _file_tensor(files[n], by_file[n],
+                                   lambda name, region: source.region(by_name[name], region))
                 hostmem.release_freed_memory()
 
         if format == "hf":
@@ -332,6 +337,49 @@ class _CheckpointSource:
         self.where = f"checkpoint step {self.step} in {directory}"
         self.tree = self.handler.metadata(self.state_dir).tree[self.key]
         self.leaves = _leaves(meta, self.tree, self.key, directory, self.step)
+        self.stores: dict = {}  # leaf name -> tensorstore of its array (region reads)
+        self.held: dict = {}  # leaf name -> whole array, where a region read failed
+
+    def _store(self, leaf):
+        """The tensorstore orbax wrote ``leaf`` to (zarr in OCDBT), opened for reading
+        regions; ``None`` where it cannot be opened (the leaf is then restored whole)."""
+        if leaf.name not in self.stores:
+            import tensorstore as ts
+
+            try:
+                with open(os.path.join(self.state_dir, "_METADATA")) as f:
+                    flags = json.load(f)
+                path = ".".join([self.key] + [str(getattr(k, "key", getattr(k, "idx", k)))
+                                              for k in leaf.path])
+                kv = ({"driver": "ocdbt", "base": f"file://{self.state_dir}", "path": path}
+                      if flags.get("use_ocdbt", True) else
+                      {"driver": "file", "path": os.path.join(self.state_dir, path)})
+                store = ts.open({"driver": "zarr3" if flags.get("use_zarr3") else "zarr",
+                                 "kvstore": kv}, open=True, read=True).result()
+                if any(n < m for n, m in zip(store.shape, leaf.shape)) or \
+                        len(store.shape) != len(leaf.shape):
+                    store = None
+            except (OSError, ValueError, json.JSONDecodeError):
+                store = None
+            self.stores[leaf.name] = store
+        return self.stores[leaf.name]
+
+    def keep(self, names):
+        """Only the whole leaves ``names`` need stay held (fallback reads)."""
+        for n in [n for n in self.held if n not in names]:
+            del self.held[n]
+
+    def region(self, leaf, region) -> np.ndarray:
+        """``leaf[region]`` as a numpy array of the leaf's file dtype: read from disk
+        alone (tensorstore), or cut from the whole leaf restored once."""
+        store = self._store(leaf)
+        idx = tuple(slice(a, b) for a, b in region)
+        if store is not None:
+            return np.asarray(store[idx].read().result(), leaf.dtype)
+        if leaf.name not in self.held:
+            for got, x in self.read([leaf]):
+                self.held[got.name] = x
+        return self.held[leaf.name][idx]
 
     def read(self, leaves):
         """(leaf, array) of each of ``leaves``, in order, padding removed."""
@@ -373,23 +421,14 @@ class _TreeSource:
         for leaf in leaves:
             yield leaf, np.asarray(jax.device_get(self.values[at[leaf.name]]), leaf.dtype)
 
-    def close(self):
+    def keep(self, names):
         pass
 
+    def region(self, leaf, region) -> np.ndarray:
+        """``leaf[region]``, sliced where the array lives (only the region comes to the
+        host)."""
+        x = self.values[self.names.index(leaf.name)]
+        return np.asarray(jax.device_get(x[tuple(slice(a, b) for a, b in region)]), leaf.dtype)
 
-class _LeafCache:
-    """The leaves the file tensor being made needs (restored on first use, dropped when
-    no longer needed)."""
-
-    def __init__(self, source, leaves):
-        self.source, self.by_name, self.held = source, {x.name: x for x in leaves}, {}
-
-    def keep(self, names):
-        for n in [n for n in self.held if n not in names]:
-            del self.held[n]
-        missing = [self.by_name[n] for n in names if n not in self.held]
-        for leaf, x in self.source.read(missing):
-            self.held[leaf.name] = x
-
-    def get(self, name):
-        return self.held[name]
+    def close(self):
+        pass
