@@ -376,10 +376,16 @@ def test_export_writes_the_hf_layout_back_through_the_inverse_ops(hf_dir, tmp_pa
         np.testing.assert_array_equal(written[name].astype(np.float32), x.astype(np.float32))
     back = load_params(tmp_path / "out", LIKE, rename=rename_of(_mapping(params)))
     _same(back, params)
-    # the same from the params tree in memory (each leaf fetched once)
+    # the same from the params tree in memory (only the regions come to the host)
     export_params(params, tmp_path / "mem", format="hf", mapping=_mapping(params),
                   dtype=dtype, max_shard_size=3000)
     _same(load_params(tmp_path / "mem", LIKE, rename=_rename), params)
+    if dtype is None:  # no mapping: the params' own names, in the sharded layout
+        export_params(tmp_path / "ckpt", tmp_path / "own", format="hf", max_shard_size=3000)
+        assert len(os.listdir(tmp_path / "own")) >= 3
+        _same(load_params(tmp_path / "own", LIKE), params)
+    with pytest.raises(TypeError, match="opt.full_params"):
+        export_params(state, tmp_path / "x", format="hf")
 
 
 def test_export_refuses_a_mapping_that_leaves_a_leaf_out(hf_dir, tmp_path):

@@ -285,6 +285,12 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
     if format not in ("safetensors", "hf"):
         raise ValueError(f"format={format!r}: pass 'safetensors' (one file) or 'hf' (the "
                          "Hugging Face sharded layout: an index JSON and files).")
+    from zerojax.state import TrainState
+
+    if isinstance(directory, TrainState):
+        raise TypeError("export_params takes a checkpoint directory or a params tree, not a "
+                        "TrainState (its params are padded and split by the stage): pass "
+                        "opt.full_params(state), or save the state and pass the directory.")
     if isinstance(directory, (str, os.PathLike)):
         source = _CheckpointSource(directory, step, verify)
     else:
