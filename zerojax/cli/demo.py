@@ -274,22 +274,25 @@ def make_optimizer(args):
     return optax.adamw(schedule, b2=0.99, weight_decay=0.01)
 
 
-def train_stage(stage: int, args, mesh, model, params, specs, corpus, loss_fn,
+def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
                 mgr=None) -> dict:
     """Train ``args.steps`` steps at ``stage``; the losses, timings and final state.
-    With a CheckpointManager ``mgr``: resume from its latest step, save every
+    The model is born sharded: ``opt.init_sharded(init_fn, key)``, each device making
+    only its own shards (``like``: the params' shapes and Megatron metadata, for a
+    restore). With a CheckpointManager ``mgr``: resume from its latest step, save every
     ``args.save_every`` steps and at the end, and stop at a preemption (SIGTERM) after
     saving that step (``"preempted"``: the step)."""
+    import jax
     from tqdm.auto import tqdm
 
     import zerojax
 
     opt = zerojax.zero(make_optimizer(args), mesh, stage=stage)
-    state = opt.init_state(params, model_specs=specs)
+    state = opt.init_sharded(init_fn, jax.random.key(args.seed))  # model split: from metadata
     step = opt.train_step(loss_fn)
     first = 0
     if mgr is not None and mgr.latest_step() is not None:
-        state = mgr.restore(opt, like=params)  # the model split: remembered by init_state
+        state = mgr.restore(opt, like=like)  # boxed shapes: the model split read from them
         first = int(state.step)
         print(f"resumed from step {first} of {mgr.directory}")
     tokens_per_step = args.batch * args.seq
@@ -401,16 +404,18 @@ def save_plot(path: str, results: list[dict], unigram: float, uniform: float,
 # --- the memory and traffic summary ----------------------------------------------------
 
 
-def measure_stage(stage: int, args, mesh, params, specs, loss_fn, batch, psi: int,
+def measure_stage(stage: int, args, mesh, init_fn, loss_fn, batch, psi: int,
                   opt=None, state=None, step=None) -> dict:
     """Model-state bytes one device holds, the compiled step's peak and its traffic over
     ``data`` (in Psi). Builds a state and compiles the step unless given."""
+    import jax
+
     import zerojax
     from zerojax.analysis import compiled_memory, device_bytes
 
     if opt is None:
         opt = zerojax.zero(make_optimizer(args), mesh, stage=stage)
-        state = opt.init_state(params, model_specs=specs)
+        state = opt.init_sharded(init_fn, jax.random.key(args.seed))
         step = opt.train_step(loss_fn)
     compiled = step.lower(state, batch).compile()
     comm = zerojax.comm_volume(compiled)
@@ -471,9 +476,10 @@ def run(args: argparse.Namespace) -> int:
     """Train, plot, sample and summarise as ``args`` says; the exit status."""
     simulate_devices(args.devices)
     import jax  # XLA reads XLA_FLAGS when jax starts its CPU backend, i.e. here
+    import jax.numpy as jnp
 
     import zerojax
-    from zerojax.models import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
+    from zerojax.models import GPT, GPTConfig, lm_loss
 
     wall = time.perf_counter()
     n, m = args.data, args.model
@@ -494,11 +500,14 @@ def run(args: argparse.Namespace) -> int:
     mesh = zerojax.make_mesh(data=n, model=m, devices=jax.devices()[:n * m])
     model = GPT(GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, attention=args.attention))
-    params = gpt_params(model, args.seed)
-    # The Megatron layout only with a model axis to split over: on model=1 its specs
-    # would only keep ZeRO off the dimensions they name.
-    specs = gpt_param_specs(model, args.seed) if m > 1 else None
-    psi = sum(x.size for x in jax.tree.leaves(params))
+    tokens = jnp.zeros((1, args.seq), jnp.int32)
+
+    def init_fn(key):  # the flax init: params with the Megatron layout as metadata
+        return model.init(key, tokens)["params"]
+
+    # shapes only (nothing allocated): each stage's state is born sharded from init_fn
+    like = jax.eval_shape(init_fn, jax.random.key(args.seed))
+    psi = sum(x.size for x in jax.tree.leaves(like))
     loss_fn = lm_loss(model)
     unigram, uniform = corpus.unigram_entropy(), math.log(len(corpus.chars))
 
@@ -521,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
         mgr = zerojax.CheckpointManager(args.ckpt_dir, max_to_keep=2)
     results = []
     for stage in args.stages:
-        r = train_stage(stage, args, mesh, model, params, specs, corpus, loss_fn, mgr)
+        r = train_stage(stage, args, mesh, init_fn, like, corpus, loss_fn, mgr)
         r["chars"] = corpus.chars
         results.append(r)
         if r["preempted"] is not None:
@@ -570,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         for stage in range(4):
             r = trained.get(stage)
-            rows.append(measure_stage(stage, args, mesh, params, specs, loss_fn, batch, psi,
+            rows.append(measure_stage(stage, args, mesh, init_fn, loss_fn, batch, psi,
                                       *((r["opt"], r["state"], r["step"]) if r else ())))
         print_summary(rows, {s: r["losses"][-1] for s, r in trained.items()}, args, psi)
     if mgr is not None:
