@@ -206,6 +206,33 @@ def test_loads_into_a_stages_input_shardings_and_init_state_takes_it(hf_dir, opt
     _same(opt.full_params(state), opt.full_params(opt.init_state(_eager(tensors))))
 
 
+def test_transforms_apply_before_each_targets_own_ops(hf_dir):
+    """``transforms`` (per file tensor, a dict or a function) run first; each Into's
+    ops after them: the same leaves as ops written in the Into alone."""
+    d, tensors = hf_dir
+
+    def rename(name):  # the same targets, the transposes moved to transforms
+        if name == "model.embed.weight":
+            return "embed.embedding"
+        if name == "lm_head.weight":
+            return "head.kernel"
+        i = int(name.split(".")[2])
+        if ".up." in name:
+            return Into("layers.up.kernel", (expand_dims(0),), at={0: i})
+        return [Into("layers.q.kernel", (take(1, 0, D), expand_dims(0), reshape(1, D, 2, 8)),
+                     at={0: i}),
+                Into("layers.k.kernel", (take(1, D, 2 * D), expand_dims(0)), at={0: i}),
+                Into("layers.v.kernel", (take(1, 2 * D, 3 * D), expand_dims(0)), at={0: i})]
+
+    def transforms(name):
+        return None if name == "model.embed.weight" else [transpose()]
+
+    got = load_params(d, LIKE, shardings=_shardings(), rename=rename, transforms=transforms)
+    _same(got, _eager(tensors), _shardings())
+    as_dict = {n: transforms(n) for n in tensors}
+    _same(load_params(d, LIKE, rename=rename, transforms=as_dict), got)
+
+
 def test_a_small_buffer_splits_the_reads_and_changes_nothing(hf_dir, monkeypatch):
     d, tensors = hf_dir
     count = _Counting(monkeypatch)
