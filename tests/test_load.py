@@ -345,6 +345,17 @@ def test_an_index_naming_a_missing_file_is_named(hf_dir, tmp_path):
         load_params(tmp_path, LIKE, rename=_rename)
 
 
+def test_a_truncated_file_is_named_before_reading(hf_dir, tmp_path):
+    d, _ = hf_dir
+    for f in os.listdir(d):
+        data = (d / f).read_bytes()
+        (tmp_path / f).write_bytes(data[:-100] if f.endswith("00002-of-00003.safetensors")
+                                   else data)
+    with pytest.raises(ValueError, match=r"model-00002-of-00003.safetensors is truncated: "
+                                         r"it holds \d+ bytes, its tensor .* Copy or download"):
+        load_params(tmp_path, LIKE, rename=_rename)
+
+
 def test_a_dtype_that_cannot_be_cast_is_named(tmp_path):
     path = _write(tmp_path / "m.safetensors", {"w": np.ones((4,), np.float32),
                                                "c": np.ones((2,), np.complex64)})

@@ -216,6 +216,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             if not 2 <= n <= _MAX_HEADER:
                 raise ValueError(f"{path} is not a safetensors file (header length {n}).")
             header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist.") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -228,6 +229,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raise ValueError(f"{path}: tensor {name} has dtype {entry.get('dtype')!r}, which "
                              f"zerojax does not read (it reads {', '.join(_ST_DTYPES)}).")
         begin, end = (8 + n + int(o) for o in entry["data_offsets"])
+        if end > size:
+            raise ValueError(f"{path} is truncated: it holds {size} bytes, its tensor {name} "
+                             f"ends at byte {end}. Copy or download the file again.")
         out[name] = TensorInfo(path, _ST_DTYPES[entry["dtype"]], tuple(entry["shape"]),
                                (begin, end))
     return out
@@ -256,10 +260,13 @@ def read_region(fd: int, info: TensorInfo, region: tuple, buffer_bytes: int = 64
         contiguous = all(reg[k] == (0, shape[k]) for k in range(q + 1, len(reg)))
         if span <= buffer_bytes or contiguous:
             raw = np.empty(span, np.uint8)
-            got = os.preadv(fd, [raw], info.offsets[0] + first * item)
-            if got != span:
-                raise ValueError(f"{info.file}: read {got} of {span} bytes at "
-                                 f"{info.offsets[0] + first * item}; the file is truncated.")
+            got, at = 0, info.offsets[0] + first * item
+            while got < span:  # a read returns at most ~2 GiB on Linux
+                n = os.preadv(fd, [memoryview(raw)[got:]], at + got)
+                if n == 0:
+                    raise ValueError(f"{info.file}: read {got} of {span} bytes at {at}; the "
+                                     "file is truncated.")
+                got += n
             dst[...] = np.lib.stride_tricks.as_strided(
                 raw.view(info.dtype), shape=dst.shape, strides=[s * item for s in strides],
                 writeable=False)
