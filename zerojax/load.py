@@ -599,7 +599,8 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
     _check_unique(names, [jax.tree_util.keystr(p) for p, _ in flat], "`like`")
     values = [_unbox(x) if is_box(x) else x for _, x in flat]
     shapes = [tuple(np.shape(v)) for v in values]
-    dtypes = [np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) for v in values]
+    dtypes = [np.dtype(v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
+              for v in values]
     shards = _shardings(shardings, values, flat)
     path = os.fspath(path)
     files = checkpoint_files(path)
@@ -611,7 +612,8 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
             sharding.shard_shape(shape)
         except ValueError as e:  # before anything is read
             raise ValueError(f"params leaf {name} {shape}: its sharding {sharding} does not "
-                             f"fit: {e}") from None
+                             f"fit: {e}. Pass shardings that split dimensions they divide "
+                             "(opt.input_shardings(like) does).") from None
 
     reader = _Reader(buffer_bytes)
     out = list(values)
