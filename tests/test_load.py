@@ -424,6 +424,12 @@ def test_export_writes_the_hf_layout_back_through_the_inverse_ops(hf_dir, tmp_pa
         _same(load_params(tmp_path / "own", LIKE), params)
     with pytest.raises(TypeError, match="opt.full_params"):
         export_params(state, tmp_path / "x", format="hf")
+    if dtype is None:  # straight from the sharded state: no device holds a leaf whole
+        split = opt.full_params(state, "split")
+        assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(split))
+        export_params(split, tmp_path / "split", format="hf", mapping=_mapping(params),
+                      max_shard_size=3000)
+        _same(load_params(tmp_path / "split", LIKE, rename=_rename), params)
 
 
 def test_export_refuses_a_mapping_that_leaves_a_leaf_out(hf_dir, tmp_path):
