@@ -88,12 +88,18 @@ def _gpt():
 
 def _setup_use(ns):
     model, params, loss_fn = _gpt()
-    ns.update(params=params, loss_fn=loss_fn, batches=[_tokens(seed=s) for s in range(2)])
+    ns.update(params=params, loss_fn=loss_fn, batches=[_tokens(seed=s) for s in range(2)],
+              model=model, tokens=jnp.zeros((1, TINY["seq"]), jnp.int32))
 
 
 def _check_use(ns):
     assert int(ns["state"].step) == 2 and np.isfinite(float(ns["metrics"]["loss"]))
     assert jax.tree.structure(ns["full"]) == jax.tree.structure(ns["params"])
+    # born sharded: the params the snippet started from are the eager init's
+    start = ns["opt"].init_sharded(lambda key: ns["model"].init(key, ns["tokens"])["params"],
+                                   jax.random.key(0))
+    for a, b in zip(jax.tree.leaves(ns["opt"].full_params(start)), jax.tree.leaves(ns["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _setup_weighted(ns):
