@@ -1,5 +1,5 @@
 """The program each process runs in tests/test_multiprocess.py (started by
-``python -m zerojax.cli.launch``). Modes:
+``zerojax launch`` / ``python -m zerojax.launch``). Modes:
 
 * ``train OUT CKPT_SAVE CKPT_LOAD``: the CONFIGS (stages 1, 2, 3; 2 and 3 with offload)
   for 10 steps on the awkward model, each process feeding its slice of the global
@@ -7,12 +7,13 @@
   the final full params of each to OUT/stage{name}.npz. The offloaded stage 3 saves its
   state to OUT/offloaded; plain stage 3 saves its final state to CKPT_SAVE (every
   process writes its own shards), and restores CKPT_LOAD (saved by one process) and
-  writes its full params to OUT/restored.npz.
+  writes its full params to OUT/restored.npz. Process 0 prints the per-step row
+  exchange's cost.
 * ``die``: trains stage 3 forever; process 1 kills itself with SIGKILL at step 3.
 * ``fault KIND AT``: trains stage 3 forever; process 1 (``FAULT_RANK``) misbehaves at
-  step AT: ``raise`` (a RuntimeError), ``hang`` (sleeps, a stuck data loader), or
-  ``leave`` (returns with status 0). Process 0 prints each step.
-* ``uneven``: process 0 feeds 16 rows, process 1 feeds 8.
+  step AT (counting from 0), and prints when (``t=`` time.time()): ``raise`` (a
+  RuntimeError), ``hang`` (sleeps, a stuck data loader), ``leave`` (returns with status
+  0), or ``short`` (feeds half its rows: a short last batch). Process 0 prints each step.
 """
 
 import os
@@ -93,6 +94,10 @@ if mode == "train":
               flush=True)
     restored = CheckpointManager(ckpt_load).restore(opt, like=awkward_params())
     save_npz(os.path.join(out, "restored.npz"), opt.full_params(restored))
+    if jax.process_index() == 0:
+        count = zd._progress["exchanges"]
+        print(f"row exchange: {count} steps, "
+              f"{1e3 * zd._progress['exchange_s'] / max(count, 1):.3f} ms a step", flush=True)
     print("done", flush=True)
 elif mode == "die":
     state, step, batches = stage3()
@@ -110,26 +115,21 @@ elif mode == "fault":
     state, step, batches = stage3()
     i = 0
     while True:
+        local = zd.split_batch(batches[i % 4])
         if me and i == at:
-            print(f"fault {kind} at step {i}", flush=True)
+            import time
+
+            print(f"fault {kind} at step {i} t={time.time():.3f}", flush=True)
             if kind == "raise":
                 raise RuntimeError(f"boom at step {i}")
             if kind == "hang":
-                import time
-
                 time.sleep(3600)
             if kind == "leave":
                 sys.exit(0)
-        state, metrics = step(state, zd.split_batch(batches[i % 4]))
+            if kind == "short":
+                local = tuple(x[: len(x) // 2] for x in local)
+        state, metrics = step(state, local)
         print(f"step {i} loss {float(metrics['loss']):.4f}", flush=True)
         i += 1
-elif mode == "uneven":
-    opt = make(3)
-    state = opt.init_state(awkward_params())
-    step = opt.train_step(awkward_loss)
-    x, y = regression_batches(1, batch=48)[0]
-    rows = 16 if jax.process_index() == 0 else 8
-    state, metrics = step(state, (x[:rows], y[:rows]))
-    print(f"loss {float(metrics['loss']):.5f}", flush=True)
 else:
     raise SystemExit(f"unknown mode {mode!r}")

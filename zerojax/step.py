@@ -457,7 +457,6 @@ class TrainStep:
         self._n, self._axis, self._k = n, axis, accum_steps
         self._opt = opt
         self._checked: set = set()  # state signatures already checked
-        self._rows_checked: set = set()  # local batch shapes whose row counts agreed
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -484,6 +483,7 @@ class TrainStep:
         if leaves and all(isinstance(x, jax.Array) and not x.is_fully_addressable
                           for x in leaves):
             self.check_batch(batch)
+            distributed.check_rows(None)  # every process gives a global batch this step
             return jax.device_put(batch, self._batch_sharding)
         if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
             raise ValueError(
@@ -492,9 +492,9 @@ class TrainStep:
         check_batch(batch, self._n // jax.process_count() or 1, self._axis, self._k,
                     where=f" (this process's slice; {jax.process_count()} processes)")
         shapes = tuple(np.shape(x) for x in leaves)
-        if shapes not in self._rows_checked:  # every process: the same number of rows
-            distributed.check_rows(shapes[0][_batch_dim(self._k)] if shapes else 0)
-            self._rows_checked.add(shapes)
+        # every step call, every process: the same number of rows (a short last batch on
+        # one process is an error at that step, on every process, not a hang)
+        distributed.check_rows(shapes[0][_batch_dim(self._k)] if shapes else 0)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self._batch_sharding,
                                                              np.asarray(x)), batch)
@@ -521,10 +521,10 @@ class TrainStep:
         self._checked.add(signature)
 
     def __call__(self, state: TrainState, batch: Any, rng: Any = None):
-        distributed.note_progress()
+        distributed.step_begins()
         self.check_state(state)
         out = self.jitted(state, self.place_batch(batch), _check_key(rng))
-        distributed.note_progress(step_done=True)
+        distributed.step_dispatched()
         return out
 
     def lower(self, state: TrainState, batch: Any, rng: Any = None):

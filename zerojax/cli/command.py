@@ -7,6 +7,7 @@
     zerojax bench ...                                  # the side-by-side benchmark
     zerojax export CKPT_DIR OUT.safetensors [--step N] # a checkpoint's params, one file
     zerojax export CKPT_DIR OUT_DIR --format hf --mapping llama --hf-config config.json
+    zerojax launch --nproc 2 train.py ...              # a multi-process job on this machine
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (with a
 message saying which and why), 1 when the work itself failed.
@@ -319,6 +320,12 @@ def _bench(args: argparse.Namespace) -> int:
     return int(bench.main(list(args.bench_args)) or 0)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from zerojax.cli import launch
+
+    return int(launch.launch(list(args.launch_args), prog="zerojax launch") or 0)
+
+
 def _export(args: argparse.Namespace) -> int:
     from zerojax.checkpoint import CheckpointManager
     from zerojax.export import export_params
@@ -589,6 +596,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
                         help="largest file of --format hf (default 5GB)")
     export.set_defaults(func=_export)
+
+    launch = command(
+        "launch", "run a script in several processes on this machine as one multi-process "
+        "job (torchrun-like: --nproc, --devices-per-proc, the script and its arguments; "
+        "'zerojax launch --help')", "Runs zerojax.cli.launch (also 'python -m "
+        "zerojax.launch') with the arguments that follow.", add_help=False)
+    launch.add_argument("launch_args", nargs=argparse.REMAINDER,
+                        help="the launcher's arguments, the script, the script's arguments")
+    launch.set_defaults(func=_launch)
     return parser
 
 
@@ -596,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # all of the rest is the benchmark's, --help included
         return _bench(argparse.Namespace(bench_args=argv[1:]))
+    if argv[:1] == ["launch"]:  # the launcher's and the script's, --help included
+        return _launch(argparse.Namespace(launch_args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

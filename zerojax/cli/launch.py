@@ -1,6 +1,8 @@
-"""Start a multi-process zerojax run on this machine.
+"""Start a multi-process zerojax run on this machine (torchrun-like).
 
-    python -m zerojax.cli.launch --nproc 2 --devices-per-proc 4 train.py --stage 3
+    zerojax launch --nproc 2 --devices-per-proc 4 train.py --stage 3
+    python -m zerojax.launch ...        # the same (the name earlier docs use)
+    python -m zerojax.cli.launch ...    # the same
 
 starts ``--nproc`` copies of ``train.py`` (with its arguments), each told its rank and
 the coordinator through ``ZEROJAX_COORDINATOR_ADDRESS`` / ``ZEROJAX_NUM_PROCESSES`` /
@@ -86,15 +88,17 @@ def _port(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "zerojax launch") -> argparse.ArgumentParser:
+    """The launcher's arguments; ``prog``: the name it was started by, for messages."""
     p = argparse.ArgumentParser(
-        prog="python -m zerojax.cli.launch",
+        prog=prog,
         description="Run SCRIPT in NPROC processes on this machine as one zerojax/JAX "
                     "multi-process job (process 0 hosts the coordinator on 127.0.0.1). "
                     "Output lines are prefixed with the rank; the exit status is non-zero "
                     "if any process fails, and no process is left running.",
-        epilog="example: python -m zerojax.cli.launch --nproc 2 --devices-per-proc 4 "
-               "examples/train.py --stage 3")
+        epilog=f"example: {prog} --nproc 2 --devices-per-proc 4 "
+               "examples/train.py --stage 3  (also: python -m zerojax.launch, "
+               "python -m zerojax.cli.launch)")
     p.add_argument("--nproc", type=_positive(int), required=True,
                    help="number of processes (stand-ins for hosts)")
     p.add_argument("--devices-per-proc", type=_positive(int), default=None,
@@ -138,7 +142,7 @@ _SETTLE = 1.0  # seconds to let near-simultaneous failures all end before naming
 # Errors a process gets because a peer failed or left, not of its own making.
 _PEER_INDUCED = re.compile(r"Gloo|Connection reset|Connection refused|Connection closed|"
                            r"unhealthy|DEADLINE_EXCEEDED|leader task|coordination service|"
-                           r"Socket closed|NCCL|barrier", re.IGNORECASE)
+                           r"Socket closed|NCCL|barrier|its peer process", re.IGNORECASE)
 
 
 _SETTLE_STALL = 5.0  # seconds for every stalled process to report its step count
@@ -195,17 +199,17 @@ def _pump(rank: int, stream, out, lock: threading.Lock, lost: dict, errors: dict
     stream.close()
 
 
-def launch(argv: list[str] | None = None, out=None) -> int:
+def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch") -> int:
     """Run the launcher (``argv`` as on the command line); returns its exit status."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     out = out or sys.stdout
     if not os.path.isfile(args.script):
-        print(f"zerojax.cli.launch: script {args.script!r} not found.", file=sys.stderr)
+        print(f"{prog}: script {args.script!r} not found.", file=sys.stderr)
         return 2
     if args.port:
         busy = port_in_use(args.port)
         if busy:
-            print(f"zerojax.cli.launch: --port {args.port} is already in use on this machine "
+            print(f"{prog}: --port {args.port} is already in use on this machine "
                   f"({busy}); process 0 would serve the coordinator there. Pass another "
                   "--port, or --port 0 (the default) for a free one.", file=sys.stderr)
             return 2
@@ -377,8 +381,8 @@ def launch(argv: list[str] | None = None, out=None) -> int:
     return code if 0 < code < 256 else 128 + (-code if code < 0 else 1)
 
 
-def main() -> None:
-    sys.exit(launch())
+def main(argv: list[str] | None = None, prog: str = "python -m zerojax.cli.launch") -> None:
+    sys.exit(launch(argv, prog=prog))
 
 
 if __name__ == "__main__":
