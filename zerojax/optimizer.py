@@ -80,6 +80,21 @@ def _eager_eval(jaxpr: Any, consts: list, args: list, zero: jax.Array) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` (a host value, or an array on this process's devices: the same value on
+    every process) placed in ``sharding``. In a multi-process run ``jax.device_put``
+    refuses a committed array (a PRNG key, eager params) for a sharding over other
+    processes' devices: it goes through the host (a key as its key data)."""
+    if jax.process_count() == 1 or not isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding), impl=impl)
+    import numpy as np
+
+    return jax.device_put(np.asarray(x), sharding)
+
+
 def _unbox(tree: Any) -> Any:
     """``tree`` without flax partitioning boxes (``nn.Partitioned`` and kin)."""
     if any(isinstance(x, flax_meta.AxisMetadata) for x in jax.tree.leaves(
@@ -456,7 +471,7 @@ class ZeroOptimizer:
         def place(x, lay):
             if isinstance(x, jax.Array) and x.sharding.device_set == devices:
                 return x
-            return jax.device_put(x, NamedSharding(self.mesh, lay.model_spec))
+            return _put(x, NamedSharding(self.mesh, lay.model_spec))
 
         placed_in = jax.tree.map(place, params, lays)
         on_host = any(k not in (None, offload.DEVICE) for k in offload.memory_kinds(placed_in))
@@ -512,7 +527,7 @@ class ZeroOptimizer:
         devices = set(self.mesh.devices.flat)
         placed_args = jax.tree.map(
             lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == devices
-            else jax.device_put(x, replicated) if isinstance(x, jax.Array) else x, args)
+            else _put(x, replicated) if isinstance(x, jax.Array) else x, args)
         abstract = _abstract_params(init_fn, placed_args)
         params, specs = self._split_model_specs(abstract, model_specs)
         _check_params(params)
