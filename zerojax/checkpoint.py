@@ -541,7 +541,7 @@ class CheckpointManager:
             path = os.path.join(self.directory, name)
             if name.startswith((_TMP, _DELETE, _REPLACED, _ROLLBACK)):
                 continue
-            fmt = None
+            fmt, broken = None, False
             if re.fullmatch(r"0|[1-9][0-9]*", name) and os.path.isdir(path):
                 why = _marker_damage(path, int(name))
                 if why is None:
@@ -552,9 +552,10 @@ class CheckpointManager:
                     fmt = 1  # zerojax's first format: orbax CheckpointManager's layout
                 elif why != "is missing" or _looks_like_a_step(path):
                     damaged[int(name)] = f"its marker {MARKER} {why}"
+                    broken = True
             if fmt is not None:
                 steps[int(name)] = fmt
-            elif not (name.isdigit() and int(name) in damaged):
+            elif not broken:
                 foreign.append(name)
         self._damaged = damaged
         new = sorted(set(damaged) - self._warned_damaged)
