@@ -246,9 +246,27 @@ def param_gather(shards: list, dims: list[int], axis, bucket_size: int | None,
     float32 scales and is dequantized on arrival (:func:`zerojax.quant.
     quantized_all_gather`; one collective per leaf, no buckets). None: exact."""
     if bits is not None:
-        return [quant.quantized_all_gather(_nan_to_inf(s), axis, bits=bits, axis=d, tiled=True)
+        live = _live_axes(axis)
+        if not live:  # one device: nothing to gather, nothing to quantize
+            return list(shards)
+        return [quant.quantized_all_gather(_nan_to_inf(s), _one(live), bits=bits, axis=d,
+                                           tiled=True)
                 for s, d in zip(shards, dims)]
     return gather_buckets(shards, dims, axis, bucket_size)
+
+
+def _live_axes(axis) -> tuple:
+    """The mesh axes of ``axis`` (a name or a tuple of names) of size > 1, in order,
+    inside a ``shard_map`` body. A size-1 axis is no level: a quantized collective over
+    it would only add quantization error (``make_mesh(replica=1, data=8)`` would
+    quantize qgZ's gradients twice), and an exact one moves nothing."""
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    return tuple(a for a in axes if jax.lax.axis_size(a) > 1)
+
+
+def _one(axes: tuple):
+    """A tuple of one axis as that axis' name (else the tuple)."""
+    return axes[0] if len(axes) == 1 else axes
 
 
 def grad_reduce_scatter(xs: list, dims: list[int], axis, bucket_size: int | None,
@@ -280,7 +298,9 @@ def _quantized_reduce_scatter(x: jax.Array, dim: int, axis, bits: int) -> jax.Ar
     ``("replica", "data")``: the same placement as ``psum_scatter`` over it), each
     level's input cleared of NaN (:func:`_nan_to_inf`; the partial sums of the first
     level are dequantized, so they hold NaN where a block overflowed)."""
-    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    axes = _live_axes(axis)  # size-1 axes are skipped: they would requantize for nothing
+    if not axes:
+        return x
     if len(axes) == 1:
         return quant.quantized_reduce_scatter(_nan_to_inf(x), axes[0], bits=bits,
                                               scatter_dimension=dim)
@@ -302,8 +322,10 @@ def _quantized_reduce_scatter(x: jax.Array, dim: int, axis, bits: int) -> jax.Ar
 def _quantized_all_reduce(x: jax.Array, axis: str, bits: int) -> jax.Array:
     """qgZ's version of an all-reduce: a quantized reduce-scatter of the flattened
     (zero-padded) tensor over ``axis``, then an exact all-gather of the float sums,
-    so every device ends with bit-identical values."""
+    so every device ends with bit-identical values (over a size-1 axis: ``x``)."""
     n = jax.lax.axis_size(axis)
+    if n == 1:
+        return x
     flat = x.reshape(-1)
     flat = jnp.pad(flat, (0, -flat.size % n))
     part = _quantized_reduce_scatter(flat, 0, axis, bits)
@@ -322,7 +344,12 @@ def reduce_across(shards: list, dims: list[int], axis: str, op: str,
 
     ``bits`` (qgZ): the reduce-scatter is quantized (:func:`grad_reduce_scatter`);
     the all-reduce becomes a quantized reduce-scatter plus an exact all-gather of the
-    sums (:func:`_quantized_all_reduce`)."""
+    sums (:func:`_quantized_all_reduce`). Across a size-1 axis (``make_mesh(replica=1,
+    ...)``) there is no second level: the shards are returned as they are."""
+    if op not in ("all_reduce", "reduce_scatter"):
+        raise ValueError(f"reduce_across: op={op!r} is not 'all_reduce' or 'reduce_scatter'.")
+    if not _live_axes(axis):
+        return list(shards)
     if op == "all_reduce":
         if bits is not None:
             return [_quantized_all_reduce(x, axis, bits) for x in shards]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.activations import REMAT_POLICIES
+from zerojax.mesh import MODEL, REPLICA
 
 STAGES = (0, 1, 2, 3)
 QUANTIZE_WEIGHTS = ("int8",)
@@ -306,6 +307,24 @@ class ZeroConfig:
             raise ValueError(
                 f"replica_axis={self.replica_axis!r} must be the name of a mesh axis (e.g. "
                 "'replica' of zerojax.make_mesh(replica=2, data=4)) or None.")
+        if self.data_axis == REPLICA and self.replica_axis is None:
+            raise ValueError(
+                f"data_axis={self.data_axis!r} names the outer (node) axis of "
+                f"zerojax.make_mesh(replica=R, data=D), which zerojax already uses as the "
+                f"replica level (plain ZeRO partitions over ('replica', 'data')): the two "
+                f"levels would be the same axis. Keep the default data_axis='data' (plain "
+                f"ZeRO over replica x data, or replica_axis='replica' for HSDP); on a mesh "
+                f"of your own, name the partitioned axis something else than 'replica', or "
+                f"pass replica_axis= naming the outer axis.")
+        if self.replica_axis == MODEL:
+            opt = "hpz=True with " if self.hpz else ""
+            raise ValueError(
+                f"{opt}replica_axis={self.replica_axis!r} names the tensor-parallel axis of "
+                f"zerojax.make_mesh(data=D, model=M): the model's weights are split over it, "
+                f"so it cannot hold whole replicas of the model state. Use "
+                f"make_mesh(replica=R, data=D, model=M) and replica_axis='replica'"
+                f"{', hpz=True' if self.hpz else ''}, or drop replica_axis (plain ZeRO over "
+                f"{self.data_axis!r}).")
         if self.replica_axis is not None and self.replica_axis == self.data_axis:
             raise ValueError(
                 f"replica_axis={self.replica_axis!r} is the data axis itself: it must name the "

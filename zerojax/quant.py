@@ -328,7 +328,8 @@ def quantized_reduce_scatter(g: jax.Array, axis_name, *, bits: int = 8,
     ``("replica", "data")`` the reduction is hierarchical (ZeRO++'s hierarchical qgZ):
     all-to-all and sum over the last axis (``data``, inside a node) first, then the
     partial sums, 1/``data`` of the gradient, are requantized and exchanged over
-    ``replica``. Each level adds its own quantization error. Differentiable: the backward
+    ``replica``. Each level adds its own quantization error; a level of size 1 (a
+    ``replica`` axis of one node) is skipped, so it adds none. Differentiable: the backward
     pass is the exact ``all_gather`` of the cotangent.
     """
     bits = _check_bits(bits)
@@ -349,6 +350,10 @@ def quantized_reduce_scatter(g: jax.Array, axis_name, *, bits: int = 8,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _qrs(g, levels, bits, block, dim):
     axes = sum(levels, ())
+    # a level of size 1 is skipped: its all-to-all would move nothing and requantize
+    levels = tuple(lv for lv in levels if math.prod(jax.lax.axis_size(a) for a in lv) > 1)
+    if not levels:
+        return g
     sizes = [math.prod(jax.lax.axis_size(a) for a in level) for level in levels]
     n = math.prod(sizes)
     moved = jnp.moveaxis(g, dim, 0)

@@ -20,8 +20,10 @@ One ``jax.jit``-compiled function ``step(state, batch) -> (state, metrics)``:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -145,7 +147,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     ``sum(loss_sum) / sum(weight)`` over the global batch, as one device computes it.
     """
     cfg, mesh = opt.config, opt.mesh
-    stage, k, reduce_dtype = cfg.stage, cfg.accum_steps, cfg.reduce_dtype
+    stage, k = cfg.stage, cfg.accum_steps
     # Hierarchical sharding (the optimizer decides the axes, optimizer._resolve_axes):
     # ``axis``: where stage-3 shards are gathered from and gradients reduce-scattered
     # first (``data`` for HSDP and hpZ: inside the node); ``zero_axis``: the partition
@@ -160,10 +162,12 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     model_axis = next((a for a in mesh.axis_names if a not in batch_names
                        and mesh.shape[a] > 1), None)
     model_size = int(mesh.shape[model_axis]) if model_axis else 1
+    widen = model_axis is not None and mesh.devices.flat[0].platform == "cpu"
 
     def grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng=None):
         leaves, treedef = jax.tree.flatten(params)
         lays = treedef.flatten_up_to(lay_tree)
+        reduce_dtype = cpu_reduce_dtype(cfg.reduce_dtype, [lay.dtype for lay in lays], widen)
         in_lays = treedef.flatten_up_to(opt.param_layouts(lay_tree))  # hpZ: secondary
         # manual over data only: model splits stay with the compiler (in_specs and
         # out_specs name the data split alone)
@@ -401,6 +405,27 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     return grad_fn
 
 
+def cpu_reduce_dtype(reduce_dtype, dtypes, widen: bool):
+    """The dtype the step reduces gradients in: ``reduce_dtype`` (None: each leaf's own
+    dtype), except on the CPU backend with a model axis (``widen``), where 16-bit
+    floats are reduced in float32.
+
+    XLA:CPU aborts the process compiling a bf16 / fp16 all-reduce of a ``shard_map``
+    that leaves a model axis to the compiler (jax 0.10.2: "Invalid binary instruction
+    opcode copy", exit 134, at stages 0-3 on data=4 x model=2: the reduction
+    computation of such a psum ends in a ``copy``, which XLA:CPU's
+    ``AllReducePromotion`` pass, widening 16-bit all-reduces to float32, cannot
+    clone). Reducing in float32 there is what that pass would have done, with the
+    sums kept in float32 instead of rounded back to 16 bits."""
+    if not widen:
+        return reduce_dtype
+    small = [jnp.dtype(d) for d in ([reduce_dtype] if reduce_dtype is not None else dtypes)]
+    if any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in small) and all(
+            d.itemsize <= 4 or not jnp.issubdtype(d, jnp.floating) for d in small):
+        return jnp.dtype(jnp.float32)
+    return reduce_dtype
+
+
 def finish_grads(grads, dtypes, scale=None):
     """The reduced gradients in the dtypes the update takes (the master's), unscaled
     by the loss ``scale``: cast, then divided, leaf by leaf (a list, or a tree with
@@ -436,6 +461,10 @@ def next_loss_scale(ls: LossScaleState, finite, cfg) -> LossScaleState:
                           hysteresis.astype(jnp.int32))
 
 
+# Steps of one TrainStep in flight at once on the CPU backend (TrainStep._bound_in_flight).
+CPU_MAX_IN_FLIGHT = 2
+
+
 class TrainStep:
     """A compiled ZeRO train step: ``step(state, batch, rng=None) -> (state, metrics)``.
 
@@ -457,6 +486,9 @@ class TrainStep:
         self._n, self._axis, self._k = n, axis, accum_steps
         self._opt = opt
         self._checked: set = set()  # state signatures already checked
+        # CPU: the metrics of the steps dispatched and maybe still running (_bound_in_flight)
+        self._in_flight: collections.deque | None = (
+            collections.deque() if mesh.devices.flat[0].platform == "cpu" else None)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -514,7 +546,8 @@ class TrainStep:
                 "states readable (at the cost of holding two copies during a step).")
         signature = (jax.tree.structure(state),
                      tuple((getattr(x, "shape", None), str(getattr(x, "dtype", "")))
-                           for x in leaves))
+                           for x in leaves),
+                     frozenset(offload.memory_kinds(state)))
         if self._opt is None or signature in self._checked:
             return
         check_state_matches(state, self._opt)
@@ -523,9 +556,32 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any, rng: Any = None):
         distributed.step_begins()
         self.check_state(state)
+        self._bound_in_flight()
         out = self.jitted(state, self.place_batch(batch), _check_key(rng))
+        if self._in_flight is not None:
+            self._in_flight.append(out[1]["loss"])
         distributed.step_dispatched()
         return out
+
+    def _bound_in_flight(self) -> None:
+        """On the CPU backend, wait until fewer than :data:`CPU_MAX_IN_FLIGHT` of this
+        step's earlier calls are still running before dispatching another.
+
+        XLA:CPU keeps at most 32 programs in flight per device (its PJRT client's
+        ``max_inflight_computations_per_device``); a loop that dispatches steps faster
+        than they run and never reads a result (``state, _ = step(state, batch)``) hits
+        that limit, a multi-device program is then enqueued on some devices and not
+        others, and their collectives wait in XLA's rendezvous until it aborts the
+        process (40 s, "Expected 8 threads ... Exiting to ensure a consistent program
+        state"). Measured (jax 0.10.2, 2 cores, 8 simulated devices): a jitted
+        shard_map all-gather loop with 32 calls in flight ran 3,000 calls; 33 aborted.
+        Waiting for the metrics of the step two calls back keeps two in flight, so
+        the host still prepares the next batch while a step runs."""
+        pending = self._in_flight
+        if pending is None:
+            return
+        while len(pending) >= CPU_MAX_IN_FLIGHT:
+            jax.block_until_ready(pending.popleft())
 
     def lower(self, state: TrainState, batch: Any, rng: Any = None):
         self.check_state(state)
@@ -573,6 +629,7 @@ def check_state_matches(state: TrainState, opt) -> None:
         raise ValueError(
             f"the state has {theirs}, but this step's optimizer has {here}: a missing scale "
             f"would train unscaled and never skip an overflow; {fix}.")
+    _check_memory_kinds(state, cfg, fix)
     # params tree and shapes, as init_state was given them
     known = list(opt._logical)
     treedef = jax.tree.structure(state.params)
@@ -611,6 +668,8 @@ def check_state_matches(state: TrainState, opt) -> None:
                     f"state.params{name} is held {got} per device ({kind}), but this step's "
                     f"optimizer ({here}) holds it {exp} per device: the state was made for "
                     f"another stage or mesh; {fix}.")
+    _check_quantized_dtypes(flat, lay_leaves, cfg)
+    _check_bucket_count(logical, opt)
     want_opt = jax.tree.structure(opt._opt_shapes(logical))
     got_opt = jax.tree.structure(state.opt_state)
     if want_opt != got_opt:
@@ -618,6 +677,76 @@ def check_state_matches(state: TrainState, opt) -> None:
             f"state.opt_state has structure {str(got_opt)[:200]}, but this step's optimizer "
             f"({here}, {type(opt.inner).__name__}) has {str(want_opt)[:200]}: the state was "
             f"made by another optimizer; {fix}.")
+
+
+def _check_memory_kinds(state: TrainState, cfg, fix: str) -> None:
+    """The state's optimizer state and params in the memory this optimizer keeps them
+    in between steps (``pinned_host`` with ``offload_optimizer`` / ``offload_params``,
+    the device's memory otherwise): a host-memory state in a device step fails inside
+    the user's loss ("memory_space of all inputs ... must be the same")."""
+    for what, tree, option in (("opt_state", state.opt_state, "offload_optimizer"),
+                               ("params", state.params, "offload_params")):
+        offloaded = getattr(cfg, option)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+            if kind is None or not isinstance(x, jax.Array):
+                continue
+            on_host = "host" in kind
+            if on_host != offloaded:
+                where = (f"host memory ({kind!r}: made by an optimizer with {option}=True)"
+                         if on_host else f"device memory ({kind!r}: made without {option})")
+                raise ValueError(
+                    f"state.{what}{jax.tree_util.keystr(path)} is in {where}, but this "
+                    f"step's optimizer has {option}={offloaded} and keeps it in "
+                    f"{'host' if offloaded else 'device'} memory: build the optimizer with "
+                    f"zero(..., {option}={on_host}) as the one that made the state, or "
+                    f"{fix}.")
+
+
+def _check_quantized_dtypes(flat: list, lay_leaves: list, cfg) -> None:
+    """ZeRO++ quantization (qwZ / qgZ) of a partitioned leaf needs a real float dtype:
+    refuse a complex one here, naming the options of ``zero()`` that avoid it."""
+    given = [f"{name}={getattr(cfg, name)!r}" for name in
+             ("quantize_weights", "quantize_gradients") if getattr(cfg, name) is not None]
+    if not given:
+        return
+    for (path, x), lay in zip(flat, lay_leaves):
+        if lay.sharded and not jnp.issubdtype(x.dtype, jnp.floating):
+            name = jax.tree_util.keystr(path)
+            raise ValueError(
+                f"{' and '.join(given)}: params leaf {name} ({x.dtype}, shape "
+                f"{tuple(lay.shape)}) is partitioned, and ZeRO++ quantizes only real "
+                f"floating-point collectives. Drop the quantization (zero(..., "
+                f"{', '.join(g.split('=')[0] + '=None' for g in given)})), keep the leaf "
+                f"replicated so its gradient is all-reduced exactly (zero(..., "
+                f"min_shard_size={math.prod(lay.shape) + 1})), or hold it as two real "
+                f"leaves (its real and imaginary parts) in the params.")
+
+
+# Collectives of one kind per step above which ``bucket_size`` is refused: each bucket
+# is its own collective in the compiled program, and compile time grows with their
+# number (reference GPT, Psi = 417,280, stage 0 on 8 CPU devices: bucket_size=8 ran
+# past 112 s and 2.6 GB compiling; see tests/test_validation.py for the measured cap).
+MAX_BUCKETS = 1024
+
+
+def _check_bucket_count(logical: Any, opt) -> None:
+    """Refuse a ``bucket_size`` that splits the model into more than
+    :data:`MAX_BUCKETS` collectives (compiling them would take minutes), naming the
+    smallest bucket size that stays under it."""
+    bucket = opt.config.bucket_size
+    if bucket is None:
+        return
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(logical))
+    count = -(-total // bucket)
+    if count > MAX_BUCKETS:
+        floor = -(-total // MAX_BUCKETS)
+        raise ValueError(
+            f"bucket_size={bucket} splits the {total:,} parameter elements into at least "
+            f"{count:,} collectives per step (each bucket is one collective in the compiled "
+            f"program, and compiling more than {MAX_BUCKETS} takes minutes): use "
+            f"zero(..., bucket_size={floor}) or larger (DeepSpeed's default buckets hold "
+            f"5e8 elements), or bucket_size=None for one collective per leaf.")
 
 
 def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
