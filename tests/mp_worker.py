@@ -95,9 +95,11 @@ if mode == "train":
     restored = CheckpointManager(ckpt_load).restore(opt, like=awkward_params())
     save_npz(os.path.join(out, "restored.npz"), opt.full_params(restored))
     if jax.process_index() == 0:
-        count = zd._progress["exchanges"]
-        print(f"row exchange: {count} steps, "
-              f"{1e3 * zd._progress['exchange_s'] / max(count, 1):.3f} ms a step", flush=True)
+        count, spent = zd._progress["exchanges"], zd._progress["exchange_s"]
+        waited = zd._progress["exchange_wait_s"]
+        print(f"row exchange: {count} steps, {1e3 * (spent - waited) / max(count, 1):.3f} ms "
+              f"a step (+ {1e3 * waited / max(count, 1):.3f} ms waiting for the peer)",
+              flush=True)
     print("done", flush=True)
 elif mode == "die":
     state, step, batches = stage3()

@@ -91,8 +91,10 @@ def test_the_row_exchange_runs_every_step(two_process_run):
     line = next(x for x in two_process_run[2].splitlines() if "row exchange:" in x)
     assert "row exchange: 50 steps" in line, line
     cost_ms = float(line.split(", ")[1].split(" ms")[0])
-    print(f"per-step row exchange (coordination service, 2 processes): {cost_ms:.3f} ms")
-    assert cost_ms < 50, line   # 0.5 ms for set + dir_get + delete on an idle machine
+    print(f"per-step row exchange (coordination service, 2 processes): {line}")
+    # its own requests (set, directory read, delete): 0.5 ms on an idle machine; the
+    # wait for the later process is time the step's collective would wait anyway
+    assert cost_ms < 20, line
 
 
 @functools.cache
@@ -214,8 +216,27 @@ def test_split_batch_and_initialize_errors():
             zd.initialize()
         finally:
             del os.environ["ZEROJAX_PROGRESS_TIMEOUT"]
+    with pytest.raises(ValueError, match=r"stall_floor=0 must be a number of seconds > 0"):
+        zd.initialize(stall_floor=0)
     assert zd.initialize() is False        # no cluster, no variables: one process
     assert not zd.is_initialized()
+
+
+def test_the_stall_bound_skips_compilation_and_follows_the_step_period(monkeypatch):
+    import zerojax.distributed as zd
+
+    monkeypatch.setattr(zd, "_progress", dict(zd._progress, started=0, begun=None,
+                                              periods=zd.deque(maxlen=32)))
+    clock = iter([0.0, 100.0, 100.5, 101.0, 101.5])  # call 0 compiles for 100 s
+    monkeypatch.setattr(zd.time, "monotonic", lambda: next(clock))
+    for n in range(5):
+        zd.step_begins()
+        if n == 2:   # calls 0-1 not measured: no bound yet, the progress timeout alone
+            assert zd.step_period() is None and zd.stall_bound(600) is None
+    assert zd.step_period() == 0.5 and zd._progress["started"] == 5
+    assert zd.stall_bound(600) == zd.STALL_FLOOR == 30          # max(30, 20 x 0.5)
+    zd._progress["periods"].extend([10.0] * 5)                  # 10 s steps: 20 x 10
+    assert zd.stall_bound(600) == 200 and zd.stall_bound(120) == 120
 
 
 # --- a rank that raises, hangs, leaves; a busy port; uneven batches (issue 18) ---------

@@ -260,7 +260,8 @@ _progress: dict[str, Any] = {
     "last": time.monotonic(),  # the last sign of progress
     "begun": None,     # when the latest TrainStep call began
     "periods": deque(maxlen=32),  # seconds between consecutive step calls, after warm-up
-    "exchange_s": 0.0, "exchanges": 0,  # the per-step row exchange: total time, count
+    # the per-step row exchange: total time, of which waiting for late peers; count
+    "exchange_s": 0.0, "exchange_wait_s": 0.0, "exchanges": 0,
 }
 _down: dict[int, tuple[str, int, str]] = {}  # peer rank -> (kind, its steps, what happened)
 
@@ -389,6 +390,7 @@ def _announce_exit() -> None:
     print(f"zerojax.distributed: {_rank()} is exiting {why} after "
           f"{_finished()} training steps.", file=sys.stderr, flush=True)
     _post_down("exited", f"left: its script ended after {_finished()} training steps")
+    _progress["closing"] = True  # JAX's shutdown follows: the watchdog stops its requests
 
 
 def _install_excepthook() -> None:
@@ -437,7 +439,7 @@ def _start_watchdog(timeout: float) -> None:
     def watch():
         while True:
             time.sleep(POLL_S)
-            if client is not None:
+            if client is not None and not _progress.get("closing"):
                 _read_down(client)
                 for rank, (kind, steps, what) in sorted(_down.items()):
                     if kind != "exited":
@@ -458,7 +460,8 @@ def _start_watchdog(timeout: float) -> None:
                      "so the job ends; if steps legitimately take longer, raise "
                      f"progress_timeout ({ENV_PROGRESS}).")
             bound = stall_bound(timeout)
-            if (bound is None or idle <= bound or _progress["in_call"] or client is None):
+            if (bound is None or idle <= bound or _progress["in_call"] or client is None
+                    or _progress.get("closing")):
                 continue
             ahead = _peers_ahead(client)
             if ahead:
@@ -491,6 +494,7 @@ def _exchange(client, step: int, value: str) -> list[str]:
     client.key_value_set(prefix + str(me), value, allow_overwrite=True)
     got = {int(key.rsplit("/", 1)[1]): v for key, v in client.key_value_dir_get(prefix)}
     got[me] = value
+    waited = time.perf_counter()
     for rank in range(count):
         while rank not in got:  # the watchdog ends this process if that peer is gone
             try:
@@ -498,6 +502,7 @@ def _exchange(client, step: int, value: str) -> list[str]:
             except Exception as e:
                 if not _is_timeout(e):
                     raise
+    _progress["exchange_wait_s"] += time.perf_counter() - waited
     if step >= 2:
         try:
             client.key_value_delete(f"{_KV}/rows/{step - 2}/{me}")
@@ -512,7 +517,7 @@ def check_rows(rows: int | None) -> None:
 
     Inside a ``TrainStep`` call (every call, every process: a short last batch on one
     process is caught at the step it appears) the counts go through the coordination
-    service's key-value store, about 0.5 ms a step on one machine; elsewhere (a call of
+    service's key-value store, 0.5-2 ms a step on one machine; elsewhere (a call of
     your own) one all-gather of the counts."""
     if jax.process_count() == 1:
         return
