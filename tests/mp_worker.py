@@ -14,6 +14,7 @@
   step AT (counting from 0), and prints when (``t=`` time.time()): ``raise`` (a
   RuntimeError), ``hang`` (sleeps, a stuck data loader), ``leave`` (returns with status
   0), or ``short`` (feeds half its rows: a short last batch). Process 0 prints each step.
+* ``uneven``: process 0 feeds 16 rows, process 1 feeds 8 (benchmarks/faults.py).
 """
 
 import os
@@ -133,5 +134,13 @@ elif mode == "fault":
         state, metrics = step(state, local)
         print(f"step {i} loss {float(metrics['loss']):.4f}", flush=True)
         i += 1
+elif mode == "uneven":  # benchmarks/faults.py: different rows from the first step
+    opt = make(3)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    x, y = regression_batches(1, batch=48)[0]
+    rows = 16 if jax.process_index() == 0 else 8
+    state, metrics = step(state, (x[:rows], y[:rows]))
+    print(f"loss {float(metrics['loss']):.5f}", flush=True)
 else:
     raise SystemExit(f"unknown mode {mode!r}")
