@@ -12,6 +12,10 @@ models) on 8 simulated CPU devices; one compile of the sharded init per configur
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +191,24 @@ def test_fresh_optimizer_hands_back_own_shapes():
         again.full_params(state, like={"w": jnp.zeros((30, 4)), "b": jnp.ones(64)})
 
 
+def test_nnx_state_born_sharded():
+    """An nnx model's State (Param variables) as the init's result."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 64, rngs=rngs)
+            self.l2 = nnx.Linear(64, 36, rngs=rngs)
+            self.l3 = nnx.Linear(36, 37, rngs=rngs)  # (36, 37): padded to (36, 40)
+
+    mesh = zerojax.make_mesh(data=8)
+    state = zerojax.zero(optax.adam(1e-3), mesh, stage=3).init_sharded(
+        lambda: nnx.state(Net(nnx.Rngs(0)), nnx.Param))
+    eager = nnx.state(Net(nnx.Rngs(0)), nnx.Param)
+    _assert_same_state(state, zerojax.zero(optax.adam(1e-3), mesh, stage=3).init_state(eager))
+    assert state.params["l3"]["kernel"].shape == (36, 40)
+
+
 @pytest.mark.parametrize("bad, words", [
     (lambda key: "weights", r"non-array leaves \(the result: str 'weights'\)"),
     (lambda key: (1, 2.0), r"non-array leaves \(\[0\]: int 1, \[1\]: float 2.0\)"),
@@ -202,3 +224,19 @@ def test_init_fn_returning_something_else(bad, words):
     assert "model.init(key, tokens)['params']" in str(err.value)
     with pytest.raises(TypeError, match="needs a function"):
         opt.init_sharded("not a function", jax.random.key(0))
+
+
+@pytest.mark.slow
+def test_two_processes_each_make_only_their_shards():
+    """2 processes x 4 CPU devices: each process creates only its addressable shards,
+    equal to the eager init's values; iter_full_params and init_state across processes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli.launch", "--nproc", "2", "--devices-per-proc",
+         "4", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "sharded_init_worker.py")],
+        env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for p in (0, 1):
+        assert re.search(rf"ok process {p}: \d+ shards equal the eager init, 16 leaves", out), out

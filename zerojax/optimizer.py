@@ -50,10 +50,12 @@ def _eager_eval(jaxpr: Any, consts: list, args: list, zero: jax.Array) -> list:
     XLA's algebraic simplifier reassociates across them: ``normal(key) * 0.02``
     became ``r * (sqrt(2) * 0.02)`` where the eager init rounds ``r * sqrt(2)``
     first (1 ulp apart in 1 of 4 values of a GPT's embedding, jax 0.10.2 XLA:CPU).
-    Each top-level output (and each float literal a call equation takes, which the
-    eager call passes as an argument) is fenced as ``x - zero``, ``zero`` a runtime
-    +0.0: the same bits for every ``x`` (-0, inf, NaN included) and nothing XLA can
-    see through, so every equation computes what its eager program computes."""
+    Each top-level output, constant and float literal (eagerly, every operand of a
+    top-level equation is a runtime argument of its program: ``x / c`` with ``c`` a
+    constant became ``x * (1 / c)``, 1 ulp off in an nnx ``lecun_normal``) is fenced
+    as ``x - zero``, ``zero`` a runtime +0.0: the same bits for every ``x`` (-0, inf,
+    NaN included) and nothing XLA can see through, so every equation computes what
+    its eager program computes."""
     env: dict = {}
 
     def read(v):
@@ -64,11 +66,10 @@ def _eager_eval(jaxpr: Any, consts: list, args: list, zero: jax.Array) -> list:
             return x - zero.astype(x.dtype)
         return x
 
-    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.constvars, [fence(jnp.asarray(c)) for c in consts]))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
-        call = any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values())
-        ins = [fence(jnp.asarray(read(v))) if call and isinstance(v, jcore.Literal) else read(v)
+        ins = [fence(jnp.asarray(v.val)) if isinstance(v, jcore.Literal) else read(v)
                for v in eqn.invars]
         params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:
