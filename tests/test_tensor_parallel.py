@@ -147,3 +147,46 @@ def test_model_axis_collectives_are_megatrons(stage, remat, per_layer):
     for kind in ("all_gather", "reduce_scatter", "all_to_all", "collective_permute"):
         assert getattr(four, kind) == getattr(two, kind), (kind, two, four)
     assert four.all_gather == 0, four
+
+
+_BF16 = """
+import json, sys
+import jax.numpy as jnp, numpy as np, optax, zerojax
+from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+
+model = GPT(GPTConfig(**TINY))
+params = gpt_params(model, 0)
+tokens = np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)
+losses = {}
+for stage in (1, 2, 3):
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=4, model=2), stage=stage,
+                       param_dtype=jnp.bfloat16)
+    state, step = opt.init_state(params), opt.train_step(lm_loss(model))
+    losses[stage] = []
+    for _ in range(4):
+        state, metrics = step(state, tokens)
+        losses[stage].append(float(metrics["loss"]))
+print(json.dumps(losses))
+"""
+
+
+def test_bf16_params_with_a_model_axis_train_at_stages_1_to_3():
+    """``param_dtype=bf16`` on data=4 x model=2 used to abort the process while compiling
+    (XLA:CPU, "Invalid binary instruction opcode copy", exit 134) at stages 1-3; on the
+    CPU backend the step now reduces 16-bit gradients in float32 beside a model axis
+    (``step.cpu_reduce_dtype``). Run in a subprocess: an abort is an exit code here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    code = f"TINY = {TINY!r}\n" + _BF16
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = json.loads(run.stdout.strip().splitlines()[-1])
+    for stage, ls in losses.items():
+        assert np.all(np.isfinite(ls)) and ls[-1] < ls[0], (stage, ls)
+        assert abs(ls[0] / losses["1"][0] - 1) < 1e-2, losses  # the same model, bf16

@@ -50,7 +50,9 @@ class ZeroConfig:
         state. None: no separate master copy; params are updated in their own dtype.
       reduce_dtype: dtype of the gradient collectives (reduce-scatter / all-reduce).
         None: the gradients' own dtype (the compute dtype). float32 sums bf16/fp16
-        gradients exactly at twice the traffic bytes.
+        gradients exactly at twice the traffic bytes. On the CPU backend with a model
+        axis, 16-bit gradients are always reduced in float32 (XLA:CPU aborts
+        compiling a 16-bit all-reduce there; see ``step.cpu_reduce_dtype``).
       max_grad_norm: clip the gradient to this global L2 norm (computed over the whole
         gradient across all shards, one scalar reduction). None: no clipping.
         ``metrics["grad_norm"]`` is always reported (before clipping).
@@ -80,6 +82,9 @@ class ZeroConfig:
         buffer grows with the model. Stages 0-1 fuse whole gradient trees; stages 2-3
         reduce each parameter's gradient when it is produced and split only leaves
         larger than a bucket. None: one collective per leaf (XLA may still combine).
+        A size that cuts the params into more than 256 buckets (``step.MAX_BUCKETS``)
+        is refused at the first step call, naming the smallest that fits: each bucket
+        is a collective of its own and compile time grows with their number.
         With ``offload_optimizer`` / ``offload_params`` it is also the number of
         elements of offloaded state the update brings to the device at once (None:
         2**24 per device).
@@ -98,7 +103,9 @@ class ZeroConfig:
       min_shard_size: leaves with fewer elements than this stay replicated on every
         device (their gradients are all-reduced). Partitioning tiny leaves saves
         nothing and costs a collective each.
-      data_axis: name of the mesh axis that ZeRO partitions over.
+      data_axis: name of the mesh axis that ZeRO partitions over. ``"replica"`` (the
+        node axis of ``make_mesh(replica=R, data=D)``) is refused unless
+        ``replica_axis`` names another axis.
       donate: donate the train state to the step, so the new state reuses its buffers
         (the peak memory then holds one copy of the state, not two).
       has_aux: the loss function returns ``(loss, aux)``. ``metrics["aux"]`` then holds
@@ -133,6 +140,7 @@ class ZeroConfig:
         with N = D. None (the default): plain ZeRO, partitioned over every device of
         the batch axes (``replica`` x ``data`` when the mesh has a ``replica`` axis).
         With ``hpz=True`` it names the axis hpZ uses (default ``"replica"``).
+        ``"model"`` (the tensor-parallel axis of ``make_mesh``) is refused.
       hpz: ZeRO++ hpZ (stage 3 only, needs a replica axis of size > 1): the optimizer
         state (and master weights) are partitioned over all ``replica`` x ``data``
         devices as in plain stage 3, while ``TrainState.params`` is a secondary copy
