@@ -654,6 +654,13 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
       loop as a loop-invariant residual and broadcasts to the scores' shape
       (``a s^2 b`` booleans), plus ``4 h b s``.
 
+    Another decoder's shape (a :class:`DecoderConfig`, a Llama's ``LlamaConfig``): the
+    MLP phase of a gated MLP (SwiGLU) holds ``7 b s f / mp`` values in float32 (12 in
+    a 16-bit compute dtype) with ``f`` its own width, GQA's k and v ``2 kv d b s / mp``
+    in place of ``2 h b s / mp``, and rotary positions ``4 h b s`` more (the rotated q
+    and k and their rotate-half copies); the policies' saved projections are the QKV's
+    ``h + 2 kv d`` and the gated MLP's gate and up, ``2 f``.
+
     With cuDNN's flash attention (:func:`flash_attention`) the ``a s^2 b`` terms are
     its float32 softmax statistics, ``a s b / mp`` (not checked against a compiled GPU
     step here: the CPU has no cuDNN). ``internal_bytes``: bytes per value of a layer's
@@ -680,6 +687,15 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         sq = split(a * s * s * b)
         probs, scores, mask = 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq
     mlp_values = 4 if inner >= 4 else 7
+    if dm.gated:
+        # SwiGLU's backward: gate, up, silu(gate), their product and the cotangents of
+        # the three, 7 f in float32 where the GELU holds 4 (12 for the GELU's 7 in a
+        # 16-bit compute dtype)
+        f, mlp_values = dm.f, (7 if inner >= 4 else 12)
+    if dm.positions == 0:
+        # rotary positions: the rotated q and k and their rotate-half copies, live
+        # beside the recomputed layer's MLP (compiled Llama, 8 CPU devices)
+        narrow += 4 * hbs * inner
     mlp = probs + (split(mlp_values * f * b * s) + 9 * hbs + split(4 * hbs)) * inner + narrow
     attention = scores + (3 * hbs + split(6 * hbs)) * inner
     logits = split(3 * b * s * v) * softmax_bytes + 4 * hbs * inner
