@@ -262,7 +262,10 @@ _progress: dict[str, Any] = {
     "periods": deque(maxlen=32),  # seconds between consecutive step calls, after warm-up
     # the per-step row exchange: total time, of which waiting for late peers; count
     "exchange_s": 0.0, "exchange_wait_s": 0.0, "exchanges": 0,
+    "pending": None,   # one output array of the latest step, until it is ready
+    "ready_at": 0.0,   # when the latest step was first seen finished
 }
+_pending_lock = threading.Lock()
 _down: dict[int, tuple[str, int, str]] = {}  # peer rank -> (kind, its steps, what happened)
 
 
@@ -293,33 +296,62 @@ def step_begins() -> None:
                 "(the same number of batches: zerojax.distributed.split_batch).")
 
 
-def step_dispatched() -> None:
-    """``TrainStep.__call__`` calls this when its step is dispatched."""
-    _progress.update(in_call=False, last=time.monotonic())
-    _progress["steps"] += 1
+def step_dispatched(outputs: Any = None) -> None:
+    """``TrainStep.__call__`` calls this when its step is dispatched, with the step's
+    ``(state, metrics)``: one metrics array is kept to see when the step has finished
+    on the devices (a process waiting for its own step, perhaps for a peer, is not
+    stalled; nor is one whose step has not finished counted as having made it)."""
+    leaf = None
+    if outputs is not None:
+        try:
+            arrays = [x for x in jax.tree.leaves(outputs[1]) if isinstance(x, jax.Array)]
+            leaf = arrays[0] if arrays else None
+        except Exception:
+            leaf = None
+    with _pending_lock:
+        _progress.update(in_call=False, last=time.monotonic(), pending=leaf)
+        _progress["steps"] += 1
+
+
+def _step_done() -> bool:
+    """Whether this process's latest dispatched step has finished on its devices (and
+    when that was first seen: ``ready_at``)."""
+    with _pending_lock:
+        leaf = _progress["pending"]
+        if leaf is None:
+            return True
+        try:
+            ready = leaf.is_ready()
+        except Exception:  # deleted: read and freed, so finished
+            ready = True
+        if ready:
+            _progress.update(pending=None, ready_at=time.monotonic())
+        return ready
 
 
 def step_period() -> float | None:
-    """The median time between this process's step calls after warm-up (None before)."""
+    """The median time between this process's step calls after warm-up (None before:
+    fewer than two periods measured from the third call on)."""
     periods = sorted(_progress["periods"])
     return periods[len(periods) // 2] if len(periods) >= 2 else None
 
 
-def stall_bound(progress_timeout: float | None = None) -> float | None:
-    """Seconds a process may go without a step while its peers wait for it in a step:
-    ``max(STALL_FLOOR, STALL_FACTOR x step_period())``, at most the progress timeout;
-    None before the step period is measured (the progress timeout alone then)."""
+def stall_bound(progress_timeout: float | None = None) -> float:
+    """Seconds a process may go without a step, outside step calls and with its own
+    last step finished on its devices, while a peer waits for it in a step:
+    ``max(STALL_FLOOR, STALL_FACTOR x step_period())`` (``STALL_FLOOR`` before the
+    period is measured), at most the progress timeout."""
     period = step_period()
-    if period is None:
-        return None
-    bound = max(STALL_FLOOR, STALL_FACTOR * period)
+    bound = STALL_FLOOR if period is None else max(STALL_FLOOR, STALL_FACTOR * period)
     return min(bound, progress_timeout) if progress_timeout else bound
 
 
 def _finished() -> int:
     """Steps this process finished: the one it is inside of (waiting for its peers'
-    rows, compiling, dispatching) not counted."""
-    return _progress["started"] - bool(_progress["in_call"])
+    rows, compiling, dispatching) or whose results it waits for not counted."""
+    if _progress["in_call"]:
+        return _progress["started"] - 1
+    return _progress["started"] - (not _step_done())
 
 
 def _client():
@@ -459,19 +491,27 @@ def _start_watchdog(timeout: float) -> None:
                      "deadlock, or a collective waiting for a peer that is gone). Exiting "
                      "so the job ends; if steps legitimately take longer, raise "
                      f"progress_timeout ({ENV_PROGRESS}).")
+            # the short bound: outside step calls, its own step finished on the devices
+            # (not waiting for a peer there), and a peer already in the next step
             bound = stall_bound(timeout)
-            if (bound is None or idle <= bound or _progress["in_call"] or client is None
-                    or _progress.get("closing")):
+            if (_progress["in_call"] or client is None or _progress.get("closing")
+                    or not _step_done()):
+                continue
+            idle = time.monotonic() - max(_progress["last"], _progress["ready_at"])
+            if idle <= bound:
                 continue
             ahead = _peers_ahead(client)
             if ahead:
                 n = _finished()
+                period = step_period()
+                how = (f"max({STALL_FLOOR:g} s, {STALL_FACTOR} x its step period "
+                       f"{period:.3g} s)" if period is not None else
+                       f"{STALL_FLOOR:g} s: its step period is not measured yet")
                 what = (f"made no training step for {idle:.0f} s after {n} steps while "
                         f"process(es) {ahead} wait for it in step {n}")
                 _post_down("stalled", what)
-                _die(f"{what} (stall bound {bound:.0f} s: max({STALL_FLOOR:g} s, "
-                     f"{STALL_FACTOR} x its step period {step_period():.3g} s), at most the "
-                     "progress timeout): stuck (a data loader, a sleep, a deadlock). "
+                _die(f"{what} (stall bound {bound:.0f} s: {how}; at most the progress "
+                     "timeout): stuck (a data loader, a sleep, a deadlock). "
                      "Exiting so the job ends; if this process legitimately works this "
                      "long between steps (an evaluation on one process), call "
                      "zerojax.distributed.note_progress() in that work, or raise "
@@ -540,11 +580,38 @@ def check_rows(rows: int | None) -> None:
     if len(set(values)) > 1:
         counts = ", ".join(f"process {i}: {'a global jax.Array' if v == 'global' else v}"
                            for i, v in enumerate(values))
-        raise ValueError(
+        message = (
             f"{where}the processes brought different numbers of batch rows: {counts}. "
             "Every process must feed the same number of rows at every step, its slice of "
             "the global batch (zerojax.distributed.split_batch(global_batch)); pad or drop "
             "the remainder (a short last batch included).")
+        if client is not None:
+            # said here, on every process, before any exits: process 0's exit ends the
+            # coordination service, which aborts the others, perhaps before their
+            # tracebacks print
+            print(f"zerojax.distributed: {_rank()} refuses the step: ValueError: {message}",
+                  file=sys.stderr, flush=True)
+            _all_said(client, step)
+        raise ValueError(message)
+
+
+def _all_said(client, step: int, within: float = 5.0) -> None:
+    """Post that this process reported step ``step``'s mismatch, then wait (at most
+    ``within`` seconds) until every process has."""
+    me, count = jax.process_index(), jax.process_count()
+    try:
+        client.key_value_set(f"{_KV}/said/{step}/{me}", "1", allow_overwrite=True)
+    except Exception:
+        return
+    end = time.monotonic() + within
+    for rank in range(count):
+        left_ms = int(1000 * (end - time.monotonic()))
+        if left_ms <= 0:
+            return
+        try:
+            client.blocking_key_value_get(f"{_KV}/said/{step}/{rank}", left_ms)
+        except Exception:
+            return
 
 
 def _cpu_backend() -> bool:

@@ -560,7 +560,7 @@ class TrainStep:
         out = self.jitted(state, self.place_batch(batch), _check_key(rng))
         if self._in_flight is not None:
             self._in_flight.append(out[1]["loss"])
-        distributed.step_dispatched()
+        distributed.step_dispatched(out)
         return out
 
     def _bound_in_flight(self) -> None:
