@@ -30,8 +30,9 @@ A multi-process job never hangs on one bad process:
 - A process that makes no training step (``TrainStep`` call) while a peer waits for
   it in a step exits with status 1 (:data:`EXIT_FAILURE`) after :func:`stall_bound`
   seconds, ``max(stall_floor, 20 x its median step period)`` (floor 30 s; measured
-  after the first two step calls, so compilation never counts; outside step calls
-  only), saying how many steps it made; its peers end within a second, naming it.
+  after the first two step calls; outside step calls, where compilation happens, and
+  once its own last step has finished on its devices), saying how many steps it made;
+  its peers end within a second, naming it.
   Whatever the reason, no step for ``progress_timeout`` seconds (default 600, or
   ``ZEROJAX_PROGRESS_TIMEOUT``) ends a process too.
 - A process whose script ends posts its step count; a peer in a step it never made
@@ -138,12 +139,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         with status 1, so the job ends instead of hanging (default:
         ``ZEROJAX_PROGRESS_TIMEOUT``, else 600; it counts from ``initialize``, so it
         must cover start-up and the first step's compilation). ``0`` turns it off.
-      stall_floor: after warm-up, a process that makes no step (no ``TrainStep`` call,
+      stall_floor: a process that makes no step (no ``TrainStep`` call,
         no :func:`note_progress`) while a peer waits for it in a step ends the job after
         ``max(stall_floor, 20 x its median step period)`` seconds, at most
         ``progress_timeout`` (default: ``ZEROJAX_STALL_FLOOR``, else 30; see
-        :func:`stall_bound`). Compiling steps do not count: the bound applies outside
-        step calls, after the first two.
+        :func:`stall_bound`). Compiling does not count: the bound applies outside step
+        calls, once the process's own last step has finished on its devices, and the
+        period is measured from the third call on (the floor alone before).
       initialization_timeout: seconds to wait for every process to join.
       cpu_collectives: the CPU collectives implementation (``"gloo"``; ``"mpi"``), set
         for runs on the CPU backend (where the default cannot cross processes).
