@@ -155,8 +155,9 @@ Two questions:
   --memory, the traffic per step, and the recommendation: the least traffic among
   the option sets that fit. --largest searches layers L with hidden = 128 L and
   128-wide heads (GPT-3's ratio) for the largest model each option set fits.
-  The model is zerojax's reference GPT (scanned, rematerialised blocks); a preset of
-  another family is its closest shape there (its Psi is printed).
+  The model is zerojax's reference GPT (scanned, rematerialised blocks); the llama2-*
+  and llama3-* presets are the released Llama shapes (GQA, SwiGLU, untied head,
+  rotary positions, RMSNorm), their exact Psi printed; llama-7b is llama2-7b.
 * --params PSI (or no model): the paper's formula (Rajbhandari et al., Figure 1 and
   Table 2): model states of --param-dtype/--grad-dtype/--optimizer-bytes per
   parameter, plus --activations, --bucket-size buffers and --reserve.
@@ -166,7 +167,7 @@ Sizes need a unit: 80GB (1e9 bytes) or 80GiB (2**30 bytes); a bare number is ref
 examples:
   zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --optimizer adamw \\
       --param-dtype bf16 --largest
-  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --model llama-7b
+  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --model llama2-7b
   zerojax plan --devices 64 --memory 80GB --layers 48 --hidden 7168 --heads 56
   zerojax plan --budget 32GB --devices 64             # the paper's Table 2 column
   zerojax plan --budget 80GB --devices 1024 --params 1T
