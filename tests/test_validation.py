@@ -57,6 +57,21 @@ def test_replica_axis_model_is_refused_by_zero(hpz, mesh_kind):
 # -- refused when the state is first given to a step ------------------------------------
 
 
+def test_a_replica_axis_the_model_is_split_over_is_refused_by_the_step():
+    """The same mistake on a mesh of one's own (the tensor axis named "tp"): the model
+    split is known once init_state has the params, so the step's first call refuses
+    it (lowering failed with verifier errors before)."""
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "tp"), axis_types=(AxisType.Auto,) * 2)
+    opt = zerojax.zero(optax.sgd(0.1), mesh, stage=3, replica_axis="tp")
+    state = opt.init_state(_mlp_params(), model_specs={"w": P(None, "tp"), "b": P()})
+    with pytest.raises(ValueError, match=r"params leaf \['w'\] is split over mesh axis 'tp' "
+                                         r"for model parallelism.*replica_axis='tp' splits "
+                                         r"the batch"):
+        opt.train_step(_mlp_loss)(state, X)
+
+
 @pytest.mark.parametrize("option,made,used", [
     ("offload_optimizer", True, False),
     ("offload_optimizer", False, True),

@@ -560,7 +560,7 @@ class TrainStep:
         out = self.jitted(state, self.place_batch(batch), _check_key(rng))
         if self._in_flight is not None:
             self._in_flight.append(out[1]["loss"])
-        distributed.step_dispatched(out)
+        distributed.step_dispatched()
         return out
 
     def _bound_in_flight(self) -> None:
@@ -669,6 +669,7 @@ def check_state_matches(state: TrainState, opt) -> None:
                     f"optimizer ({here}) holds it {exp} per device: the state was made for "
                     f"another stage or mesh; {fix}.")
     _check_quantized_dtypes(flat, lay_leaves, cfg)
+    _check_model_splits(flat, lay_leaves, opt)
     _check_bucket_count(logical, opt)
     want_opt = jax.tree.structure(opt._opt_shapes(logical))
     got_opt = jax.tree.structure(state.opt_state)
@@ -701,6 +702,28 @@ def _check_memory_kinds(state: TrainState, cfg, fix: str) -> None:
                     f"{'host' if offloaded else 'device'} memory: build the optimizer with "
                     f"zero(..., {option}={on_host}) as the one that made the state, or "
                     f"{fix}.")
+
+
+def _check_model_splits(flat: list, lay_leaves: list, opt) -> None:
+    """A leaf's model-parallel split must not use an axis the batch is split over (the
+    replica or data axis): lowering fails deep inside JAX ("Cannot lower jaxpr with
+    verifier errors") when e.g. ``replica_axis`` names the model's tensor axis."""
+    batch = opt.batch_axes if isinstance(opt.batch_axes, tuple) else (opt.batch_axes,)
+    for (path, _), lay in zip(flat, lay_leaves):
+        for entry in tuple(lay.model_spec or ()):
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                if name is None or name not in batch:
+                    continue
+                given = (f"replica_axis={name!r}" if name == opt.replica_axis else
+                         f"data_axis={name!r}" if name == opt.config.data_axis else
+                         f"the mesh's {name!r} axis (plain ZeRO splits the batch over it)")
+                raise ValueError(
+                    f"params leaf {jax.tree_util.keystr(path)} is split over mesh axis "
+                    f"{name!r} for model parallelism ({lay.model_spec}), but {given} "
+                    f"splits the batch over that axis too: an axis is either the model's "
+                    f"or the batch's. Give the model split its own axis, e.g. "
+                    f"zerojax.make_mesh(replica=R, data=D, model=M) with "
+                    f"replica_axis='replica', or drop replica_axis.")
 
 
 def _check_quantized_dtypes(flat: list, lay_leaves: list, cfg) -> None:
