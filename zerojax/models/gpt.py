@@ -94,6 +94,11 @@ class GPTConfig:
     :mod:`zerojax.activations`): ``"full"`` (default) nothing, ``"dots"`` the matmul
     outputs, ``"projections"`` / ``"qkv_proj"`` the named projections,
     ``"layer_inputs"``. ``zerojax.zero(remat_policy=...)`` overrides it in the step.
+    vocab_tiles: ``None`` (default), or the number of tiles :func:`lm_loss` computes the
+    head and its cross-entropy in (:func:`zerojax.tiling.lm_head_loss`: tiles of the
+    sequence under a ``jax.custom_vjp``, so the ``(batch, t, vocab)`` logits never exist
+    at once; at most ``seq``, and at most the ``t`` of the batch at hand); the model's
+    own output (``GPT(config)(tokens)``) is the logits either way.
     """
 
     vocab: int = 256
@@ -108,6 +113,7 @@ class GPTConfig:
     activation_sharding: Any = None
     attention: str = "xla"
     remat_policy: str = "full"
+    vocab_tiles: int | None = None
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
@@ -144,6 +150,7 @@ class GPTConfig:
         if self.attention == "cudnn" and not _cudnn_head_dim(self.head_dim):
             raise ValueError(f"GPTConfig.attention='cudnn' needs head_dim = hidden / heads "
                              f"a multiple of 8 and at most 128, got {self.head_dim}")
+        _check_vocab_tiles(self.vocab_tiles, self.seq, "GPTConfig")
         sharding = self.activation_sharding
         if sharding is not None and not isinstance(
                 sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
@@ -166,6 +173,17 @@ MODEL_REMAT_POLICIES = ("full", "layer_inputs", "dots", "qkv_proj", "projections
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # activations named with checkpoint_name for remat policies (MaxText's names)
 QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
+
+
+def _check_vocab_tiles(tiles, seq: int, owner: str) -> None:
+    if tiles is None:
+        return
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"{owner}.vocab_tiles must be None or an int >= 1 (the number of "
+                         f"tiles the loss's head is computed in), got {tiles!r}")
+    if tiles > seq:
+        raise ValueError(f"{owner}.vocab_tiles={tiles} is larger than seq={seq}: the "
+                         f"tiles split the sequence, each needs a token; use at most {seq}")
 
 
 def _cudnn_head_dim(head_dim: int) -> bool:
@@ -278,12 +296,15 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2-style decoder. ``GPT(config)(tokens)`` with int ``tokens`` of shape
-    ``(batch, t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``."""
+    ``(batch, t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``;
+    ``hidden_only=True`` returns the final hidden states ``(batch, t, hidden)`` (after
+    ``ln_f``, in the compute dtype) that the logits are computed from, for a tiled
+    head (:func:`zerojax.tiling.lm_head_loss` with the tied embedding)."""
 
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, hidden_only: bool = False):
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"GPT expects int tokens of shape (batch, t), got {tokens.shape}")
@@ -307,6 +328,8 @@ class GPT(nn.Module):
                 x, _ = block(cfg, name=f"blocks_{i}")(x, None)
 
         x = _layer_norm(cfg, "ln_f")(x).astype(cfg.dtype)
+        if hidden_only:
+            return x
         return embed.attend(x).astype(jnp.float32)
 
 
@@ -340,21 +363,58 @@ def gpt_param_specs(model: GPT, rng: jax.Array | int = 0) -> Any:
     return nn.get_partition_spec(variables["params"])
 
 
-def lm_loss(model: GPT):
+def _head(model, params):
+    """``(head array, tied)`` of a GPT (the tied embedding) or a Llama (``lm_head``)."""
+    if isinstance(model, GPT):
+        return params["embed"]["embedding"], True
+    return params["decoder"]["logits_dense"]["kernel"], False
+
+
+def lm_loss(model: GPT, *, weighted: bool = False):
     """``loss_fn(params, tokens)``: mean next-token cross-entropy, a float32 scalar.
 
     ``tokens`` is an int array of shape ``(batch, t + 1)`` with ``1 <= t <= seq``,
     normally ``(batch, seq + 1)``: the model reads ``tokens[:, :-1]`` and predicts
-    ``tokens[:, 1:]``; the mean is over all ``batch * t`` predictions.
-    """
+    ``tokens[:, 1:]``; the mean is over all ``batch * t`` predictions. ``model`` is a
+    :class:`GPT` or a :class:`zerojax.models.llama.Llama`.
 
-    def loss_fn(params: Any, tokens) -> jnp.ndarray:
+    ``weighted=True``: ``loss_fn(params, (tokens, weights))`` with float ``weights`` of
+    shape ``(batch, t)`` (a weight per prediction, 0 masks it) returns ``(loss_sum,
+    weight_sum)`` for ``train_step(weighted=True)``.
+
+    With ``config.vocab_tiles`` set, the head and the cross-entropy are computed in
+    that many tiles of the sequence (:func:`zerojax.tiling.lm_head_loss`) from the
+    model's final hidden states: equal to the untiled loss to float32 rounding, without
+    the whole ``(batch, t, vocab)`` logits (the matmul in the compute dtype,
+    accumulated in float32).
+    """
+    tiles = getattr(model.config, "vocab_tiles", None)
+
+    def loss_fn(params: Any, batch) -> Any:
+        tokens, weights = batch if weighted else (batch, None)
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not 2 <= tokens.shape[1] <= model.config.seq + 1:
             raise ValueError(f"lm_loss expects tokens of shape (batch, t + 1) with "
                              f"1 <= t <= seq = {model.config.seq}, got {tokens.shape}")
+        if weighted and jnp.shape(weights) != (tokens.shape[0], tokens.shape[1] - 1):
+            raise ValueError(f"lm_loss(weighted=True) expects (tokens, weights) with "
+                             f"weights of shape (batch, t) = "
+                             f"{(tokens.shape[0], tokens.shape[1] - 1)}, got "
+                             f"{jnp.shape(weights)}")
+        if tiles is not None:
+            from zerojax.tiling import lm_head_loss
+
+            hidden = model.apply({"params": params}, tokens[:, :-1], hidden_only=True)
+            head, tied = _head(model, params)
+            loss_sum, weight_sum = lm_head_loss(
+                hidden, head, tokens[:, 1:], weights=weights, tied=tied, tiles=tiles,
+                dtype=model.config.dtype)
+            return (loss_sum, weight_sum) if weighted else loss_sum / weight_sum
         logits = model.apply({"params": params}, tokens[:, :-1])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        if weighted:
+            weights = jnp.asarray(weights, jnp.float32)
+            return jnp.sum(losses * weights, dtype=jnp.float32), jnp.sum(weights)
         return jnp.mean(losses, dtype=jnp.float32)
 
     return loss_fn

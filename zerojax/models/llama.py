@@ -85,6 +85,7 @@ from zerojax.models.gpt import (
     MODEL_REMAT_POLICIES,
     OUT_PROJ,
     QKV_PROJ,
+    _check_vocab_tiles,
     _constrain,
     _cudnn_head_dim,
     resolve_attention,
@@ -112,7 +113,10 @@ class LlamaConfig:
     float32; RMSNorm, rotary tables, softmax and the loss run in float32), ``nn.remat``
     per block, ``nn.scan`` over the blocks, a sharding constraint on the residual
     stream, the attention implementation (``"xla"``, ``"dot_product"``, ``"cudnn"``,
-    ``"auto"``) and what a rematerialised block saves.
+    ``"auto"``) and what a rematerialised block saves. vocab_tiles: ``None``, or the
+    number of sequence tiles :func:`zerojax.models.gpt.lm_loss` computes the untied
+    head and its cross-entropy in (:func:`zerojax.tiling.lm_head_loss`), as for
+    :class:`zerojax.models.gpt.GPTConfig`.
     """
 
     vocab: int = 256
@@ -130,6 +134,7 @@ class LlamaConfig:
     activation_sharding: Any = None
     attention: str = "xla"
     remat_policy: str = "full"
+    vocab_tiles: int | None = None
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -185,6 +190,7 @@ class LlamaConfig:
         if self.attention == "cudnn" and not _cudnn_head_dim(self.head_dim):
             raise ValueError(f"LlamaConfig.attention='cudnn' needs head_dim = hidden / "
                              f"heads a multiple of 8 and at most 128, got {self.head_dim}")
+        _check_vocab_tiles(self.vocab_tiles, self.seq, "LlamaConfig")
         sharding = self.activation_sharding
         if sharding is not None and not isinstance(
                 sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
@@ -395,7 +401,7 @@ class Decoder(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, hidden_only: bool = False):
         cfg = self.config
         policy = None if cfg.remat_policy == "full" else checkpoint_policy(cfg.remat_policy)
         if cfg.scan:
@@ -409,17 +415,21 @@ class Decoder(nn.Module):
             for i in range(cfg.layers):
                 x, _ = layer(cfg, name=f"layers_{i}")(x, None)
         x = RMSNorm(cfg.norm_eps, cfg.dtype, name="decoder_norm")(x)
+        if hidden_only:  # the head left to the caller (a tiled loss)
+            return x
         return _dense(cfg, cfg.vocab, (None, "model"), "logits_dense")(x).astype(jnp.float32)
 
 
 class Llama(nn.Module):
     """Llama decoder. ``Llama(config)(tokens)`` with int ``tokens`` of shape ``(batch,
-    t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``."""
+    t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``;
+    ``hidden_only=True`` returns the normed final hidden states ``(batch, t, hidden)``
+    the ``lm_head`` reads (for :func:`zerojax.tiling.lm_head_loss`)."""
 
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, hidden_only: bool = False):
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"Llama expects int tokens of shape (batch, t), got "
@@ -430,7 +440,7 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
                          embedding_init=_init(("model", None)), name="token_embedder")
         x = _constrain(cfg, embed(tokens))
-        return Decoder(cfg, name="decoder")(x)
+        return Decoder(cfg, name="decoder")(x, hidden_only)
 
 
 def _unconstrained(model: Llama) -> Llama:
