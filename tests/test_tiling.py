@@ -46,9 +46,9 @@ def _mean_and_grads(hidden, head, targets, weights, tiles, **kw):
     return jax.jit(jax.value_and_grad(mean, argnums=(0, 1)))(hidden, head)
 
 
-# measured (jax 0.10.2, XLA:CPU): loss within 4.8e-7 absolute (|loss| ~ 5), gradients
-# within 1.7e-7 relative (the per-tile sums and dW's accumulation over tiles reorder
-# float32 additions); the bounds leave 4x
+# measured (jax 0.10.2, XLA:CPU): loss within 9.5e-7 absolute (|loss| ~ 5.4, 1.8e-7
+# relative), gradients within 1.25e-7 relative (the per-tile sums, dW's accumulation
+# over the tiles and the custom backward's softmax - onehot reorder float32 roundings)
 @pytest.mark.parametrize("tied,extra", [(True, {}),
                                         (False, {"z_loss": 1e-2, "label_smoothing": 0.1})])
 def test_tiled_equals_untiled(head_problem, tied, extra):
@@ -88,7 +88,7 @@ def test_bf16_compute_float32_accumulation(head_problem):
                                  dtype=jnp.bfloat16)
     assert got.dtype == jnp.float32
     assert abs(float(got) - float(ref)) <= 2e-6
-    assert max_rel_err(ref_g, got_g) < 1e-2  # grads come back in bf16 (measured 0)
+    assert max_rel_err(ref_g, got_g) < 1e-2  # bf16 gradients (measured 2.7e-3)
     assert abs(float(got) - float(f32)) <= 1e-2 * abs(float(f32))
 
 
@@ -121,8 +121,9 @@ def test_models_lm_loss_tiled():
         assert max_rel_err(ref[1], got[1]) < 1e-6
 
 
-# measured: after 4 Adam steps the tiled stage-0..3 params are within 1.5e-6 of the
-# untiled single-device run (float32 rounding through Adam's normalisation)
+# measured: after 3 Adam steps the tiled params (stage 0 and 3) are within 4.4e-7 of
+# the untiled single-device run, the untiled zerojax ones within 4.7e-7; the QKV bias
+# 2.7e-4 in both
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_tiled_matches_single_device_untiled(stage):
     rng = np.random.default_rng(1)
@@ -147,7 +148,7 @@ def test_zero_stages_tiled_matches_single_device_untiled(stage):
     # invariant): Adam moves it by rounding noise only, in every run (test_gpt.py)
     noisy = ("blocks", "qkv", "bias")
     errs = {k: max_rel_err(a, b) for k, a, b in _leaves(ref, got)}
-    assert max(e for k, e in errs.items() if k != noisy) < 2e-5, errs
+    assert max(e for k, e in errs.items() if k != noisy) < 4e-6, errs
     assert errs[noisy] < 1e-3, errs
 
 
