@@ -196,7 +196,7 @@ def _tiled_bwd(tied, z_loss, label_smoothing, res, g):
     head, hs, ts, ws, lses = res
     vocab = head.shape[0] if tied else head.shape[1]
 
-    def body(dhead, xs):
+    def body(dhead, xs):  # dhead (hidden, vocab) either way: no (vocab, tokens) transpose
         h, t, w, lse = xs
         logits = _logits(head, h, tied)
         p = jnp.exp(logits - lse[..., None])
@@ -207,17 +207,17 @@ def _tiled_bwd(tied, z_loss, label_smoothing, res, g):
         if label_smoothing:
             dlogits = dlogits - label_smoothing / vocab
         dlogits = (dlogits * (g * w)[..., None]).astype(h.dtype)
-        if tied:
-            dh = jnp.einsum("bcv,vh->bch", dlogits, head, preferred_element_type=jnp.float32)
-            dhead = dhead + jnp.einsum("bcv,bch->vh", dlogits, h,
-                                       preferred_element_type=jnp.float32)
-        else:
-            dh = jnp.einsum("bcv,hv->bch", dlogits, head, preferred_element_type=jnp.float32)
-            dhead = dhead + jnp.einsum("bch,bcv->hv", h, dlogits,
-                                       preferred_element_type=jnp.float32)
+        spec = "bcv,vh->bch" if tied else "bcv,hv->bch"
+        dh = jnp.einsum(spec, dlogits, head, preferred_element_type=jnp.float32)
+        # h^T @ dlogits: XLA transposes the small h, not the tile's (tokens, vocab)
+        dhead = dhead + jnp.einsum("bch,bcv->hv", h, dlogits,
+                                   preferred_element_type=jnp.float32)
         return dhead, dh.astype(h.dtype)
 
-    dhead, dhs = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), (hs, ts, ws, lses))
+    width = hs.shape[-1]
+    dhead, dhs = jax.lax.scan(body, jnp.zeros((width, vocab), jnp.float32),
+                              (hs, ts, ws, lses))
+    dhead = dhead.T if tied else dhead
     return dhead.astype(head.dtype), dhs, None, None
 
 
