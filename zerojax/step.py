@@ -681,26 +681,23 @@ def check_state_matches(state: TrainState, opt) -> None:
 
 
 def _check_memory_kinds(state: TrainState, cfg, fix: str) -> None:
-    """The state's optimizer state and params in the memory this optimizer keeps them
-    in between steps (``pinned_host`` with ``offload_optimizer`` / ``offload_params``,
-    the device's memory otherwise): a host-memory state in a device step fails inside
-    the user's loss ("memory_space of all inputs ... must be the same")."""
+    """A state held in host memory (made by an optimizer with ``offload_optimizer`` /
+    ``offload_params``) refused by a step that keeps it on the device: it failed
+    inside the user's loss ("memory_space of all inputs passed to dot_general must be
+    the same"). The converse is taken: an offloading step moves a device state to
+    host memory at its first call (``tests/test_offload.py``)."""
     for what, tree, option in (("opt_state", state.opt_state, "offload_optimizer"),
                                ("params", state.params, "offload_params")):
-        offloaded = getattr(cfg, option)
+        if getattr(cfg, option):
+            continue
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-            if kind is None or not isinstance(x, jax.Array):
-                continue
-            on_host = "host" in kind
-            if on_host != offloaded:
-                where = (f"host memory ({kind!r}: made by an optimizer with {option}=True)"
-                         if on_host else f"device memory ({kind!r}: made without {option})")
+            if isinstance(x, jax.Array) and kind is not None and "host" in kind:
                 raise ValueError(
-                    f"state.{what}{jax.tree_util.keystr(path)} is in {where}, but this "
-                    f"step's optimizer has {option}={offloaded} and keeps it in "
-                    f"{'host' if offloaded else 'device'} memory: build the optimizer with "
-                    f"zero(..., {option}={on_host}) as the one that made the state, or "
+                    f"state.{what}{jax.tree_util.keystr(path)} is in host memory ({kind!r}: "
+                    f"made by an optimizer with {option}=True), but this step's optimizer "
+                    f"has {option}=False and keeps it in device memory: build the optimizer "
+                    f"with zero(..., {option}=True) as the one that made the state, or "
                     f"{fix}.")
 
 
