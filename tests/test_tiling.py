@@ -21,6 +21,7 @@ from zerojax.models import (
     gpt_params,
     llama_params,
     lm_loss,
+    markov_tokens,
 )
 from zerojax.tiling import check_tiles, lm_head_loss, logits_bytes
 
@@ -159,6 +160,35 @@ def _leaves(ref, got):
     flat_got = jax.tree.leaves(got)
     return [(tuple(getattr(k, "key", k) for k in path), a, b)
             for (path, a), b in zip(flat_ref, flat_got)]
+
+
+def test_loss_curve_20_steps_stage3():
+    """20 steps at stage 3, tiled (4 tiles of 4 tokens), against one device untiled:
+    the same loss curve (measured: within 2.3e-7 relative at every step; 4.17 -> 2.84)."""
+    batches = markov_tokens(20, 16, 16, 64, seed=3)
+    params = cached_gpt_params(_gpt())
+    tx = optax.adam(3e-3)
+    untiled = lm_loss(_gpt())
+
+    @jax.jit
+    def ref_step(p, s, b):
+        loss, g = jax.value_and_grad(untiled)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p, s, want = params, tx.init(params), []
+    for b in batches:
+        p, s, loss = ref_step(p, s, b)
+        want.append(float(loss))
+    opt = zerojax.zero(tx, zerojax.make_mesh(data=8), stage=3)
+    state = opt.init_state(cached_gpt_params(_gpt()))
+    step = opt.train_step(lm_loss(_gpt(vocab_tiles=4)))
+    got = []
+    for b in batches:
+        state, metrics = step(state, b)
+        got.append(float(metrics["loss"]))
+    assert want[-1] < want[0] - 1.0  # it learns
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 _REF: dict = {}
