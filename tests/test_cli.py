@@ -89,14 +89,15 @@ def test_estimate_table1_matches_the_paper(capsys):
 
 def test_plan_largest_models_match_the_paper(capsys):
     # Table 2 of the paper: 32 GB devices, N = 64: 2B (DDP), 7.6B, 14.4B, 128B
-    code, out, _ = _exit_code(["plan", "--budget", "32GB", "--devices", "64"], capsys)
+    whole = ["--mem-fraction", "1", "--runtime-reserve", "0"]  # the paper's whole card
+    code, out, _ = _exit_code(["plan", "--budget", "32GB", "--devices", "64", *whole], capsys)
     assert code == 0, out
     largest = re.findall(r"^\s*\d \S+ .* (\S+)$", out, re.M)
     assert largest == ["2B", "7.64B", "14.4B", "128B"], out
     # With a model: which stages fit it
     code, out, _ = _exit_code(["plan", "--budget", "32GB", "--devices", "64",
-                               "--params", "7.5B"], capsys)
-    assert code == 0 and "fits at stage 1, 2, 3" in out, out
+                               "--params", "7.5B", *whole], capsys)
+    assert code == 0 and "model states fit at stage 1, 2, 3" in out, out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -108,7 +109,7 @@ def test_plan_largest_models_match_the_paper(capsys):
     (["estimate", "--layers", "4"], "--layers and --hidden go together"),
     (["plan", "--devices", "8"], "--budget"),
     (["plan", "--budget", "lots"], "not a memory size"),
-    (["plan", "--budget", "1GB", "--reserve=-1GB"], "not a memory size"),
+    (["plan", "--budget", "1GB", "--reserve=-1GB"], "is negative"),
     (["train", "--stage", "5"], "invalid choice"),
     (["train", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--batch", "12"], "--batch 12 must be a multiple of the data degree 8"),
@@ -158,7 +159,7 @@ def test_plan_a_model_on_a_model_axis_with_pa(capsys):
             "--model", "llama-7b"]
     code, out, _ = _exit_code(base + ["--mp", "2", "--remat-policy", "partitioned"], capsys)
     assert code == 0, out
-    assert "8 data x 2 model = 16 devices" in out and "remat_policy='partitioned'" in out
+    assert "4 data x 2 model = 8 devices" in out and "remat_policy='partitioned'" in out
     code, plain, _ = _exit_code(base, capsys)
     assert code == 0 and "remat_policy" not in plain
     stage3 = lambda text: [ln for ln in text.splitlines()  # noqa: E731
@@ -173,7 +174,7 @@ def test_plan_says_what_the_code_does(capsys):
     code, out, _ = _exit_code(["plan", "--budget", "80GB", "--devices", "1024", "--params",
                                "1T"], capsys)
     assert code == 0 and "communicates least" not in out, out
-    assert "fits at stage 3 only: stage 3 communicates the most" in out
+    assert "model states fit at stage 3 only: stage 3 communicates the most" in out
 
 
 def test_plan_answers_the_question_in_one_command(capsys):
@@ -284,3 +285,132 @@ def test_console_script_runs():
     bad = subprocess.run([exe, "estimate", "--params", "-3"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "parameter count" in bad.stderr
+
+
+# --- issue 32: the memory JAX gives, one meaning of --devices, host memory, inputs ------
+
+FASTCHAT = ["plan", "--model", "llama2-7b", "--devices", "4", "--memory", "40GB", "--seq",
+            "2048", "--batch", "2"]  # FastChat's 7B on 4 x 40 GB, 2 x 2048, remat
+
+
+def _recommended(out):
+    m = re.search(r"peak ([\d.]+) of ([\d.]+) GB per device, ([\d.]+) GB \(\d+%\) headroom",
+                  out)
+    assert m, out
+    return [float(x) * 1e9 for x in m.groups()]
+
+
+@pytest.mark.parametrize("env, fraction", [(None, 0.75), ("0.95", 0.95)])
+def test_fastchat_plan_stays_within_what_jax_gives(env, fraction, capsys, monkeypatch):
+    """JAX preallocates 75% of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+    otherwise: nothing recommended above card x fraction - the 1 GB runtime reserve, and
+    the headroom said."""
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                 "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    if env:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", env)
+    code, out, _ = _exit_code(FASTCHAT, capsys)
+    assert code == 0, out
+    peak, usable, headroom = _recommended(out)
+    assert usable == pytest.approx(40e9 * fraction - 1e9, rel=1e-3), out
+    assert peak <= usable <= 40e9 * fraction and headroom == pytest.approx(usable - peak,
+                                                                         abs=2e7)
+    assert f"x {fraction:g} (" in out and "runtime reserve" in out
+    # every row marked as fitting is within it
+    for line in out.splitlines():
+        cells = line.split()
+        if line.strip().startswith("stage") and "yes" in cells:
+            assert float(cells[cells.index("yes") - 1]) * 1e9 <= usable, line
+    code, flag, _ = _exit_code(FASTCHAT + ["--mem-fraction", "0.5"], capsys)
+    assert code == 0 and _recommended(flag)[1] == pytest.approx(19e9, rel=1e-3), flag
+
+
+def test_devices_is_the_total_in_plan_estimate_and_train(capsys):
+    """--devices 8 --mp 2: 8 devices, data-parallel 4, in every command."""
+    code, out, _ = _exit_code(["plan", "--model", "llama2-7b", "--memory", "80GB",
+                               "--devices", "8", "--mp", "2"], capsys)
+    assert code == 0 and "4 data x 2 model = 8 devices" in out, out
+    code, out, _ = _exit_code(["plan", "--params", "7.5B", "--memory", "80GB",
+                               "--devices", "8", "--mp", "2"], capsys)
+    assert code == 0 and "N = 4 data-parallel, M = 2 model-parallel" in out, out
+    code, out, _ = _exit_code(["estimate", "--params", "7.5B", "--devices", "8", "--mp",
+                               "2"], capsys)
+    assert code == 0 and "N = 4 data-parallel devices x M = 2 model-parallel = 8" in out
+    from zerojax.cli.command import build_parser
+
+    for flag in ("--mp", "--model"):
+        args = build_parser().parse_args(["train", "--devices", "8", flag, "2"])
+        demo.check_arguments(args, args.parser)
+        assert (args.data, args.model) == (4, 2)
+    for argv in (["plan", "--params", "7.5B", "--memory", "80GB", "--devices", "9", "--mp",
+                  "2"], ["estimate", "--params", "1B", "--devices", "9", "--mp", "2"],
+                 ["plan", "--model", "llama2-7b", "--memory", "80GB", "--devices", "12",
+                  "--gpus-per-node", "8"]):
+        code, _, err = _exit_code(argv, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert re.search(r"--devices (9|12) is not divisible by --(mp 2|gpus-per-node 8)",
+                         err), err
+
+
+def test_offload_beyond_host_memory_does_not_fit(capsys):
+    """gpt3-175b on 8 x 80 GB: offloading its state needs TBs of pinned host memory per
+    node (the node's 8 shards); above --host-memory those rows do not fit."""
+    argv = ["plan", "--model", "gpt3-175b", "--devices", "8", "--memory", "80GB", "--seq",
+            "2048", "--batch", "1", "--mem-fraction", "0.95"]
+    full = "stage 3 + offload_optimizer + offload_params"
+
+    def row(out):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(full))
+        return line[len(line) - len(line.lstrip()) + len(full):].split()
+
+    code, out, _ = _exit_code(argv + ["--host-memory", "1TB"], capsys)
+    assert code == 0, out
+    cells = row(out)
+    needed = float(cells[-1].replace(",", "")) * 1e9
+    assert needed > 1e12 and "no: host" in " ".join(cells), out
+    assert "host memory 1,000.00 GB per node, 8 devices per node" in out
+    code, out, _ = _exit_code(argv + ["--host-memory", "4TB"], capsys)
+    assert code == 0 and "yes" in row(out) and "no:" not in row(out), out
+
+
+@pytest.mark.parametrize("argv, value", [
+    (["estimate", "--params", "7.5"], "did you mean 7.5B?"),
+    (["plan", "--memory", "80GB", "--params", "1e30"], "above the ceiling"),
+    (["plan", "--memory", "80GB", "--model", "gpt2-1.5b", "--seq", "1000000"],
+     "seq 1000000 is beyond gpt2-1.5b's 1024 learned positions"),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--reserve", "100GB"],
+     "--reserve 100.00 GB is at or above"),
+    (["plan", "--memory", "80GB", "--params", "1B", "--reserve", "100GB"],
+     "--reserve 100.00 GB is at or above"),
+    (["plan", "--memory", "-80GB"], "'-80GB' is negative"),
+    (["estimate", "--params", "-7.5B"], "'-7.5B' is negative"),
+    (["estimate", "--params", "1B", "--devices", "-8"], "'-8' is negative"),
+    (["plan", "--memory", "80GB", "--mem-fraction", "1.5"], "'1.5' is not in (0, 1]"),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--optimizer-bytes", "12"],
+     "--optimizer-bytes 12"),
+])
+def test_issue32_bad_inputs_are_one_line(argv, value, capsys):
+    code, out, err = _exit_code(argv, capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and value in lines[0] and "Traceback" not in err, err
+
+
+def test_explicit_optimizer_bytes_win(capsys):
+    def k(*argv):
+        code, out, _ = _exit_code(["estimate", "--params", "1B", "--devices", "1", *argv],
+                                  capsys)
+        assert code == 0, out
+        return out, float(re.search(r"optimizer state ([\d.e-]+) \(GB", out).group(1))
+
+    out, sgd12 = k("--optimizer", "sgd", "--optimizer-bytes", "12")
+    assert sgd12 == 12 and "wins over sgd's own state" in out
+    assert k("--optimizer", "sgd")[1] != 12
+
+
+def test_params_mode_counts_no_activations(capsys):
+    code, out, _ = _exit_code(["plan", "--memory", "80GB", "--devices", "64", "--params",
+                               "7.5B"], capsys)
+    assert code == 0 and "activations not counted" in out, out
+    assert "not a recommendation" in out and "recommended" not in out

@@ -48,6 +48,8 @@ __all__ = [
     "paper_table1",
     "plan",
     "table1",
+    "DeviceMemory",
+    "usable_memory",
 ]
 
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
@@ -128,6 +130,82 @@ def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
     if qg:  # plain, quantized: the reduce-scatter goes hierarchically, inside first
         return wire(psi, qg, grad_bytes), gathers + wire(shard, qg, grad_bytes)
     return 0, gathers + psi * grad_bytes
+
+
+# --- the memory a JAX process gets ----------------------------------------------------
+
+JAX_DEFAULT_MEM_FRACTION = 0.75  # docs.jax.dev/en/latest/gpu_memory_allocation.html
+# Kept back from JAX's pool for what a training process allocates besides the step's
+# buffers: XLA's cuBLAS/cuDNN workspaces (cuBLAS: 32 MiB per handle on Hopper), NCCL's
+# buffers (NCCL_BUFFSIZE 4 MiB per channel and peer), the CUDA context's own growth
+# (a few hundred MB, outside the pool). An assumption from those figures, not measured
+# here (no GPU in the session that wrote it): 1 GB. --runtime-reserve overrides it.
+RUNTIME_RESERVE_BYTES = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What a JAX process may fill on one device: ``card x fraction - runtime_reserve``
+    (``usable``), and where each figure came from."""
+
+    card: int
+    fraction: float
+    fraction_source: str
+    runtime_reserve: int
+    preallocate: bool
+    usable: int
+
+    def __str__(self) -> str:
+        alloc = ("preallocated" if self.preallocate else
+                 "preallocation off (XLA_PYTHON_CLIENT_PREALLOCATE=false): grown on demand "
+                 "up to the same fraction")
+        return (f"memory per device: {_gb(self.card)} GB card x {self.fraction:g} "
+                f"({self.fraction_source}; {alloc}) - {_gb(self.runtime_reserve)} GB runtime "
+                f"reserve (CUDA/NCCL/cuBLAS workspaces; --runtime-reserve) = "
+                f"{_gb(self.usable)} GB planned")
+
+
+def usable_memory(card_bytes: int, *, fraction: float | None = None,
+                  runtime_reserve: int | None = None, env: Any = None) -> DeviceMemory:
+    """The memory a JAX process gets on a GPU of ``card_bytes``: JAX's allocator takes
+    ``fraction`` of the card (``fraction`` if given, else ``XLA_CLIENT_MEM_FRACTION`` or
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` from ``env`` (default ``os.environ``), else JAX's
+    default 0.75; ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool: 1.0), less
+    ``runtime_reserve`` (default :data:`RUNTIME_RESERVE_BYTES`). Refuses a fraction
+    outside (0, 1] and a reserve that leaves nothing."""
+    import os
+
+    env = os.environ if env is None else env
+    card = _count("card_bytes", card_bytes, minimum=1, hint="bytes of memory per device")
+    source = "--mem-fraction"
+    if fraction is None:
+        for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+            if env.get(name):
+                try:
+                    fraction = float(env[name])
+                except ValueError:
+                    raise ValueError(f"{name}={env[name]!r} is not a number; set it to a "
+                                     "fraction such as 0.9, or unset it") from None
+                source = f"{name} from the environment"
+                break
+        else:
+            if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "") == "platform":
+                fraction, source = 1.0, "XLA_PYTHON_CLIENT_ALLOCATOR=platform: no pool"
+            else:
+                fraction, source = JAX_DEFAULT_MEM_FRACTION, "JAX's default fraction"
+    if not (0 < fraction <= 1):
+        raise ValueError(f"memory fraction {fraction!r} ({source}) is not in (0, 1]; write "
+                         "e.g. 0.75 (JAX's default) or 0.95")
+    reserve = RUNTIME_RESERVE_BYTES if runtime_reserve is None else runtime_reserve
+    reserve = _count("runtime_reserve", reserve, minimum=0)
+    pool = int(card * fraction)
+    if reserve >= pool:
+        raise ValueError(f"runtime reserve {_gb(reserve)} GB is at or above the "
+                         f"{_gb(pool)} GB JAX gets ({_gb(card)} GB x {fraction:g}); lower "
+                         "--runtime-reserve")
+    preallocate = env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in (
+        "false", "0")
+    return DeviceMemory(card, fraction, source, reserve, preallocate, pool - reserve)
 
 
 # Stage 3 on nodes x devices per node, each way of keeping the traffic inside the node
@@ -623,7 +701,7 @@ OPTION_SETS = (
 )
 
 NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buffers), "
-               "allocator fragmentation, the framework's own reserve (use --reserve). "
+               "allocator fragmentation beyond --runtime-reserve (use --reserve). "
                "Checked against compiled steps on CPU (benchmarks/memory_model.py): the "
                "reference GPT within 10% on 48 of 48 cells, 6 shapes x stages 0-3 x fp32 "
                "and bf16 (0.94-1.08 on jax 0.10.2, 0.92-1.06 on jax 0.12); zerojax's "
@@ -645,6 +723,8 @@ class PlanRow:
     fits: bool
     traffic_bytes: int  # per device per step over the data axis
     host_traffic_bytes: int  # device <-> host per step (offloaded state in and out)
+    host_bytes: int = 0  # pinned host memory per node: offloaded state of its devices
+    host_fits: bool = True  # host_bytes within the node's host memory (or none given)
 
     @property
     def peak(self) -> int:
@@ -683,6 +763,9 @@ class ModelPlan:
     attention: str = "auto"  # GPTConfig.attention planned
     options: dict = dataclasses.field(default_factory=dict)  # zero() options of every row
     note: str = ""  # a preset asked for by its old name
+    host_memory_bytes: int | None = None  # pinned host memory per node (None: unchecked)
+    node_devices: int = 1  # devices whose offloaded state shares one node's host memory
+    memory_note: str = ""  # where budget_bytes came from (the card x fraction - reserve)
 
     def row(self, label: str) -> PlanRow:
         for r in self.rows:
@@ -711,7 +794,7 @@ def _dtype(param_dtype: Any):
 
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
          budget, reserve, remat=True, extra=None, mp=1, attention="xla",
-         replicas=1) -> PlanRow:
+         replicas=1, host_budget=None, host_devices=1) -> PlanRow:
     import jax.numpy as jnp
 
     from zerojax.analysis.report import gpt_state_estimate, gpt_step_prediction
@@ -729,7 +812,11 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
     host = 2 * states.host
     peak = step.peak + reserve
-    return PlanRow(label, stage, options, states, step, reserve, peak <= budget, traffic, host)
+    # offloaded state stays in pinned host memory, one shard per device of the node
+    host_bytes = states.host * host_devices
+    host_fits = host_budget is None or host_bytes <= host_budget
+    return PlanRow(label, stage, options, states, step, reserve,
+                   peak <= budget and host_fits, traffic, host, host_bytes, host_fits)
 
 
 def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_bytes: int,
@@ -738,6 +825,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                largest: bool = False, reserve_bytes: int = 0, remat: bool = True,
                width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
                option_sets: Sequence = OPTION_SETS, mp: int = 1, attention: str = "auto",
+               host_memory_bytes: int | None = None, memory_note: str = "",
                **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
@@ -764,6 +852,13 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     ``"auto"`` (default, what ``zerojax train`` runs) is cuDNN's flash attention with
     bf16/fp16 params and head_dim <= 128, so no ``s x s`` scores are counted;
     ``"xla"`` the explicit attention, its float32 scores materialised.
+
+    ``budget_bytes`` is what the planner may fill per device: the memory a JAX process
+    gets (:func:`usable_memory`), not the card's. ``host_memory_bytes``: pinned host
+    memory per node; an offload row whose offloaded state (the shards of the node's
+    ``devices_per_node x mp`` devices, else ``min(devices x mp, 8)``) exceeds it does not
+    fit (``PlanRow.host_bytes``, ``.host_fits``). ``memory_note`` is printed with the
+    table (where ``budget_bytes`` came from).
     """
     devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
     budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
@@ -786,6 +881,14 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
             note = (f"{model} is {ALIASES[model]} (Llama-2's real shape; the old name "
                     "planned a GPT-2 shape of that width)")
         model = PRESETS[model]
+    if model is not None and model.positions and seq > model.positions:
+        raise ValueError(
+            f"seq {seq} is beyond {model.name or 'the model'}'s {model.positions} learned "
+            f"positions; use a seq of at most {model.positions}, or a shape of your own "
+            "(--layers --hidden --heads: the reference GPT learns one position per token)")
+    if host_memory_bytes is not None:
+        host_memory_bytes = _count("host_memory_bytes", host_memory_bytes, minimum=1,
+                                   hint="pinned host memory per node")
     if model is None and not largest:
         raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
     pd = _dtype(param_dtype)
@@ -797,9 +900,10 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
         raise ValueError(f"vocab {vocab} is not divisible by mp {mp}: the reference GPT "
                          "splits the embedding's rows over the model axis; give a vocab "
                          f"padded to a multiple of {mp}")
+    node_devices = devices_per_node * mp if devices_per_node else min(devices * mp, 8)
     kw = dict(devices=devices, seq=seq, batch=batch, tx=tx, param_dtype=pd,
               budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
-              attention=attention)
+              attention=attention, host_budget=host_memory_bytes, host_devices=node_devices)
 
     found = []
     if largest:
@@ -838,13 +942,18 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                   f"set(s) that fit ({_gb(best.traffic_bytes)} GB over the data axis"
                   + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
                      if best.host_traffic_bytes else "")
-                  + f"), peak {_gb(best.peak)} of {_gb(budget_bytes)} GB per device"
+                  + f"), peak {_gb(best.peak)} of {_gb(budget_bytes)} GB per device, "
+                  f"{_gb(budget_bytes - best.peak)} GB "
+                  f"({(budget_bytes - best.peak) / budget_bytes:.0%}) headroom"
                   + (f"; {len(others)} other(s) fit with more traffic" if others else ""))
     else:
         best = None
         least = min(rows, key=lambda r: r.peak)
         reason = (f"nothing fits: the smallest, {least.label}, needs {_gb(least.peak)} GB "
-                  f"per device of {_gb(budget_bytes)}; add devices, shorten --seq or "
+                  f"per device of {_gb(budget_bytes)}"
+                  + (f" and {_gb(least.host_bytes)} GB of host memory per node of "
+                     f"{_gb(host_memory_bytes)}" if not least.host_fits else "")
+                  + f"; add devices, shorten --seq or "
                   f"--batch (activations {_gb(least.activations)} GB), or use a smaller "
                   "model")
     links = ()
@@ -868,7 +977,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
                      pd, rows, best, reason, tuple(found), links=links, mp=mp,
                      options=dict(options), attention=attention, link_rows=link_rows,
-                     note=note)
+                     note=note, host_memory_bytes=host_memory_bytes,
+                     node_devices=node_devices, memory_note=memory_note)
 
 
 def _check_model_axis(model: ModelShape, mp: int) -> None:
@@ -904,7 +1014,7 @@ def format_model_plan(p: ModelPlan) -> str:
     mesh = (f"{p.devices} data x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
             else f"{p.devices} devices")
     extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
-    head = [f"plan: {mesh} x {_gb(p.budget_bytes)} GB{nodes}, seq {p.seq}, "
+    head = [f"plan: {mesh} x {_gb(p.budget_bytes)} GB usable{nodes}, seq {p.seq}, "
             f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
             f"{precision} (fp32 master weights and optimizer state){extra}"]
     if p.shape is not None:
@@ -916,19 +1026,29 @@ def format_model_plan(p: ModelPlan) -> str:
         head.append(f"attention: {p.attention}: " + (
             "cuDNN flash attention on a CUDA GPU (no s x s scores in memory)" if flash
             else "explicit, float32 s x s scores materialised per layer being recomputed"))
+    if p.memory_note:
+        head.append(p.memory_note)
     header = ["option set", "params", "grads", "optim", "act", "other", "peak (GB)",
-              "fits", "traffic (GB)", "host (GB)"]
+              "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
     rows = []
     for r in p.rows:
         s = r.states
         other = r.peak - s.params - s.optimizer_state - r.activations
+        fits = "yes" if r.fits else ("no: host" if r.peak <= p.budget_bytes else "no")
         rows.append([r.label, _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
-                     _gb(r.activations), _gb(other), _gb(r.peak), "yes" if r.fits else "no",
-                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes)])
+                     _gb(r.activations), _gb(other), _gb(r.peak), fits,
+                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)])
     out = "\n".join(head) + "\n" + _table(header, rows)
-    out += ("\n(params/optim: what init_state places on the device; grads: the gradient "
-            "handed to the update; other: gradients in flight, working copies, the batch "
-            "and --reserve at the step's peak; host: offloaded state moved in and out)")
+    host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
+                 f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
+                 else "host memory not checked")
+    out += ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
+            "bytes at the peak are inside other. params/optim: what init_state places on "
+            "the device; grads: the gradient handed to the update; other: gradients in "
+            "flight, working copies, the batch and --reserve at the step's peak; host: "
+            "offloaded state moved in and out per step; host/node: the pinned host memory "
+            f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
+            "not the host)")
     if p.largest:
         out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
         out += _table(["option set", "layers", "hidden", "heads", "Psi"],

@@ -25,8 +25,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
 # --- argument types: clear messages for argparse -------------------------------------
 
 
+MAX_PARAMS = 10**15  # 1000T: a thousand times the paper's largest (1T); above it, a typo
+
+
+def _negative(text: str, what: str, example: str) -> None:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is negative: {what} cannot be; write e.g. {example}")
+
+
 def parameter_count(text: str) -> int:
-    """'7.5B', '340M', '1.5e9', '1_000_000' -> an int number of parameters."""
+    """'7.5B', '340M', '1.5e9', '1_000_000' -> an int number of parameters. A bare
+    number below 1,000 is refused (7.5 is 7.5B?), and so is one above ``MAX_PARAMS``."""
+    _negative(text, "a parameter count", "7.5B")
     m = re.fullmatch(r"\s*([0-9][0-9_]*\.?[0-9_]*(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*",
                      text, re.IGNORECASE)
     if not m:
@@ -35,6 +46,14 @@ def parameter_count(text: str) -> int:
     value = float(m.group(1).replace("_", "")) * COUNT_SUFFIXES[m.group(2).lower()]
     if not value >= 1 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r}: the parameter count must be >= 1")
+    if not m.group(2) and value < 1000:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {value:g} parameters, no unit: did you mean {m.group(1)}B? "
+            f"write {m.group(1)}B, {m.group(1)}M or a full count such as 7500000000")
+    if value > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {value:.3g} parameters, above the ceiling of 1000T (1e15, a "
+            "thousand times the paper's 1T); write a count such as 175B or 1T")
     return int(round(value))
 
 
@@ -42,6 +61,7 @@ def byte_size(text: str, *, allow_zero: bool = False) -> float:
     """'32GB', '80GiB', '512MB' -> bytes. A unit is required: a bare number (bytes or
     GB?) and 'B' (a byte here, a billion in --params) are refused, naming the fix;
     only '0' needs none."""
+    _negative(text, "a memory size", "32GB or 0")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text,
                      re.IGNORECASE)
     unit = m.group(2).lower() if m else ""
@@ -67,6 +87,7 @@ def reserve_size(text: str) -> float:
 
 def bytes_per_param(text: str) -> float:
     """'12', '0.41' -> bytes per parameter (>= 0; fractions allowed)."""
+    _negative(text, "bytes per parameter", "12 (mixed-precision Adam) or 0")
     try:
         value = float(text)
     except ValueError:
@@ -92,6 +113,7 @@ class DtypeBytes(int):
 
 
 def positive_int(text: str) -> int:
+    _negative(text, "a count", "8")
     try:
         value = int(text)
     except ValueError:
@@ -99,6 +121,40 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value
+
+
+def mem_fraction(text: str) -> float:
+    """'0.75', '0.95' -> the fraction of a GPU's memory JAX's allocator takes."""
+    _negative(text, "a memory fraction", "0.75 (JAX's default) or 0.95")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a fraction; write e.g. 0.75 (JAX's default) or 0.95") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not in (0, 1]; write e.g. 0.75 (JAX's default) or 0.95 "
+            "(the share of the card JAX's allocator takes)")
+    return value
+
+
+def split_negative_values(argv: list[str]) -> list[str]:
+    """``--opt -1GB`` -> ``--opt=-1GB``: argparse reads a value starting with '-' that
+    is not a plain negative number as a missing argument ("expected one argument");
+    joined, it reaches the argument's type, which names it as negative."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (a.startswith("--") and "=" not in a and len(a) > 2 and nxt is not None
+                and re.match(r"-[0-9.]", nxt)):
+            out.append(f"{a}={nxt}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def dtype_bytes(text: str) -> int:

@@ -27,9 +27,11 @@ from zerojax.cli.args import (
     dtype_bytes,
     gb,
     human_count,
+    mem_fraction,
     parameter_count,
     positive_int,
     reserve_size,
+    split_negative_values,
     stage_choice,
     table,
 )
@@ -69,12 +71,17 @@ def _estimate(args: argparse.Namespace) -> int:
     psi = args.params
     if psi is None:  # 12 L H^2 in the blocks, V H in the embedding
         psi = 12 * args.layers * args.hidden**2 + args.vocab * args.hidden
+    total, args.devices = args.devices, _data_parallel(args)
     p, g, k = args.param_dtype, args.grad_dtype, args.optimizer_bytes
-    if args.optimizer is not None:
+    if k is not None and args.optimizer is not None:
+        print(f"--optimizer-bytes {k} given: it wins over {args.optimizer}'s own state")
+    elif args.optimizer is not None:
         k = _optimizer_bytes(args, p)
+    elif k is None:
+        k = 12
     print(f"model state per device: Psi = {human_count(psi)} parameters ({psi:,}), "
           f"N = {args.devices} data-parallel devices"
-          + (f", M = {args.mp} model-parallel" if args.mp > 1 else ""))
+          + (f" x M = {args.mp} model-parallel = {total} devices" if args.mp > 1 else ""))
     print(f"bytes per parameter: params {p}, gradients {g}, optimizer state {k:.4g} "
           f"(GB = 1e9 bytes, as the paper)\n")
     try:
@@ -94,6 +101,16 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.layers:
         _activations(args)
     return 0
+
+
+def _data_parallel(args: argparse.Namespace) -> int:
+    """--devices is the total device count in every command: the data-parallel degree
+    is --devices / --mp (refused when --mp does not divide it)."""
+    if args.devices % args.mp:
+        args.error(f"--devices {args.devices} is not divisible by --mp {args.mp}: --devices "
+                   f"is the total device count, --mp x data-parallel; give a multiple of "
+                   f"{args.mp}")
+    return args.devices // args.mp
 
 
 def _optimizer_bytes(args: argparse.Namespace, param_bytes: int) -> float:
@@ -185,30 +202,68 @@ def _plan(args: argparse.Namespace) -> int:
         args.error(f"--remat-policy {args.remat_policy}: the policy shapes the model's "
                    "activations; use --model, --layers/--hidden/--heads or --largest "
                    "with it")
+    memory = _plan_memory(args)
+    dp = _data_parallel(args)
+    if args.host_memory is not None:
+        args.error("--host-memory checks the model planner's offload rows; the paper's "
+                   "formula (--params) plans no offload: use --model or --layers/--hidden/"
+                   "--heads with it")
     try:
-        result = zerojax.plan(args.params, dp=args.devices, budget_bytes=round(args.budget),
+        result = zerojax.plan(args.params, dp=dp, budget_bytes=memory.usable,
                               param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
-                              optimizer_bytes=args.optimizer_bytes, mp=args.mp,
+                              optimizer_bytes=12 if args.optimizer_bytes is None
+                              else args.optimizer_bytes, mp=args.mp,
                               reserve_bytes=round(args.reserve),
                               activation_bytes=None if args.activations is None
                               else round(args.activations),
                               bucket_size=args.bucket_size)
     except (TypeError, ValueError) as e:
         args.error(str(e))
+    print(memory)
     print(format_plan(result))
     if args.params is not None:
         fits = result.fitting
+        counted = ("activations: --activations " + gb(args.activations) + " per device"
+                   if args.activations is not None else
+                   "activations not counted: model states only (the paper's formula); give "
+                   "--activations SIZE, or the model's shape (--model, --layers/--hidden/"
+                   "--heads) with --seq and --batch for a train step's peak")
+        print(f"\n({counted})")
         if not fits:
-            print("\nfits at no stage: add devices (--devices), model parallelism (--mp) "
-                  "or memory")
+            print("model states fit at no stage: add devices (--devices), model "
+                  "parallelism (--mp) or memory")
         elif fits == [3]:
-            print("\nfits at stage 3 only: stage 3 communicates the most (3 Psi per step, "
-                  "1.5x stages 0-2), and it is the only stage that fits")
+            print("model states fit at stage 3 only: stage 3 communicates the most (3 Psi "
+                  "per step, 1.5x stages 0-2)")
         else:
-            print(f"\nfits at stage {', '.join(map(str, fits))}; stage {result.best} is "
-                  f"recommended: the least traffic of those "
-                  f"({3 if result.best == 3 else 2} Psi per step) and the lowest stage")
+            print(f"model states fit at stage {', '.join(map(str, fits))}; stage "
+                  f"{result.best} is the lowest of those, the least traffic "
+                  f"({3 if result.best == 3 else 2} Psi per step)"
+                  + ("" if args.activations is not None else
+                     "; not a recommendation: the activations are not counted"))
     return 0
+
+
+def _plan_memory(args: argparse.Namespace):
+    """The memory the plan fills per device (zerojax.analysis.plan.usable_memory:
+    --memory x the fraction JAX takes - the runtime reserve); --reserve at or above it
+    refused."""
+    from zerojax.analysis.plan import usable_memory
+
+    try:
+        memory = usable_memory(round(args.budget), fraction=args.mem_fraction,
+                               runtime_reserve=None if args.runtime_reserve is None
+                               else round(args.runtime_reserve))
+    except ValueError as e:
+        args.error(str(e))
+    if args.reserve >= memory.usable:
+        args.error(f"--reserve {gb(args.reserve)} is at or above the {gb(memory.usable)} "
+                   f"a JAX process gets of --memory {gb(args.budget)}; write a smaller "
+                   "--reserve (or more --memory)")
+    return memory
+
+
+HOST_MEMORY_DEFAULT = 1e12  # per node: a DGX A100's 1 TB (a DGX H100 has 2 TB)
 
 
 def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
@@ -234,12 +289,37 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     if precision is None:
         args.error(f"--param-dtype {getattr(args.param_dtype, 'name', args.param_dtype)}: "
                    "the model planner trains in fp32, bf16 or fp16; use one of those")
+    if args.optimizer_bytes is not None:
+        args.error(f"--optimizer-bytes {args.optimizer_bytes}: the model planner counts the "
+                   "optimizer's own state (eval_shape of its init); use --optimizer "
+                   "(adamw, sgd, ...) with --model, or --optimizer-bytes with --params")
+    memory = _plan_memory(args)
+    dp = _data_parallel(args)
+    per_node = args.gpus_per_node
+    if per_node is not None:
+        if per_node % args.mp:
+            args.error(f"--gpus-per-node {per_node} is not divisible by --mp {args.mp}: the "
+                       "model axis stays inside a node; use an --mp that divides it")
+        if args.devices > per_node and args.devices % per_node:
+            args.error(f"--devices {args.devices} is not divisible by --gpus-per-node "
+                       f"{per_node}: not a whole number of nodes; give a multiple of "
+                       f"{per_node}")
+        per_node //= args.mp
+    host = args.host_memory
+    if host is None:
+        host = HOST_MEMORY_DEFAULT
     try:
-        result = plan_model(model, devices=args.devices, budget_bytes=round(args.budget),
+        result = plan_model(model, devices=dp, budget_bytes=memory.usable,
                             seq=args.seq, batch=args.batch, optimizer=args.optimizer,
-                            param_dtype=precision, devices_per_node=args.gpus_per_node,
+                            param_dtype=precision, devices_per_node=per_node,
                             largest=args.largest, reserve_bytes=round(args.reserve),
                             mp=args.mp, attention=args.attention,
+                            host_memory_bytes=round(host),
+                            memory_note=str(memory) + (
+                                "\nhost memory per node: " + gb(host)
+                                + (" (--host-memory)" if args.host_memory is not None else
+                                   " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: "
+                                   "pass --host-memory)")),
                             **({"remat_policy": args.remat_policy}
                                if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
@@ -426,17 +506,20 @@ def _export_mapping(args: argparse.Namespace, step: int):
 
 def _bytes_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", "-N", type=positive_int, default=64,
-                   help="data-parallel degree N: the devices ZeRO partitions over")
+                   help="the total device count, as in every command: --mp x the "
+                        "data-parallel degree N that ZeRO partitions over")
     p.add_argument("--mp", type=positive_int, default=1,
-                   help="model-parallel degree M (divides the parameters first)")
+                   help="model-parallel degree M (divides the parameters first; must "
+                        "divide --devices)")
     p.add_argument("--param-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
                    help="dtype of the parameters the model computes with (fp32, bf16, "
                         "fp16, fp8) or bytes per parameter")
     p.add_argument("--grad-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
                    help="dtype of the gradients, or bytes per parameter")
-    p.add_argument("--optimizer-bytes", type=bytes_per_param, default=12, metavar="K",
+    p.add_argument("--optimizer-bytes", type=bytes_per_param, default=None, metavar="K",
                    help="optimizer-state bytes per parameter, >= 0 (12: mixed-precision "
-                        "Adam; 8 fp32 Adam; 4 momentum; about 0.41 Adafactor)")
+                        "Adam; 8 fp32 Adam; 4 momentum; about 0.41 Adafactor); given, it "
+                        "wins over --optimizer's own state (default: 12)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -525,7 +608,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
                    help="devices per node (says which traffic crosses the network)")
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
-                      help="memory kept back for anything else (framework, fragmentation)")
+                      help="memory kept back for anything else (fragmentation, another "
+                           "program), below what JAX gets")
+    plan.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
+                      help="the share of --memory JAX's allocator takes (default: "
+                           "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
+                           "set, else JAX's default 0.75; 1 on a TPU or for the paper's "
+                           "whole-card figures)")
+    plan.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
+                      help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
+                           "workspaces, NCCL buffers, the CUDA context's growth; default "
+                           "1GB, an assumption from those figures, not a measurement)")
+    plan.add_argument("--host-memory", type=byte_size, default=None, metavar="SIZE",
+                      help="host memory per node for offloaded state (pinned); offload "
+                           "rows that need more do not fit (default 1TB: a DGX A100's)")
     plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
                       help="--params only: activation memory per device, e.g. from "
                            "'zerojax estimate --layers ... --hidden ...' (default: 0)")
@@ -555,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
         "source, with a loss plot and a text sample",
         demo.DESCRIPTION, demo.DEMO_EPILOG)
     demo.add_arguments(train)
+    train.add_argument("--mp", dest="model", type=positive_int, default=argparse.SUPPRESS,
+                       help="the same as --model (as in plan and estimate): --devices is "
+                            "the total, data = devices / mp")
     train.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
                        help="memory per device the run is planned against before it starts "
                             "(default: the accelerator's; on CPU, host memory / devices)")
@@ -615,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argparse.Namespace(bench_args=argv[1:]))
     if argv[:1] == ["launch"]:  # the launcher's and the script's, --help included
         return _launch(argparse.Namespace(launch_args=argv[1:]))
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(split_negative_values(argv))
     return args.func(args)
 
 
