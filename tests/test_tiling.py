@@ -97,6 +97,11 @@ def _gpt(**kw):
     return GPT(GPTConfig(**{**dict(vocab=64, seq=16, layers=1, hidden=32, heads=4), **kw}))
 
 
+def _random_like(shapes):
+    keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(shapes))))
+    return jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), shapes)
+
+
 def test_models_lm_loss_tiled():
     """GPT (tied embedding; weighted, masked tokens) and Llama (untied lm_head; plain
     mean): lm_loss with vocab_tiles=3 (tiles 6, 6, 4) equals the untiled lm_loss,
@@ -110,7 +115,8 @@ def test_models_lm_loss_tiled():
         return Llama(LlamaConfig(**lcfg, **k))
 
     cases = ((_gpt, cached_gpt_params(_gpt()), True, (tokens, weights)),
-             (llama, jax.jit(lambda: llama_params(llama(), 0))(), False, tokens))
+             (llama, _random_like(jax.eval_shape(lambda: llama_params(llama(), 0))), False,
+              tokens))
     for make, params, weighted, batch in cases:
         def mean(p, m, weighted=weighted, batch=batch):
             out = lm_loss(m, weighted=weighted)(p, batch)
