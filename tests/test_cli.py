@@ -414,3 +414,54 @@ def test_params_mode_counts_no_activations(capsys):
                                "7.5B"], capsys)
     assert code == 0 and "activations not counted" in out, out
     assert "not a recommendation" in out and "recommended" not in out
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A saved stage-3 state of a 2-leaf params tree (no training)."""
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.checkpoint import CheckpointManager
+
+    directory = tmp_path_factory.mktemp("ckpt") / "run"
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3, min_shard_size=4)
+    state = opt.init_state({"w": jnp.arange(64.0).reshape(8, 8), "b": jnp.zeros(8)})
+    with CheckpointManager(directory) as mgr:
+        mgr.save(0, state)
+    return directory
+
+
+@pytest.mark.parametrize("damage", ["meta", "truncated"])
+def test_export_names_the_checkpoint_it_could_not_read(damage, tiny_checkpoint, tmp_path,
+                                                       capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    if damage == "meta":
+        (ckpt / "0" / "meta.json").write_text("garbage")
+    else:
+        data = max((p for p in (ckpt / "0").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+        data.write_bytes(data.read_bytes()[:10])
+    code, _, err = _exit_code(["export", str(ckpt), str(tmp_path / "out.safetensors")],
+                              capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"could not read the checkpoint {str(ckpt)!r}" in err and "damaged" in err, err
+    assert "could not write" not in err and "Traceback" not in err
+
+
+def test_train_refuses_an_unwritable_ckpt_dir_and_a_resume_of_other_shapes(tmp_path, capsys):
+    code, _, err = _exit_code(["train", "--ckpt-dir", "/proc/zj", "--stage", "3"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--ckpt-dir '/proc/zj': cannot create it" in err
+    # a resume of other shapes: one line naming the leaf, both shapes and the fix
+    tiny = ["train", "--ckpt-dir", str(tmp_path), "--stage", "3", "--steps", "1",
+            "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "8", "--corpus-mb",
+            "0.05", "--png", "", "--sample", "0", "--no-summary", "--no-progress"]
+    code, out, err = _exit_code(tiny + ["--hidden", "16"], capsys)
+    assert code == 0, err
+    code, _, err = _exit_code(tiny + ["--hidden", "32", "--steps", "2"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "holds a run this one cannot resume" in err and "(1, 32)" in err, err
+    assert "Traceback" not in err

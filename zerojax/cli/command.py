@@ -335,8 +335,26 @@ def _train(args: argparse.Namespace) -> int:
     from zerojax.cli import demo
 
     demo.check_arguments(args, args.parser)
+    if args.ckpt_dir is not None:
+        try:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+        except OSError as e:
+            args.error(f"--ckpt-dir {args.ckpt_dir!r}: cannot create it "
+                       f"({e.strerror or e}); name a directory you can write")
+        if not os.access(args.ckpt_dir, os.W_OK | os.X_OK):
+            args.error(f"--ckpt-dir {args.ckpt_dir!r} is not writable; name a directory "
+                       "you can write")
     _check_train_plan(args)
-    return demo.run(args)
+    try:
+        return demo.run(args)
+    except ValueError as e:
+        if args.ckpt_dir is None or "checkpoint" not in str(e):
+            raise
+        # resuming a run of other shapes (--hidden, --layers, ...): the checkpoint's
+        # own message names the leaf and both shapes
+        args.error(f"--ckpt-dir {args.ckpt_dir!r} holds a run this one cannot resume: "
+                   f"{_one_line(e)} Resume with the arguments it was saved with, or "
+                   "use another --ckpt-dir")
 
 
 def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
@@ -407,8 +425,12 @@ def _launch(args: argparse.Namespace) -> int:
     return int(launch.launch(list(args.launch_args), prog="zerojax launch") or 0)
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 def _export(args: argparse.Namespace) -> int:
-    from zerojax.checkpoint import CheckpointManager
+    from zerojax.checkpoint import CheckpointError, CheckpointManager
     from zerojax.export import export_params
 
     if not os.path.isdir(args.ckpt_dir):
@@ -450,11 +472,24 @@ def _export(args: argparse.Namespace) -> int:
             import shutil
 
             shutil.copyfile(args.hf_config, os.path.join(args.out, "config.json"))
-    except (FileNotFoundError, ValueError, TypeError, ImportError, AttributeError) as e:
-        print(f"zerojax export: {e}", file=sys.stderr)
-        return 1
+    except CheckpointError as e:  # damaged, truncated, unreadable: the input's fault
+        print(f"zerojax export: could not read the checkpoint {args.ckpt_dir!r}: "
+              f"{_one_line(e)}", file=sys.stderr)
+        return 2
     except OSError as e:
-        print(f"zerojax export: could not write {args.out!r}: {e}", file=sys.stderr)
+        name = os.path.abspath(str(getattr(e, "filename", "") or ""))
+        if name.startswith(os.path.abspath(args.ckpt_dir)):
+            print(f"zerojax export: could not read the checkpoint {args.ckpt_dir!r}: "
+                  f"{_one_line(e)}", file=sys.stderr)
+            return 2
+        if isinstance(e, FileNotFoundError):
+            print(f"zerojax export: {_one_line(e)}", file=sys.stderr)
+            return 1
+        print(f"zerojax export: could not write {args.out!r}: {_one_line(e)}",
+              file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, ImportError, AttributeError) as e:
+        print(f"zerojax export: {_one_line(e)}", file=sys.stderr)
         return 1
     if args.format == "hf":
         import json
