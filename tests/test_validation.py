@@ -144,6 +144,19 @@ def test_a_bucket_size_too_small_to_compile_is_refused_before_compiling():
     step_module.check_state_matches(opt.init_state(params), opt)
 
 
+def test_buckets_of_a_useful_size_are_never_refused():
+    """A 7B-parameter model in 2**20-element buckets makes 6,427 collectives: each of a
+    useful size (4 MiB in float32), so the count alone is no reason to refuse; 2**19 is
+    refused and named the floor 2**20 (shapes only: nothing is placed or compiled)."""
+    big = {"w": jax.ShapeDtypeStruct((6_738_415_616 // 4096, 4096), jnp.float32)}
+    mesh = zerojax.make_mesh(data=8)
+    step_module._check_bucket_count(
+        big, zerojax.zero(optax.sgd(0.1), mesh, stage=3, bucket_size=2 ** 20))
+    with pytest.raises(ValueError, match=r"bucket_size=524288 .*bucket_size=1048576\) or larger"):
+        step_module._check_bucket_count(
+            big, zerojax.zero(optax.sgd(0.1), mesh, stage=3, bucket_size=2 ** 19))
+
+
 # -- the CPU backend: a loop that never reads its metrics -------------------------------
 
 _NO_SYNC = """

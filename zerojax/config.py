@@ -82,9 +82,11 @@ class ZeroConfig:
         buffer grows with the model. Stages 0-1 fuse whole gradient trees; stages 2-3
         reduce each parameter's gradient when it is produced and split only leaves
         larger than a bucket. None: one collective per leaf (XLA may still combine).
-        A size that cuts the params into more than 256 buckets (``step.MAX_BUCKETS``)
-        is refused at the first step call, naming the smallest that fits: each bucket
-        is a collective of its own and compile time grows with their number.
+        A size below 2**20 elements (``step.USEFUL_BUCKET``) that cuts the params into
+        more than 256 buckets (``step.MAX_BUCKETS``) is refused at the first step call,
+        naming the smallest that fits: each bucket is a collective of its own and
+        compile time grows with their number (bucket_size=8 on the reference GPT ran
+        past 112 s of compiling). Buckets of 2**20 elements or more are never refused.
         With ``offload_optimizer`` / ``offload_params`` it is also the number of
         elements of offloaded state the update brings to the device at once (None:
         2**24 per device).

@@ -560,7 +560,7 @@ class TrainStep:
         out = self.jitted(state, self.place_batch(batch), _check_key(rng))
         if self._in_flight is not None:
             self._in_flight.append(out[1]["loss"])
-        distributed.step_dispatched()
+        distributed.step_dispatched(out)
         return out
 
     def _bound_in_flight(self) -> None:
@@ -750,19 +750,24 @@ def _check_quantized_dtypes(flat: list, lay_leaves: list, cfg) -> None:
 # 9.9 s, 50 s with 256, 117 s with 1,023); bucket_size=8 on the reference GPT ran past
 # 112 s and 2.6 GB.
 MAX_BUCKETS = 256
+# Buckets of at least this many elements (4 MiB in float32) are never refused, however
+# many there are: a 70B model in 2**24-element buckets makes 4,000 collectives of a
+# useful size, as large models do with one collective per leaf.
+USEFUL_BUCKET = 2 ** 20
 
 
 def _check_bucket_count(logical: Any, opt) -> None:
-    """Refuse a ``bucket_size`` that splits the model into more than
-    :data:`MAX_BUCKETS` collectives (compiling them takes minutes, for buffers too
-    small to save anything), naming the smallest bucket size that stays under it."""
+    """Refuse a ``bucket_size`` below :data:`USEFUL_BUCKET` elements that splits the
+    model into more than :data:`MAX_BUCKETS` collectives (compiling them takes minutes,
+    for buffers too small to save anything), naming the smallest bucket size that
+    stays under it. Buckets of a useful size are never refused."""
     bucket = opt.config.bucket_size
     if bucket is None:
         return
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(logical))
     count = -(-total // bucket)
-    if count > MAX_BUCKETS:
-        floor = -(-total // MAX_BUCKETS)
+    if count > MAX_BUCKETS and bucket < USEFUL_BUCKET:
+        floor = min(-(-total // MAX_BUCKETS), USEFUL_BUCKET)
         raise ValueError(
             f"bucket_size={bucket} splits the {total:,} parameter elements into at least "
             f"{count:,} collectives per step (each bucket is one collective in the compiled "
