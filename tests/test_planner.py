@@ -886,3 +886,45 @@ def test_llama_step_within_10_percent():
     predicted = gpt_step_prediction(cfg, N, 3, 16, tx=tx)
     ratio = memory_report(compiled).peak / predicted.peak
     assert 0.9 <= ratio <= 1.1, (ratio, predicted)
+
+
+def test_usable_memory_is_what_jax_gives():
+    """Issue 32: card x the preallocation fraction (argument, then the environment, then
+    JAX's 0.75) - the runtime reserve; preallocation off said as such; bad values
+    refused. No compile."""
+    from zerojax.analysis.plan import usable_memory
+
+    m = usable_memory(40 * 10**9, env={})
+    assert (m.fraction, m.usable, m.preallocate) == (0.75, 29 * 10**9, True)
+    assert "JAX's default" in str(m) and "29.00 GB planned" in str(m)
+    m = usable_memory(40 * 10**9, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
+                                       "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert m.usable == 37 * 10**9 and not m.preallocate and "preallocation off" in str(m)
+    assert usable_memory(40 * 10**9, fraction=0.5, runtime_reserve=0,
+                         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}).usable == 20 * 10**9
+    assert usable_memory(10**9, env={"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
+                         runtime_reserve=0).fraction == 1.0
+    for kw, msg in (({"fraction": 1.5}, r"not in \(0, 1\]"),
+                    ({"runtime_reserve": 40 * 10**9}, "at or above"),
+                    ({"env": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "lots"}}, "not a number")):
+        with pytest.raises(ValueError, match=msg):
+            usable_memory(40 * 10**9, **{"env": {}, **kw})
+
+
+def test_offload_rows_check_host_memory_and_seq_the_positions():
+    """An offload row whose node's offloaded state exceeds host_memory_bytes does not
+    fit (its bytes: the per-device host state x the node's devices); a seq beyond a
+    preset's learned positions is refused. No compile."""
+    from zerojax.analysis.plan import plan_model
+
+    kw = dict(devices=8, budget_bytes=int(75e9), seq=2048, batch=1)
+    free = plan_model("gpt3-175b", **kw)
+    tight = plan_model("gpt3-175b", host_memory_bytes=int(1e12), **kw)
+    label = "stage 3 + offload_optimizer + offload_params"
+    row, checked = free.row(label), tight.row(label)
+    assert row.fits and row.host_fits and row.host_bytes == 8 * row.states.host > 1e12
+    assert not checked.fits and not checked.host_fits and checked.peak == row.peak
+    assert tight.recommendation is None and "of host memory per node" in tight.reason
+    assert all(r.fits == f.fits for r, f in zip(tight.rows, free.rows) if not r.options)
+    with pytest.raises(ValueError, match="beyond gpt2-1.5b's 1024 learned positions"):
+        plan_model("gpt2-1.5b", **kw)
