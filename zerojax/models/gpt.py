@@ -116,48 +116,7 @@ class GPTConfig:
     vocab_tiles: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"GPTConfig.{name} must be an int, got {value!r} "
-                                 f"({type(value).__name__})")
-            if value < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {value}")
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
-                f"so each head gets hidden // heads dims; pick hidden as a multiple of heads")
-        try:
-            dtype = jnp.dtype(self.dtype)
-        except TypeError as e:
-            raise ValueError(f"GPTConfig.dtype must be a floating dtype, got {self.dtype!r}") from e
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"GPTConfig.dtype must be a floating dtype (float32, bfloat16, "
-                             f"float16), got {dtype}")
-        for name in ("remat", "scan"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.remat_policy not in MODEL_REMAT_POLICIES:
-            raise ValueError(f"GPTConfig.remat_policy must be one of {MODEL_REMAT_POLICIES}, "
-                             f"got {self.remat_policy!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"GPTConfig.attention must be one of {ATTENTIONS}, got "
-                             f"{self.attention!r}")
-        if self.attention == "cudnn" and dtype not in _CUDNN_DTYPES:
-            raise ValueError(f"GPTConfig.attention='cudnn' (cuDNN flash attention) needs "
-                             f"dtype bfloat16 or float16, got {dtype}; use "
-                             f"attention='dot_product' or 'auto' for {dtype}")
-        if self.attention == "cudnn" and not _cudnn_head_dim(self.head_dim):
-            raise ValueError(f"GPTConfig.attention='cudnn' needs head_dim = hidden / heads "
-                             f"a multiple of 8 and at most 128, got {self.head_dim}")
-        _check_vocab_tiles(self.vocab_tiles, self.seq, "GPTConfig")
-        sharding = self.activation_sharding
-        if sharding is not None and not isinstance(
-                sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
-            raise ValueError(
-                f"GPTConfig.activation_sharding must be None, a jax.sharding.Sharding (e.g. "
-                f"NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
-                f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
+        check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"))
 
     @property
     def head_dim(self) -> int:
@@ -171,6 +130,57 @@ class GPTConfig:
 ATTENTIONS = ("xla", "dot_product", "cudnn", "auto")
 MODEL_REMAT_POLICIES = ("full", "layer_inputs", "dots", "qkv_proj", "projections")
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_model_config(config, ints: tuple) -> None:
+    """Validate the options a decoder config shares (GPTConfig, LlamaConfig): the
+    positive ints named by ``ints``, ``hidden % heads``, the compute dtype, ``remat``,
+    ``scan``, ``remat_policy``, ``attention`` (and what cuDNN needs), ``vocab_tiles``
+    and ``activation_sharding``; each error names the config's class, the field and
+    the value."""
+    cls = type(config).__name__
+    for name in ints:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{cls}.{name} must be an int, got {value!r} "
+                             f"({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{cls}.{name} must be >= 1, got {value}")
+    if config.hidden % config.heads:
+        raise ValueError(
+            f"{cls}.hidden ({config.hidden}) must be divisible by heads ({config.heads}) "
+            f"so each head gets hidden // heads dims; pick hidden as a multiple of heads")
+    try:
+        dtype = jnp.dtype(config.dtype)
+    except TypeError as e:
+        raise ValueError(f"{cls}.dtype must be a floating dtype, got {config.dtype!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{cls}.dtype must be a floating dtype (float32, bfloat16, "
+                         f"float16), got {dtype}")
+    for name in ("remat", "scan"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{cls}.{name} must be a bool, got {getattr(config, name)!r}")
+    if config.remat_policy not in MODEL_REMAT_POLICIES:
+        raise ValueError(f"{cls}.remat_policy must be one of {MODEL_REMAT_POLICIES}, "
+                         f"got {config.remat_policy!r}")
+    if config.attention not in ATTENTIONS:
+        raise ValueError(f"{cls}.attention must be one of {ATTENTIONS}, got "
+                         f"{config.attention!r}")
+    if config.attention == "cudnn" and dtype not in _CUDNN_DTYPES:
+        raise ValueError(f"{cls}.attention='cudnn' (cuDNN flash attention) needs "
+                         f"dtype bfloat16 or float16, got {dtype}; use "
+                         f"attention='dot_product' or 'auto' for {dtype}")
+    if config.attention == "cudnn" and not _cudnn_head_dim(config.head_dim):
+        raise ValueError(f"{cls}.attention='cudnn' needs head_dim = hidden / heads "
+                         f"a multiple of 8 and at most 128, got {config.head_dim}")
+    _check_vocab_tiles(config.vocab_tiles, config.seq, cls)
+    sharding = config.activation_sharding
+    if sharding is not None and not isinstance(
+            sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+        raise ValueError(
+            f"{cls}.activation_sharding must be None, a jax.sharding.Sharding (e.g. "
+            f"NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
+            f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
 # activations named with checkpoint_name for remat policies (MaxText's names)
 QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
 

@@ -78,16 +78,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.activations import checkpoint_policy
 from zerojax.models.gpt import (
-    _CUDNN_DTYPES,
-    ATTENTIONS,
     MLP_IN,
     MLP_OUT,
-    MODEL_REMAT_POLICIES,
     OUT_PROJ,
     QKV_PROJ,
-    _check_vocab_tiles,
     _constrain,
-    _cudnn_head_dim,
+    check_model_config,
     resolve_attention,
 )
 
@@ -139,18 +135,8 @@ class LlamaConfig:
     def __post_init__(self):
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
-        for name in ("vocab", "seq", "layers", "hidden", "heads", "kv_heads", "mlp_hidden"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"LlamaConfig.{name} must be an int, got {value!r} "
-                                 f"({type(value).__name__})")
-            if value < 1:
-                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {value}")
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"LlamaConfig.hidden ({self.hidden}) must be divisible by heads "
-                f"({self.heads}) so each head gets hidden // heads dims; pick hidden as a "
-                f"multiple of heads")
+        check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "kv_heads",
+                                  "mlp_hidden"))
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim = hidden // heads = {self.head_dim} "
                              f"must be even for rotary embeddings (they rotate pairs of "
@@ -165,39 +151,6 @@ class LlamaConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number, got "
                                  f"{value!r}")
-        try:
-            dtype = jnp.dtype(self.dtype)
-        except TypeError as e:
-            raise ValueError(f"LlamaConfig.dtype must be a floating dtype, got "
-                             f"{self.dtype!r}") from e
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"LlamaConfig.dtype must be a floating dtype (float32, "
-                             f"bfloat16, float16), got {dtype}")
-        for name in ("remat", "scan"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LlamaConfig.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
-        if self.remat_policy not in MODEL_REMAT_POLICIES:
-            raise ValueError(f"LlamaConfig.remat_policy must be one of "
-                             f"{MODEL_REMAT_POLICIES}, got {self.remat_policy!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"LlamaConfig.attention must be one of {ATTENTIONS}, got "
-                             f"{self.attention!r}")
-        if self.attention == "cudnn" and dtype not in _CUDNN_DTYPES:
-            raise ValueError(f"LlamaConfig.attention='cudnn' (cuDNN flash attention) needs "
-                             f"dtype bfloat16 or float16, got {dtype}; use "
-                             f"attention='dot_product' or 'auto' for {dtype}")
-        if self.attention == "cudnn" and not _cudnn_head_dim(self.head_dim):
-            raise ValueError(f"LlamaConfig.attention='cudnn' needs head_dim = hidden / "
-                             f"heads a multiple of 8 and at most 128, got {self.head_dim}")
-        _check_vocab_tiles(self.vocab_tiles, self.seq, "LlamaConfig")
-        sharding = self.activation_sharding
-        if sharding is not None and not isinstance(
-                sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
-            raise ValueError(
-                f"LlamaConfig.activation_sharding must be None, a jax.sharding.Sharding "
-                f"(e.g. NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
-                f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
 
     @property
     def head_dim(self) -> int:
