@@ -21,7 +21,8 @@ _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
 # imported on first use, so `import zerojax` stays light (no orbax, no launcher).
 _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat", "export",
                "config", "distributed", "formats", "load", "mesh", "models", "offload",
-               "optimizer", "partition", "preemption", "quant", "schedule", "state", "step", "tiling")
+               "optimizer", "partition", "preemption", "quant", "schedule", "state", "step",
+               "tiling")
 
 
 def __getattr__(name):
