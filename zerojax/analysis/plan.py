@@ -25,6 +25,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+# One-way layers: memory.py and report.py (what a configuration costs: bytes, the
+# step's peak, the paper's communication) below; this module (the search and the
+# recommendation, their text) imports them, never the other way.
 from zerojax.analysis.memory import (
     MemoryEstimate,
     _count,
@@ -32,6 +35,7 @@ from zerojax.analysis.memory import (
     estimate_activations,
     estimate_memory,
 )
+from zerojax.analysis.report import comm_elements
 
 __all__ = [
     "ModelPlan",
@@ -63,13 +67,6 @@ def bytes_per_param(stage: int, dp: int, *, param_bytes: int = 2, grad_bytes: in
     p, g, k, n = param_bytes, grad_bytes, optimizer_bytes, dp
     per = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
     return per / mp
-
-
-def comm_elements(num_params: int, stage: int, mp: int = 1) -> int:
-    """Elements each device sends/receives per step on the data axis (the paper's
-    section 7): 2 Psi for stages 0-2, 3 Psi for stage 3 (Psi = num_params / mp)."""
-    psi = math.ceil(num_params / mp)
-    return (3 if stage == 3 else 2) * psi
 
 
 def comm_bytes(num_params: int, stage: int, *, param_bytes: int = 2, grad_bytes: int = 2,

@@ -303,12 +303,18 @@ class Comparison:
         return self.comm_measured / self.comm_predicted
 
 
+def comm_elements(num_params: int, stage: int, mp: int = 1) -> int:
+    """Elements each device sends/receives per step on the data axis (the paper's
+    section 7): 2 Psi for stages 0-2, 3 Psi for stage 3 (Psi = num_params / mp).
+    (Here, below the planner: ``analysis.plan`` imports it, report imports no plan.)"""
+    psi = math.ceil(num_params / mp)
+    return (3 if stage == 3 else 2) * psi
+
+
 def compare(compiled: jax.stages.Compiled, prediction: StepPrediction, num_params: int,
             stage: int, label: str = "") -> Comparison:
     """``memory_report`` and ``comm_volume`` of ``compiled`` beside ``prediction`` and
     the paper's communication (2 Psi for stages 0-2, 3 Psi for stage 3)."""
-    from zerojax.analysis.plan import comm_elements
-
     return Comparison(label, stage, memory_report(compiled), prediction,
                       comm_volume(compiled).total, comm_elements(num_params, stage))
 
