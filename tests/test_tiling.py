@@ -146,7 +146,9 @@ def test_zero_stages_tiled_matches_single_device_untiled(stage, model):
     mesh = zerojax.make_mesh(data=8 // model, model=model)
     opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage)
     state = opt.init_state(params)
-    step = opt.train_step(lm_loss(_gpt(vocab_tiles=3), weighted=True), weighted=True)
+    # with the model axis: the vocabulary split over it (each shard its slice's logits)
+    loss = lm_loss(_gpt(vocab_tiles=3), weighted=True, mesh=mesh if model > 1 else None)
+    step = opt.train_step(loss, weighted=True)
     for b in batches:
         state, metrics = step(state, b)
     assert np.isfinite(float(metrics["loss"]))
@@ -233,6 +235,34 @@ def test_stage3_peak_drops_by_the_logits_share():
     # 8 tiles: 2.6 MiB, 12.6x less (at most a tile's logits and their gradient)
     assert untiled >= 2 * logits, peaks
     assert tiled <= 2 * logits / 8 * 1.05, peaks
+
+
+def test_vocab_split_over_model_axis():
+    """data=4 x model=2, stage 3, vocab 32768 in 8 tiles: with ``mesh`` each model
+    shard's tile loop holds its half of the head (16384 rows) and its half of the
+    logits, the log-sum-exp / target logit reduced over ``model``; the peak drops."""
+    mesh = zerojax.make_mesh(data=4, model=2)
+    model = _gpt(vocab=32768, seq=128, hidden=32, heads=2, vocab_tiles=8)
+    shapes = jax.eval_shape(lambda: gpt_params(model, 0))
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    opt = zerojax.zero(optax.adam(1e-3), mesh, stage=3)
+    state = opt.init_state(params)
+    tokens = np.zeros((8, 129), np.int32)
+    peaks, texts = {}, {}
+    for split in (False, True):
+        loss = lm_loss(model, mesh=mesh if split else None)
+        compiled = opt.train_step(loss).lower(state, tokens).compile()
+        peaks[split], texts[split] = compiled_memory(compiled).peak, compiled.as_text()
+    # the scanned tile loop carries the head's model slice, not the whole head
+    loops = [line for line in texts[True].splitlines() if "parameter(0)" in line
+             and "= (s32[]" in line and "f32[8,2,16,32]" in line]
+    assert loops and all("f32[16384,32]" in line and "f32[32768,32]" not in line
+                         for line in loops), loops
+    # measured (jax 0.10.2, MiB): 21.3 without the split, 15.4 with it
+    assert peaks[True] <= 0.8 * peaks[False], peaks
+    with pytest.raises(ValueError, match="vocab_axis='tensor' is not an axis"):
+        lm_head_loss(jnp.ones((1, 2, 4)), jnp.ones((4, 8)), jnp.zeros((1, 2), jnp.int32),
+                     tiles=2, mesh=mesh, vocab_axis="tensor")
 
 
 def test_bad_input_named(head_problem):

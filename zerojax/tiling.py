@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 __all__ = ["lm_head_loss", "check_tiles", "logits_bytes"]
 
@@ -56,17 +57,21 @@ def check_tiles(tiles: Any, dim: int, what: str) -> int:
 
 
 def _tile_losses(head, h, targets, weights, *, tied: bool, z_loss: float,
-                 label_smoothing: float):
+                 label_smoothing: float, split=None):
     """The weighted loss sum of one tile: ``h`` ``(b, c, hidden)`` in the compute dtype,
     ``head`` in the compute dtype, logits and everything after them in float32."""
-    logits = _logits(head, h, tied)
+    logits = _logits(head, h, tied, split)
     return _tile_losses_from(logits, jax.nn.logsumexp(logits, axis=-1), targets, weights,
-                             z_loss, label_smoothing)
+                             z_loss, label_smoothing, split)
 
 
-def _tile_losses_from(logits, lse, targets, weights, z_loss, label_smoothing):
+def _tile_losses_from(logits, lse, targets, weights, z_loss, label_smoothing, split=None):
     # as optax.softmax_cross_entropy_with_integer_labels computes it
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    if split is None:
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    else:  # a masked sum over the split vocabulary: each shard's partial, one all-reduce
+        hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        target_logit = jnp.sum(jnp.where(hit == targets[..., None], logits, 0.0), axis=-1)
     losses = lse - target_logit
     if label_smoothing:
         smooth = lse - jnp.mean(logits, axis=-1)
@@ -79,7 +84,8 @@ def _tile_losses_from(logits, lse, targets, weights, z_loss, label_smoothing):
 def lm_head_loss(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
                  tiles: int | None = None, weights: jax.Array | None = None,
                  tied: bool = False, z_loss: float = 0.0, label_smoothing: float = 0.0,
-                 dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+                 dtype: Any = None, mesh: Any = None,
+                 vocab_axis: str = "model") -> tuple[jax.Array, jax.Array]:
     """The language-model head and its cross-entropy, tile by tile.
 
     ``hidden``: the final hidden states, ``(..., seq, hidden)``. ``head``: the output
@@ -92,6 +98,14 @@ def lm_head_loss(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
     eps * (logsumexp - mean(logits))``. ``dtype``: the compute dtype of the matmul
     (default ``hidden``'s); the logits are accumulated and kept in float32, and the
     log-sum-exp and loss are float32.
+
+    ``mesh``: a ``jax.sharding.Mesh`` whose ``vocab_axis`` (default ``"model"``) splits
+    the vocabulary (Megatron's vocab-parallel cross-entropy): each tile's logits, their
+    gradient and ``dhead`` are constrained to that split, so each shard computes its
+    vocabulary slice's logits from its slice of the head, the max / log-sum-exp and the
+    target logit (a masked sum) are reduced over the axis by the SPMD partitioner, and
+    the whole head is never gathered. Ignored when the axis has size 1 or does not
+    divide the vocabulary.
 
     ``tiles``: ``None`` computes the whole ``(..., seq, vocab)`` logits at once (the
     reference); an int ``1 <= tiles <= seq`` splits the sequence into tiles of
@@ -144,8 +158,10 @@ def lm_head_loss(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
     w = weights.reshape((-1, seq))
     hd = head.astype(dtype)
     weight_sum = jnp.sum(w, dtype=jnp.float32)
+    vocab = head.shape[0 if tied else 1]
+    split = _vocab_split(mesh, vocab_axis, vocab)
     tile_fn = functools.partial(_tile_losses, tied=tied, z_loss=float(z_loss),
-                                label_smoothing=float(label_smoothing))
+                                label_smoothing=float(label_smoothing), split=split)
     if tiles is None:
         return tile_fn(hd, h, t, w), weight_sum
     check_tiles(tiles, seq, "sequence")
@@ -161,35 +177,63 @@ def lm_head_loss(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
     hs = jnp.moveaxis(h.reshape(b, n, size, width), 1, 0)
     ts = jnp.moveaxis(t.reshape(b, n, size), 1, 0)
     ws = jnp.moveaxis(w.reshape(b, n, size), 1, 0)
-    total = _tiled_sum(tied, float(z_loss), float(label_smoothing), hd, hs, ts, ws)
+    total = _tiled_sum(tied, float(z_loss), float(label_smoothing), split, hd, hs, ts, ws)
     return total, weight_sum
 
 
-def _logits(head, h, tied: bool):
+def _vocab_split(mesh, axis: str, vocab: int):
+    """``(mesh, axis)`` when ``axis`` of ``mesh`` splits a vocabulary of ``vocab``
+    (size > 1, divides it), else None (no constraint)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"lm_head_loss: mesh must be a jax.sharding.Mesh (e.g. "
+                         f"zerojax.make_mesh(...)) or None, got {type(mesh).__name__}")
+    if axis not in mesh.shape:
+        raise ValueError(f"lm_head_loss: vocab_axis={axis!r} is not an axis of the mesh "
+                         f"{dict(mesh.shape)}")
+    size = mesh.shape[axis]
+    return (mesh, axis) if size > 1 and vocab % size == 0 else None
+
+
+def _split_to(x, split, vocab_dim: int):
+    """``x`` constrained to the vocabulary split (its dim ``vocab_dim`` over the axis,
+    the other dims left to the partitioner)."""
+    if split is None:
+        return x
+    mesh, axis = split
+    spec = [P.UNCONSTRAINED] * x.ndim
+    spec[vocab_dim] = axis
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def _logits(head, h, tied: bool, split=None):
     spec = "bch,vh->bcv" if tied else "bch,hv->bcv"
-    return jnp.einsum(spec, h, head, preferred_element_type=jnp.float32)
+    return _split_to(jnp.einsum(spec, h, head, preferred_element_type=jnp.float32),
+                     split, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tiled_sum(tied, z_loss, label_smoothing, head, hs, ts, ws):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _tiled_sum(tied, z_loss, label_smoothing, split, head, hs, ts, ws):
     """The weighted loss sum over the tiles ``hs`` ``(n, b, size, hidden)`` (targets
     ``ts``, weights ``ws`` ``(n, b, size)``), one tile at a time."""
-    return _tiled_fwd(tied, z_loss, label_smoothing, head, hs, ts, ws)[0]
+    return _tiled_fwd(tied, z_loss, label_smoothing, split, head, hs, ts, ws)[0]
 
 
-def _tiled_fwd(tied, z_loss, label_smoothing, head, hs, ts, ws):
+def _tiled_fwd(tied, z_loss, label_smoothing, split, head, hs, ts, ws):
     def body(total, xs):
         h, t, w = xs
-        logits = _logits(head, h, tied)
+        logits = _logits(head, h, tied, split)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        return total + _tile_losses_from(logits, lse, t, w, z_loss, label_smoothing), lse
+        return total + _tile_losses_from(logits, lse, t, w, z_loss, label_smoothing,
+                                         split), lse
 
     total, lses = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ts, ws))
     # residuals: the inputs and one float32 log-sum-exp per token, never the logits
     return total, (head, hs, ts, ws, lses)
 
 
-def _tiled_bwd(tied, z_loss, label_smoothing, res, g):
+def _tiled_bwd(tied, z_loss, label_smoothing, split, res, g):
     """Each tile's logits recomputed, turned into their gradient at once:
     ``d loss / d logits = w * (softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V)``,
     then ``dh = dlogits @ head^T`` for the tile and ``dhead`` accumulated in float32."""
@@ -198,7 +242,7 @@ def _tiled_bwd(tied, z_loss, label_smoothing, res, g):
 
     def body(dhead, xs):  # dhead (hidden, vocab) either way: no (vocab, tokens) transpose
         h, t, w, lse = xs
-        logits = _logits(head, h, tied)
+        logits = _logits(head, h, tied, split)
         p = jnp.exp(logits - lse[..., None])
         if z_loss:
             p = p * (1.0 + 2.0 * z_loss * lse)[..., None]
@@ -206,16 +250,17 @@ def _tiled_bwd(tied, z_loss, label_smoothing, res, g):
         dlogits = p - jnp.where(hit, 1.0 - label_smoothing, 0.0)
         if label_smoothing:
             dlogits = dlogits - label_smoothing / vocab
-        dlogits = (dlogits * (g * w)[..., None]).astype(h.dtype)
+        dlogits = _split_to((dlogits * (g * w)[..., None]).astype(h.dtype), split, 2)
         spec = "bcv,vh->bch" if tied else "bcv,hv->bch"
         dh = jnp.einsum(spec, dlogits, head, preferred_element_type=jnp.float32)
         # h^T @ dlogits: XLA transposes the small h, not the tile's (tokens, vocab)
-        dhead = dhead + jnp.einsum("bch,bcv->hv", h, dlogits,
-                                   preferred_element_type=jnp.float32)
+        dhead = _split_to(dhead + jnp.einsum("bch,bcv->hv", h, dlogits,
+                                             preferred_element_type=jnp.float32), split, 1)
         return dhead, dh.astype(h.dtype)
 
     width = hs.shape[-1]
-    dhead, dhs = jax.lax.scan(body, jnp.zeros((width, vocab), jnp.float32),
+    dhead, dhs = jax.lax.scan(body, _split_to(jnp.zeros((width, vocab), jnp.float32),
+                                              split, 1),
                               (hs, ts, ws, lses))
     dhead = dhead.T if tied else dhead
     return dhead.astype(head.dtype), dhs, None, None

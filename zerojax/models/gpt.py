@@ -380,7 +380,7 @@ def _head(model, params):
     return params["decoder"]["logits_dense"]["kernel"], False
 
 
-def lm_loss(model: GPT, *, weighted: bool = False):
+def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None):
     """``loss_fn(params, tokens)``: mean next-token cross-entropy, a float32 scalar.
 
     ``tokens`` is an int array of shape ``(batch, t + 1)`` with ``1 <= t <= seq``,
@@ -396,7 +396,9 @@ def lm_loss(model: GPT, *, weighted: bool = False):
     that many tiles of the sequence (:func:`zerojax.tiling.lm_head_loss`) from the
     model's final hidden states: equal to the untiled loss to float32 rounding, without
     the whole ``(batch, t, vocab)`` logits (the matmul in the compute dtype,
-    accumulated in float32).
+    accumulated in float32). ``mesh``: with ``vocab_tiles``, a mesh whose ``model``
+    axis splits the vocabulary: each shard computes its slice's logits and the head is
+    never gathered whole (:func:`zerojax.tiling.lm_head_loss`'s ``mesh``).
     """
     tiles = getattr(model.config, "vocab_tiles", None)
 
@@ -418,7 +420,7 @@ def lm_loss(model: GPT, *, weighted: bool = False):
             head, tied = _head(model, params)
             loss_sum, weight_sum = lm_head_loss(
                 hidden, head, tokens[:, 1:], weights=weights, tied=tied, tiles=tiles,
-                dtype=model.config.dtype)
+                dtype=model.config.dtype, mesh=mesh)
             return (loss_sum, weight_sum) if weighted else loss_sum / weight_sum
         logits = model.apply({"params": params}, tokens[:, :-1])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
