@@ -25,9 +25,15 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-# One-way layers: memory.py and report.py (what a configuration costs: bytes, the
-# step's peak, the paper's communication) below; this module (the search and the
+# One-way layers: cost.py, memory.py and report.py (what a configuration costs: time,
+# bytes, the step's peak, the paper's communication) below; this module (the search and the
 # recommendation, their text) imports them, never the other way.
+from zerojax.analysis.cost import (  # noqa: F401 (link_traffic re-exported)
+    StepTime,
+    accelerator as _accelerator,
+    link_traffic,
+    step_time,
+)
 from zerojax.analysis.memory import (
     MemoryEstimate,
     _count,
@@ -78,55 +84,6 @@ def comm_bytes(num_params: int, stage: int, *, param_bytes: int = 2, grad_bytes:
         return 2 * psi * grad_bytes
     gathers = 2 if stage == 3 else 1
     return psi * grad_bytes + gathers * psi * param_bytes
-
-
-_BITS = {None: None, "int8": 8, "int4": 4}
-
-
-def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
-                 param_bytes: int = 2, grad_bytes: int = 2, replica_axis: str | None = None,
-                 hpz: bool = False, quantize_weights: str | None = None,
-                 quantize_gradients: str | None = None) -> tuple[int, int]:
-    """``(inside, across)``: the bytes one device moves per step over the links inside
-    its node and over the network between nodes, on ``nodes`` x ``per_node`` devices
-    (a mesh ``make_mesh(replica=nodes, data=per_node)``), as zerojax's step moves them
-    (issue 20; checked against the compiled HLO in tests/test_hierarchical.py).
-
-    Plain ZeRO spans both axes with one collective: all of it counts as across (a ring
-    over every device is as slow as its network hops). HSDP (``replica_axis``): the
-    stage's traffic inside the node, plus an all-reduce of the Psi/D gradient shard
-    across. hpZ (stage 3): the gathers and the first reduce-scatter inside, then the
-    second reduce-scatter level (Psi/D) and the secondary copy's refresh (Psi/D,
-    exact) across. ``quantize_weights`` (qwZ, stage 3's gathers) and
-    ``quantize_gradients`` (qgZ: int8/int4 blocks plus a float32 scale per
-    ``zerojax.quant.DEFAULT_BLOCK`` elements; hierarchical, inside first, where the
-    mesh has both axes; HSDP's across all-reduce becomes a quantized reduce-scatter
-    plus an exact all-gather) change the bytes per element on the wire."""
-    from zerojax import quant
-
-    psi, d = int(num_params), int(per_node)
-    qw, qg = _BITS[quantize_weights], _BITS[quantize_gradients]
-
-    def wire(n, bits, exact_bytes):
-        n = int(n)
-        return quant.wire_bytes(n, bits=bits) if bits and n else n * exact_bytes
-
-    shard = -(-psi // d)
-    if stage == 0:
-        return (0, 2 * psi * grad_bytes) if nodes > 1 else (2 * psi * grad_bytes, 0)
-    gathers = wire(psi, qw, param_bytes) * 2 if stage == 3 else psi * param_bytes
-    if nodes == 1:
-        return gathers + wire(psi, qg, grad_bytes), 0
-    if hpz:
-        return (gathers + wire(psi, qg, grad_bytes),
-                wire(shard, qg, grad_bytes) + shard * param_bytes)
-    if replica_axis is not None:
-        across = (wire(shard, qg, grad_bytes) + shard * grad_bytes if qg
-                  else 2 * shard * grad_bytes)
-        return gathers + wire(psi, qg, grad_bytes), across
-    if qg:  # plain, quantized: the reduce-scatter goes hierarchically, inside first
-        return wire(psi, qg, grad_bytes), gathers + wire(shard, qg, grad_bytes)
-    return 0, gathers + psi * grad_bytes
 
 
 # --- the memory a JAX process gets ----------------------------------------------------
@@ -422,6 +379,11 @@ def _gb(n: float | None) -> str:
     if n < 2**20:
         return f"{n:,.0f} B"
     return f"{n / GB:,.2f}" if n >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
+
+
+def _time(r) -> str:
+    """A row's predicted step: seconds and tokens/s."""
+    return f"{r.step_time * 1e3:,.0f} ms/step, {r.tokens_per_s:,.0f} tokens/s"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -722,6 +684,17 @@ class PlanRow:
     host_traffic_bytes: int  # device <-> host per step (offloaded state in and out)
     host_bytes: int = 0  # pinned host memory per node: offloaded state of its devices
     host_fits: bool = True  # host_bytes within the node's host memory (or none given)
+    time: StepTime | None = None  # the predicted step (zerojax.analysis.cost.step_time)
+
+    @property
+    def step_time(self) -> float | None:
+        """Predicted seconds per step (cost.step_time on the plan's accelerator)."""
+        return None if self.time is None else self.time.total
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Predicted tokens per second of the whole job (every data shard's tokens)."""
+        return None if self.time is None else self.time.tokens_per_s
 
     @property
     def peak(self) -> int:
@@ -763,6 +736,8 @@ class ModelPlan:
     host_memory_bytes: int | None = None  # pinned host memory per node (None: unchecked)
     node_devices: int = 1  # devices whose offloaded state shares one node's host memory
     memory_note: str = ""  # where budget_bytes came from (the card x fraction - reserve)
+    accelerator: Any = None  # the cost.Accelerator the step times are predicted for
+    leanest: PlanRow | None = None  # the fitting row of the lowest peak
 
     def row(self, label: str) -> PlanRow:
         for r in self.rows:
@@ -791,7 +766,8 @@ def _dtype(param_dtype: Any):
 
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
          budget, reserve, remat=True, extra=None, mp=1, attention="xla",
-         replicas=1, host_budget=None, host_devices=1) -> PlanRow:
+         replicas=1, host_budget=None, host_devices=1, accel="h100",
+         per_node=None) -> PlanRow:
     import jax.numpy as jnp
 
     from zerojax.analysis.report import gpt_state_estimate, gpt_step_prediction
@@ -812,8 +788,16 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     # offloaded state stays in pinned host memory, one shard per device of the node
     host_bytes = states.host * host_devices
     host_fits = host_budget is None or host_bytes <= host_budget
+    links = {k: opts[k] for k in ("hpz", "replica_axis", "quantize_weights",
+                                  "quantize_gradients") if opts.get(k)}
+    time = step_time(psi, stage=stage, tokens_per_device=batch * seq,
+                     devices=devices * replicas, accel=accel, layers=shape.layers,
+                     hidden=shape.hidden, seq=seq, mp=mp,
+                     per_node=devices if replicas > 1 else per_node, host_bytes=host,
+                     remat=remat, remat_policy=opts.get("remat_policy"),
+                     param_bytes=compute, **links)
     return PlanRow(label, stage, options, states, step, reserve,
-                   peak <= budget and host_fits, traffic, host, host_bytes, host_fits)
+                   peak <= budget and host_fits, traffic, host, host_bytes, host_fits, time)
 
 
 def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_bytes: int,
@@ -823,7 +807,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
                option_sets: Sequence = OPTION_SETS, mp: int = 1, attention: str = "auto",
                host_memory_bytes: int | None = None, memory_note: str = "",
-               **options: Any) -> ModelPlan:
+               accelerator: Any = "h100", **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
     device, ``optimizer`` (or any optax ``tx``), ``param_dtype`` (compute precision; the
@@ -856,6 +840,13 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     ``devices_per_node x mp`` devices, else ``min(devices x mp, 8)``) exceeds it does not
     fit (``PlanRow.host_bytes``, ``.host_fits``). ``memory_note`` is printed with the
     table (where ``budget_bytes`` came from).
+
+    ``accelerator``: a preset of :data:`zerojax.analysis.cost.ACCELERATORS` (h100,
+    h200, a100, v100, tpu-v5e) or an ``Accelerator``: each row gets a predicted step
+    (``PlanRow.step_time`` seconds, ``PlanRow.tokens_per_s`` of the whole job, from
+    :func:`zerojax.analysis.cost.step_time`). The recommendation is the fastest row
+    that fits (ties: the lower peak); ``ModelPlan.leanest`` the fitting row of the
+    lowest peak.
     """
     devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
     budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
@@ -898,7 +889,9 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                          "splits the embedding's rows over the model axis; give a vocab "
                          f"padded to a multiple of {mp}")
     node_devices = devices_per_node * mp if devices_per_node else min(devices * mp, 8)
-    kw = dict(devices=devices, seq=seq, batch=batch, tx=tx, param_dtype=pd,
+    accel = _accelerator(accelerator)
+    kw = dict(accel=accel, per_node=devices_per_node, devices=devices, seq=seq, batch=batch,
+              tx=tx, param_dtype=pd,
               budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
               attention=attention, host_budget=host_memory_bytes, host_devices=node_devices)
 
@@ -933,18 +926,23 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     rows = tuple(_row(model, label, stage, opts, **kw) for label, stage, opts in option_sets)
     fitting = [r for r in rows if r.fits]
     if fitting:
-        best = min(fitting, key=lambda r: (r.traffic_bytes + r.host_traffic_bytes, r.peak))
+        best = min(fitting, key=lambda r: (r.step_time, r.peak))
+        leanest = min(fitting, key=lambda r: (r.peak, r.step_time))
         others = [r for r in fitting if r is not best]
-        reason = (f"{best.label}: the least traffic per step of the {len(fitting)} option "
-                  f"set(s) that fit ({_gb(best.traffic_bytes)} GB over the data axis"
+        reason = (f"{best.label}: the fastest of the {len(fitting)} option set(s) that "
+                  f"fit on {accel.name}, {_time(best)} ({_gb(best.traffic_bytes)} GB over "
+                  "the data axis"
                   + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
                      if best.host_traffic_bytes else "")
                   + f"), peak {_gb(best.peak)} of {_gb(budget_bytes)} GB per device, "
                   f"{_gb(budget_bytes - best.peak)} GB "
                   f"({(budget_bytes - best.peak) / budget_bytes:.0%}) headroom"
-                  + (f"; {len(others)} other(s) fit with more traffic" if others else ""))
+                  + (f"; the memory-leanest: {leanest.label}, peak {_gb(leanest.peak)} GB, "
+                     f"{_time(leanest)}" if leanest is not best else
+                     "; it is also the memory-leanest")
+                  + (f"; {len(others)} other(s) fit" if others else ""))
     else:
-        best = None
+        best = leanest = None
         least = min(rows, key=lambda r: r.peak)
         reason = (f"nothing fits: the smallest, {least.label}, needs {_gb(least.peak)} GB "
                   f"per device of {_gb(budget_bytes)}"
@@ -975,7 +973,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                      pd, rows, best, reason, tuple(found), links=links, mp=mp,
                      options=dict(options), attention=attention, link_rows=link_rows,
                      note=note, host_memory_bytes=host_memory_bytes,
-                     node_devices=node_devices, memory_note=memory_note)
+                     node_devices=node_devices, memory_note=memory_note,
+                     accelerator=accel, leanest=leanest)
 
 
 def _check_model_axis(model: ModelShape, mp: int) -> None:

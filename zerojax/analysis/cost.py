@@ -1,0 +1,269 @@
+"""What a configuration costs in time: a stated model of one train step.
+
+The planner's lowest time layer (memory.py and report.py give the bytes, this module
+the seconds; plan.py searches and recommends above both, the CLI prints on top). One
+step of a configuration is predicted as::
+
+    compute  = FLOPs / (peak x achievable)
+    FLOPs    = tokens x (6 Psi + 12 L h s) x remat factor     (per device: / mp)
+    comm     = bytes inside a node / intra_bw + bytes across nodes / inter_bw
+               (+ Megatron's activation all-reduces when mp > 1, inside the node)
+    exposed  = the part of comm the stage cannot hide under compute
+    host     = offloaded state in and out over PCIe / pcie_bw (not hidden)
+    step     = compute + exposed + host
+
+``6 Psi`` per token is the forward (2 Psi) and backward (4 Psi) matmuls; ``12 L h s``
+the attention's two ``s x s`` matmuls (``QK^T`` and ``AV``: 4 s h per token and layer
+forward, x 3 with the backward; Kaplan et al. 2020, the PaLM paper's appendix B).
+The remat factor is 4/3 with full rematerialisation (``remat=True``, policy
+``"full"``: a second forward), 1 without or with ``"dots"``/``"projections"`` (the
+matmuls are kept; the elementwise recompute is not counted).
+
+Overlap, as zerojax's stages allow it (XLA's latency-hiding scheduler runs a
+collective beside independent compute): stage 0's all-reduce and stages 1-2's
+gradient reduce-scatter run under the backward (the backward is 2/3 of the step's
+FLOPs, 3/4 with full remat); stages 1-2's all-gather of the updated parameters comes
+after the optimizer and is exposed; stage 3's gathers are prefetched (the next
+layer's under this layer's compute) and its reduce-scatter runs under the backward,
+so all of its traffic may hide under the whole step's compute. Tensor parallelism's
+all-reduces sit on the critical path (exposed). ``overlap=False`` exposes all.
+
+The ``achievable`` fraction of each preset is a measured model-FLOPs utilisation
+(MFU) of a dense transformer on that accelerator, from the source stated with it;
+the link bandwidths are the bus bandwidths a ring collective reaches (nominal per
+direction, as stated). ``benchmarks/published_runs.py`` checks the model against
+published runs (table in benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["ACCELERATORS", "Accelerator", "StepTime", "accelerator", "link_traffic",
+           "model_flops", "step_time"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One accelerator and the links of the node it sits in (bytes/s per device, one
+    direction; FLOP/s dense bf16/fp16)."""
+
+    name: str
+    peak_flops: float  # dense bf16 (fp16 tensor core on V100) FLOP/s
+    achievable: float  # measured MFU of a dense transformer: the fraction of peak reached
+    intra_bw: float  # per device inside a node (NVLink / NVSwitch / ICI), bytes/s
+    inter_bw: float  # per device between nodes (the node's NICs / its devices), bytes/s
+    pcie_bw: float  # device <-> host, bytes/s
+    per_node: int  # devices per node (a TPU slice's ICI domain)
+    memory: float  # bytes per device (the card)
+    source: str = ""
+
+    @property
+    def rate(self) -> float:
+        """The achievable FLOP/s: peak x achievable."""
+        return self.peak_flops * self.achievable
+
+    def replace(self, **kw) -> Accelerator:
+        return dataclasses.replace(self, **kw)
+
+
+ACCELERATORS = {
+    "h100": Accelerator(
+        "H100 SXM", 989e12, 0.447, 450e9, 50e9, 55e9, 8, 80e9,
+        "peak: NVIDIA H100 datasheet (989 TFLOP/s dense bf16); achievable 44.7%: MFU "
+        "measured on one H100 for zerojax's 1.28B GPT, cuDNN attention, batch 8 x 1024, "
+        "remat dots (benchmarks/gpu.py); NVLink 4: 900 GB/s bidirectional = 450 per "
+        "direction; network: 8 x 400 Gb/s NDR InfiniBand per DGX H100 node = 50 GB/s per "
+        "GPU; PCIe Gen5 x16: 64 GB/s nominal, 55 reached"),
+    "a100": Accelerator(
+        "A100 SXM", 312e12, 0.50, 300e9, 25e9, 25e9, 8, 80e9,
+        "peak: NVIDIA A100 datasheet (312 TFLOP/s dense bf16); achievable 50%: "
+        "Megatron-LM (Narayanan et al., SC21) reaches 44-52% of peak on 1.7B-1T GPTs; "
+        "NVLink 3: 600 GB/s bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR "
+        "per DGX A100 = 25 GB/s per GPU; PCIe Gen4 x16: 32 GB/s nominal, 25 reached"),
+    "v100": Accelerator(
+        "V100 SXM3 (DGX-2)", 125e12, 0.30, 150e9, 6.25e9, 12e9, 16, 32e9,
+        "peak: NVIDIA V100 datasheet (125 TFLOP/s fp16 tensor core); achievable 30%: "
+        "Megatron-LM (Shoeybi et al. 2019) sustains 39 TFLOP/s = 30% of peak on one "
+        "V100 (1.2B GPT); NVSwitch: 300 GB/s bidirectional = 150 per direction; "
+        "network: the ZeRO paper's DGX-2 cluster, 800 Gb/s per node of 16 = 6.25 GB/s "
+        "per GPU; PCIe Gen3 x16: 16 GB/s nominal, 12 reached"),
+    "tpu-v5e": Accelerator(
+        "TPU v5e", 197e12, 0.55, 200e9, 6.25e9, 16e9, 256, 16e9,
+        "peak: Google Cloud TPU v5e spec (197 TFLOP/s bf16, 1600 Gb/s ICI = 200 GB/s "
+        "per chip); achievable 55%: MaxText's v5e runs (52-61% MFU, 16B-128B, "
+        "MaxText README); a 256-chip slice is one ICI domain; between slices the DCN, "
+        "about 50 Gb/s per chip = 6.25 GB/s; PCIe Gen4 x16 to the host"),
+}
+ACCELERATORS["h200"] = ACCELERATORS["h100"].replace(
+    name="H200 SXM", memory=141e9,
+    source="as H100 (same GH100 compute and NVLink 4); 141 GB HBM3e")
+
+
+def accelerator(name: str | Accelerator) -> Accelerator:
+    """A preset by name (``ACCELERATORS``: h100, h200, a100, v100, tpu-v5e), or the
+    given :class:`Accelerator`."""
+    if isinstance(name, Accelerator):
+        return name
+    key = str(name).lower().replace("_", "-")
+    if key not in ACCELERATORS:
+        raise ValueError(f"accelerator {name!r} is not a preset; use one of "
+                         f"{', '.join(ACCELERATORS)} (or an Accelerator)")
+    return ACCELERATORS[key]
+
+
+def remat_factor(remat: bool = True, remat_policy: str | None = None) -> float:
+    """Executed over model FLOPs: 4/3 for full rematerialisation (a second forward),
+    1 with no remat or a policy that keeps the matmuls (``dots``, ``projections``);
+    ``qkv_proj`` keeps one of the four projections: 1 + (1/3)(3/4) = 1.25."""
+    if not remat or remat_policy in ("none", "dots", "projections"):
+        return 1.0
+    if remat_policy == "qkv_proj":
+        return 1.25
+    return 4 / 3
+
+
+def model_flops(num_params: int, tokens: int, *, layers: int = 0, hidden: int = 0,
+                seq: int = 0) -> float:
+    """Model FLOPs of a train step over ``tokens`` tokens: ``tokens x (6 Psi + 12 L h s)``
+    (matmuls forward and backward plus attention's two ``s x s`` matmuls; no remat)."""
+    return float(tokens) * (6.0 * num_params + 12.0 * layers * hidden * seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One predicted step (seconds, per device; every device runs the same)."""
+
+    flops: float  # executed FLOPs per device (model FLOPs x remat factor / mp)
+    compute: float
+    inside: float  # seconds the inside-node collectives take
+    across: float  # seconds the cross-node collectives take
+    tensor: float  # Megatron's activation all-reduces (mp > 1), exposed
+    exposed: float  # collective seconds not hidden under compute (tensor included)
+    host: float  # PCIe seconds (offload), exposed
+    tokens: int  # tokens per step over the whole job
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed + self.host
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total
+
+
+def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: int,
+              accel: str | Accelerator = "h100", layers: int = 0, hidden: int = 0,
+              seq: int = 0, mp: int = 1, per_node: int | None = None,
+              inside_bytes: int | None = None, across_bytes: int | None = None,
+              host_bytes: int = 0, remat: bool = True, remat_policy: str | None = None,
+              param_bytes: int = 2, overlap: bool = True, **link_options: Any) -> StepTime:
+    """The predicted step of ``devices`` data-parallel devices (x ``mp`` model), each
+    with ``tokens_per_device`` tokens (batch x seq per data shard), at ZeRO ``stage``.
+
+    The collective bytes per device are ``inside_bytes``/``across_bytes`` when given,
+    else :func:`zerojax.analysis.plan.link_traffic` of the stage with ``link_options``
+    (``hpz``, ``replica_axis``, ``quantize_weights``, ``quantize_gradients``) on
+    ``devices // per_node`` nodes (``per_node``: data devices per node, default the
+    preset's devices per node / mp). ``host_bytes``: offloaded state in and out over
+    PCIe per step."""
+    acc = accelerator(accel)
+    if per_node is None:
+        per_node = max(1, acc.per_node // mp)
+    per_node = min(per_node, devices)
+    psi_shard = -(-int(num_params) // mp)
+    if inside_bytes is None or across_bytes is None:
+        nodes = max(1, devices // per_node)
+        inside_bytes, across_bytes = link_traffic(
+            psi_shard, stage, per_node=per_node, nodes=nodes, param_bytes=param_bytes,
+            grad_bytes=param_bytes, **link_options)
+    if devices == 1:
+        inside_bytes = across_bytes = 0
+    factor = remat_factor(remat, remat_policy)
+    flops = model_flops(num_params, tokens_per_device, layers=layers, hidden=hidden,
+                        seq=seq) * factor / mp
+    compute = flops / acc.rate
+    inside = inside_bytes / acc.intra_bw
+    across = across_bytes / acc.inter_bw
+    tensor = 0.0
+    if mp > 1 and layers and hidden:
+        # Megatron: 2 all-reduces of b s h activations per layer forward, 2 backward
+        # (+2 with full remat's second forward); a ring moves 2 (mp-1)/mp of each
+        per_layer = 6 if factor > 1 else 4
+        tensor_bytes = (layers * per_layer * 2 * (mp - 1) / mp * tokens_per_device
+                        * hidden * param_bytes)
+        link = acc.intra_bw if mp <= acc.per_node else acc.inter_bw
+        tensor = tensor_bytes / link
+    comm = inside + across
+    if not overlap:
+        exposed = comm
+    elif stage == 3:
+        exposed = max(0.0, comm - compute)
+    else:
+        backward = compute * (0.75 if factor > 1 else 2 / 3)
+        if stage == 0:
+            exposed = max(0.0, comm - backward)
+        else:  # reduce-scatter (grads) hidden under the backward, gather after the update
+            total = inside_bytes + across_bytes
+            gather = min(total, _gather_share(psi_shard, param_bytes, devices))
+            share = (total - gather) / total if total else 0.0
+            exposed = max(0.0, comm * share - backward) + comm * (1 - share)
+    exposed += tensor
+    host = host_bytes / acc.pcie_bw
+    return StepTime(flops, compute, inside, across, tensor, exposed, host,
+                    tokens_per_device * devices)
+
+
+def _gather_share(psi: int, param_bytes: int, devices: int) -> int:
+    """Stages 1-2: the bytes of the parameter all-gather after the update (Psi)."""
+    return psi * param_bytes if devices > 1 else 0
+
+
+_BITS = {None: None, "int8": 8, "int4": 4}
+
+
+def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
+                 param_bytes: int = 2, grad_bytes: int = 2, replica_axis: str | None = None,
+                 hpz: bool = False, quantize_weights: str | None = None,
+                 quantize_gradients: str | None = None) -> tuple[int, int]:
+    """``(inside, across)``: the bytes one device moves per step over the links inside
+    its node and over the network between nodes, on ``nodes`` x ``per_node`` devices
+    (a mesh ``make_mesh(replica=nodes, data=per_node)``), as zerojax's step moves them
+    (issue 20; checked against the compiled HLO in tests/test_hierarchical.py).
+
+    Plain ZeRO spans both axes with one collective: all of it counts as across (a ring
+    over every device is as slow as its network hops). HSDP (``replica_axis``): the
+    stage's traffic inside the node, plus an all-reduce of the Psi/D gradient shard
+    across. hpZ (stage 3): the gathers and the first reduce-scatter inside, then the
+    second reduce-scatter level (Psi/D) and the secondary copy's refresh (Psi/D,
+    exact) across. ``quantize_weights`` (qwZ, stage 3's gathers) and
+    ``quantize_gradients`` (qgZ: int8/int4 blocks plus a float32 scale per
+    ``zerojax.quant.DEFAULT_BLOCK`` elements; hierarchical, inside first, where the
+    mesh has both axes; HSDP's across all-reduce becomes a quantized reduce-scatter
+    plus an exact all-gather) change the bytes per element on the wire."""
+    from zerojax import quant
+
+    psi, d = int(num_params), int(per_node)
+    qw, qg = _BITS[quantize_weights], _BITS[quantize_gradients]
+
+    def wire(n, bits, exact_bytes):
+        n = int(n)
+        return quant.wire_bytes(n, bits=bits) if bits and n else n * exact_bytes
+
+    shard = -(-psi // d)
+    if stage == 0:
+        return (0, 2 * psi * grad_bytes) if nodes > 1 else (2 * psi * grad_bytes, 0)
+    gathers = wire(psi, qw, param_bytes) * 2 if stage == 3 else psi * param_bytes
+    if nodes == 1:
+        return gathers + wire(psi, qg, grad_bytes), 0
+    if hpz:
+        return (gathers + wire(psi, qg, grad_bytes),
+                wire(shard, qg, grad_bytes) + shard * param_bytes)
+    if replica_axis is not None:
+        across = (wire(shard, qg, grad_bytes) + shard * grad_bytes if qg
+                  else 2 * shard * grad_bytes)
+        return gathers + wire(psi, qg, grad_bytes), across
+    if qg:  # plain, quantized: the reduce-scatter goes hierarchically, inside first
+        return wire(psi, qg, grad_bytes), gathers + wire(shard, qg, grad_bytes)
+    return 0, gathers + psi * grad_bytes
