@@ -8,6 +8,7 @@
     zerojax export CKPT_DIR OUT.safetensors [--step N] # a checkpoint's params, one file
     zerojax export CKPT_DIR OUT_DIR --format hf --mapping llama --hf-config config.json
     zerojax launch --nproc 2 train.py ...              # a multi-process job on this machine
+    zerojax tune --stages 1,2,3 --accum 1,2            # measure configurations, pick the fastest
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (with a
 message saying which and why), 1 when the work itself failed.
@@ -731,6 +732,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
                         help="largest file of --format hf (default 5GB)")
     export.set_defaults(func=_export)
+
+    tune = command(
+        "tune", "compile and time each configuration the planner says fits on these "
+        "devices; recommend the measured fastest",
+        "On the devices this process has (CPU: --devices simulated, as in train), for the "
+        "reference GPT of --layers/--hidden/--heads/--seq: each configuration of --stages, "
+        "--remat-policies, --bucket-sizes, --accum (and offload, hierarchical with "
+        "--replicas) the planner predicts to fit is compiled and run --steps timed steps "
+        "(progress bar); prints predicted against measured peak and step time, tokens/s, "
+        "and recommends the best measured tokens/s.")
+    from zerojax.cli import tune as _tune
+
+    _tune.add_arguments(tune)
+    tune.set_defaults(func=_tune.run)
 
     launch = command(
         "launch", "run a script in several processes on this machine as one multi-process "

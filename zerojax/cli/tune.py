@@ -1,0 +1,363 @@
+"""``zerojax tune``: compile and time each configuration the planner says fits, on the
+devices this process has, and recommend the measured fastest (DeepSpeed's Autotuner's
+idea: short experiments over stages and micro-batch counts).
+
+The model is the reference GPT (:mod:`zerojax.models.gpt`) of ``--layers --hidden
+--heads --seq --vocab``, trained with fp32 AdamW on random tokens (the step's time and
+memory do not depend on the tokens' values). The candidates are the product of
+``--stages``, ``--remat-policies``, ``--bucket-sizes`` and ``--accum`` (micro-batch
+counts), plus offload_optimizer at stages 1-3 with ``--offload``, and with
+``--replicas R`` > 1 (a ``replica x data`` mesh) the hierarchical rows at stage 3: HSDP
+(``replica_axis``), hpZ and hpZ + qwZ int8. For each candidate the planner
+(:func:`zerojax.analysis.plan.plan_model`, the same model's shape) predicts the peak
+(and the step time, where it has a time model); candidates predicted above the memory
+of a device (``--memory``, else the accelerator's, else host memory / devices on the
+CPU) are skipped. Each remaining one is built (``zero(...)``, ``init_sharded``),
+compiled (``step.lower(...).compile()``: its ``memory_analysis`` peak is the row's
+measured peak), run ``--warmup`` steps untimed and ``--steps`` timed steps, each
+waited for (``block_until_ready``); tokens/s = global tokens x timed steps / their
+summed time. Works unchanged on a GPU (``jax.devices()`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+MiB = 2**20
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One configuration: a label and the ``zero(...)`` options (stage included)."""
+
+    label: str
+    options: dict
+
+
+@dataclasses.dataclass
+class TuneRow:
+    """A measured configuration: predicted and measured peak, step times, tokens/s."""
+
+    label: str
+    options: dict
+    predicted_peak: int
+    predicted_step_time: float | None  # the planner's time model, where it has one
+    peak: int  # compiled.memory_analysis() of the step that was timed
+    step_times: list  # seconds, one per timed step (warm-up excluded)
+    tokens_per_step: int
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.step_times) / len(self.step_times)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step * len(self.step_times) / sum(self.step_times)
+
+
+@dataclasses.dataclass
+class TuneResult:
+    rows: list  # TuneRow, in the order measured
+    skipped: list  # (label, predicted peak, why) not measured: predicted not to fit
+    budget: int
+    budget_source: str
+    recommendation: TuneRow | None
+
+
+def _ints(text: str, name: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{name} {text!r}: write whole numbers separated by commas, e.g. 1,2") from None
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(
+            f"{name} {text!r}: each value must be >= {minimum}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from zerojax.activations import REMAT_POLICIES
+    from zerojax.cli.args import byte_size, positive_int
+
+    g = p.add_argument_group("devices")
+    g.add_argument("--devices", type=positive_int, default=8,
+                   help="total devices (CPU: simulated, as in 'zerojax train'); --mp and "
+                        "--replicas divide it")
+    g.add_argument("--mp", type=positive_int, default=1,
+                   help="model-parallel (Megatron) degree of the mesh's 'model' axis")
+    g.add_argument("--replicas", type=positive_int, default=1,
+                   help="a 'replica' axis of this size (nodes): adds HSDP, hpZ and hpZ + "
+                        "qwZ int8 at stage 3")
+    g.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
+                   help="memory per device the planner checks against (default: the "
+                        "accelerator's; CPU: host memory / devices)")
+    g = p.add_argument_group("the model (reference GPT) and batch")
+    g.add_argument("--layers", type=positive_int, default=2, help="decoder blocks")
+    g.add_argument("--hidden", type=positive_int, default=128, help="model width")
+    g.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    g.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
+    g.add_argument("--vocab", type=positive_int, default=128, help="vocabulary size")
+    g.add_argument("--batch", type=positive_int, default=32,
+                   help="global batch in sequences (a multiple of the data-parallel "
+                        "devices x the largest --accum)")
+    g = p.add_argument_group("the search")
+    g.add_argument("--stages", default="0,1,2,3", metavar="LIST",
+                   type=lambda s: _ints(s, "--stages", 0), help="ZeRO stages to try")
+    g.add_argument("--remat-policies", default="", metavar="LIST",
+                   help="comma-separated remat policies to try (" + ", ".join(REMAT_POLICIES)
+                        + "; default: the model's own)")
+    g.add_argument("--bucket-sizes", default="", metavar="LIST",
+                   help="comma-separated bucket sizes in elements to try (default: none)")
+    g.add_argument("--accum", default="1", metavar="LIST",
+                   type=lambda s: _ints(s, "--accum"),
+                   help="micro-batch counts (accum_steps) to try")
+    g.add_argument("--offload", action="store_true",
+                   help="also try offload_optimizer at stages 1-3")
+    g.add_argument("--max-configs", type=positive_int, default=12,
+                   help="measure at most this many configurations (in the order listed)")
+    g.add_argument("--steps", type=positive_int, default=3, help="timed steps per config")
+    g.add_argument("--warmup", type=positive_int, default=1,
+                   help="untimed steps first (the first call's dispatch and caches)")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+    return p
+
+
+def candidates(args: argparse.Namespace) -> list[Candidate]:
+    """The configurations to try, in order (stage-major)."""
+    policies = [p.strip() for p in args.remat_policies.split(",") if p.strip()] or [None]
+    buckets = ([int(b) for b in args.bucket_sizes.split(",") if b.strip()]
+               if args.bucket_sizes else []) or [None]
+    extras = [({}, "")]
+    if args.offload:
+        extras.append(({"offload_optimizer": True}, " + offload_optimizer"))
+    if args.replicas > 1:
+        extras += [({"replica_axis": "replica"}, " + HSDP"), ({"hpz": True}, " + hpZ"),
+                   ({"hpz": True, "quantize_weights": "int8"}, " + hpZ + qwZ int8")]
+    out = []
+    for stage, (extra, name), policy, bucket, accum in itertools.product(
+            args.stages, extras, policies, buckets, args.accum):
+        if "offload_optimizer" in extra and stage == 0:
+            continue
+        if ("hpz" in extra or "replica_axis" in extra) and stage != 3:
+            continue
+        opts: dict[str, Any] = {"stage": stage, **extra}
+        label = f"stage {stage}{name}"
+        if policy is not None:
+            opts["remat_policy"] = policy
+            label += f", remat {policy}"
+        if bucket is not None:
+            opts["bucket_size"] = bucket
+            label += f", bucket {bucket}"
+        if accum > 1:
+            opts["accum_steps"] = accum
+            label += f", accum {accum}"
+        out.append(Candidate(label, opts))
+    return out
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """``args.error`` (one line, exit 2) on a value tune cannot run."""
+    from zerojax.activations import REMAT_POLICIES
+
+    for s in args.stages:
+        if s > 3:
+            args.error(f"--stages: stage {s} is not one of 0, 1, 2, 3")
+    for p in (p.strip() for p in args.remat_policies.split(",") if p.strip()):
+        if p not in REMAT_POLICIES:
+            args.error(f"--remat-policies: {p!r} is not one of {', '.join(REMAT_POLICIES)}")
+    try:
+        buckets = [int(b) for b in args.bucket_sizes.split(",") if b.strip()]
+    except ValueError:
+        args.error(f"--bucket-sizes {args.bucket_sizes!r}: write whole numbers of elements "
+                   "separated by commas, e.g. 1048576")
+    if any(b < 1 for b in buckets):
+        args.error(f"--bucket-sizes {args.bucket_sizes!r}: each size must be >= 1")
+    split = args.mp * args.replicas
+    if args.devices % split:
+        args.error(f"--devices {args.devices} is not divisible by --mp {args.mp} x "
+                   f"--replicas {args.replicas} = {split}; give a multiple of {split}")
+    args.data = args.devices // split
+    if args.hidden % args.heads:
+        args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.heads % args.mp or args.vocab % args.mp:
+        args.error(f"--heads {args.heads} and --vocab {args.vocab} must be multiples of "
+                   f"--mp {args.mp} (Megatron splits both over the model axis)")
+    per = args.data * args.replicas * max(args.accum)
+    if args.batch % per:
+        args.error(f"--batch {args.batch} is not a multiple of {per} (data-parallel "
+                   f"devices {args.data * args.replicas} x the largest --accum "
+                   f"{max(args.accum)}); give a multiple of {per}")
+
+
+def _device_budget(args, jax) -> tuple[int, str]:
+    import os
+
+    if args.memory is not None:
+        return round(args.memory), "--memory"
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"]), f"{device.platform} memory (bytes_limit)"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // args.devices, f"host memory / {args.devices} devices"
+
+
+def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counter,
+         out=sys.stdout) -> TuneResult:
+    """Plan, compile and time every candidate of ``args`` (see the module docstring);
+    ``clock`` times the steps (injectable for tests)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from tqdm.auto import tqdm
+
+    import zerojax
+    from zerojax.analysis import compiled_memory
+    from zerojax.analysis.plan import ModelShape, plan_model
+    from zerojax.models import GPT, GPTConfig, lm_loss
+
+    have = len(jax.devices())
+    if have < args.devices:
+        args.error(f"--devices {args.devices}: jax has {have} (it started before the "
+                   "simulated count could apply); run in a new process")
+    budget, source = _device_budget(args, jax)
+    dp = args.data
+    if args.replicas > 1:
+        mesh = zerojax.make_mesh(data=dp, model=args.mp, replica=args.replicas,
+                                 devices=jax.devices()[:args.devices])
+    else:
+        mesh = zerojax.make_mesh(data=dp, model=args.mp, devices=jax.devices()[:args.devices])
+    config = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers,
+                       hidden=args.hidden, heads=args.heads, attention="xla")
+    model = GPT(config)
+    tokens = jnp.zeros((1, args.seq), jnp.int32)
+
+    def init_fn(key):
+        return model.init(key, tokens)["params"]
+
+    loss_fn = lm_loss(model)
+    tx = optax.adamw(1e-3)
+    shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab)
+    per_device = args.batch // (dp * args.replicas)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, args.vocab, (args.batch, args.seq), dtype=np.int32)
+
+    todo, skipped = [], []
+    for c in candidates(args):
+        opts = {k: v for k, v in c.options.items() if k != "stage"}
+        plan_kw = {}
+        if args.replicas > 1 and ("hpz" in opts or "replica_axis" in opts):
+            plan_kw = {"devices_per_node": dp}
+        try:
+            p = plan_model(shape, devices=dp * (args.replicas if not plan_kw else 1),
+                           budget_bytes=budget, seq=args.seq, batch=per_device, tx=tx,
+                           param_dtype="fp32", mp=args.mp, attention="xla",
+                           option_sets=((c.label, c.options["stage"], opts),), **plan_kw)
+            row = p.rows[0]
+        except (TypeError, ValueError) as e:
+            args.error(f"{c.label}: the planner refused it: {' '.join(str(e).split())}")
+        if not row.fits:
+            skipped.append((c.label, row.peak, f"predicted {row.peak / MiB:.1f} MiB > "
+                            f"{budget / MiB:.1f} MiB"))
+            continue
+        todo.append((c, row))
+    if len(todo) > args.max_configs:
+        for c, row in todo[args.max_configs:]:
+            skipped.append((c.label, row.peak, f"beyond --max-configs {args.max_configs}"))
+        todo = todo[:args.max_configs]
+
+    rows = []
+    total = len(todo) * (args.warmup + args.steps)
+    bar = tqdm(total=total, desc="tune", unit="step", disable=not args.progress,
+               dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+    for c, prow in todo:
+        bar.set_postfix_str(c.label, refresh=True)
+        opts = dict(c.options)
+        accum = opts.get("accum_steps", 1)
+        batch = data if accum == 1 else data.reshape(accum, args.batch // accum, args.seq)
+        opt = zerojax.zero(tx, mesh, **opts)
+        state = opt.init_sharded(init_fn, jax.random.key(0))
+        step = opt.train_step(loss_fn)
+        compiled = step.lower(state, batch).compile()
+        peak = compiled_memory(compiled).peak
+        placed = step.place_batch(batch)
+        for _ in range(args.warmup):
+            state, metrics = step(state, placed)
+            jax.block_until_ready((state, metrics))
+            bar.update()
+        times = []
+        for _ in range(args.steps):
+            start = clock()
+            state, metrics = step(state, placed)
+            jax.block_until_ready((state, metrics))
+            times.append(clock() - start)
+            bar.update()
+        predicted_time = getattr(prow, "step_time", None)
+        rows.append(TuneRow(c.label, opts, prow.peak, predicted_time, peak, times,
+                            args.batch * args.seq))
+        del state, opt, step, compiled
+    bar.close()
+    best = max(rows, key=lambda r: r.tokens_per_s) if rows else None
+    return TuneResult(rows, skipped, budget, source, best)
+
+
+def format_result(res: TuneResult, args: argparse.Namespace) -> str:
+    from zerojax.cli.args import table
+
+    has_time = any(r.predicted_step_time is not None for r in res.rows)
+    header = ["configuration", "predicted peak", "measured peak", "meas/pred",
+              "predicted step", "measured step", "tokens/s"]
+    body = []
+    for r in res.rows:
+        body.append([
+            ("* " if r is res.recommendation else "  ") + r.label,
+            f"{r.predicted_peak / MiB:.2f} MiB", f"{r.peak / MiB:.2f} MiB",
+            f"{r.peak / r.predicted_peak:.2f}",
+            "-" if r.predicted_step_time is None else f"{r.predicted_step_time * 1e3:.2f} ms",
+            f"{r.step_time * 1e3:.2f} ms", f"{r.tokens_per_s:,.0f}"])
+    lines = [table(header, body)] if body else []
+    lines.append(f"\nmeasured: peak from the compiled step's memory_analysis(); step "
+                 f"time the mean of {args.steps} timed steps after {args.warmup} warm-up "
+                 f"(block_until_ready); tokens/s = {args.batch} x {args.seq} tokens x steps "
+                 "/ their time")
+    if not has_time:
+        lines.append("predicted step: '-': the planner has no time model for these rows; "
+                     "the predicted peak only")
+    lines.append(f"memory per device checked: {res.budget / MiB:,.0f} MiB "
+                 f"({res.budget_source})")
+    for label, _peak, why in res.skipped:
+        lines.append(f"not measured: {label}: {why}")
+    if res.recommendation is None:
+        lines.append("recommendation: none (no configuration was measured)")
+    else:
+        r = res.recommendation
+        lines.append(f"recommendation: {r.label}: the best measured tokens/s "
+                     f"({r.tokens_per_s:,.0f}), peak {r.peak / MiB:.2f} MiB per device")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``zerojax tune``: check, simulate the devices, tune, print; the exit status."""
+    from zerojax.cli import demo
+
+    check_arguments(args)
+    demo.simulate_devices(args.devices)
+    import jax
+
+    res = tune(args)
+    print(f"zerojax tune: GPT {args.layers} layers x hidden {args.hidden}, {args.heads} "
+          f"heads, seq {args.seq}, vocab {args.vocab}, batch {args.batch}; fp32 adamw; "
+          f"mesh " + (f"replica={args.replicas} x " if args.replicas > 1 else "")
+          + f"data={args.data} x model={args.mp} of {jax.devices()[0].platform} devices")
+    print(format_result(res, args))
+    return 0 if res.rows else 1
