@@ -382,7 +382,9 @@ def test_plan_model_returns_the_table_as_data():
     assert off.states.optimizer_state < 100 and off.states.host_optimizer_state > 0
     assert off.host_traffic_bytes == 2 * off.states.host
     assert p.recommendation is not None and p.recommendation.fits
-    assert p.recommendation.label in p.reason and "least traffic" in p.reason
+    # the fastest that fits (issue 32; was the least traffic), the memory-leanest beside
+    assert p.recommendation.label in p.reason and "the fastest" in p.reason
+    assert p.leanest is not None and p.leanest.fits
     assert s3.traffic_bytes == 3 * p.num_params * 2  # 3 Psi in bf16
     # SGD holds less than AdamW: the optimizer changes the answer
     sgd = zerojax.plan(model=ModelShape(48, 1600, 25), dp=8, budget_bytes=80 * 10**9,
@@ -928,3 +930,71 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
     assert all(r.fits == f.fits for r, f in zip(tight.rows, free.rows) if not r.options)
     with pytest.raises(ValueError, match="beyond gpt2-1.5b's 1024 learned positions"):
         plan_model("gpt2-1.5b", **kw)
+
+
+# --- the time model (issue 32) ---------------------------------------------------------
+
+
+def test_time_model_counts_six_psi_tokens_plus_attention():
+    """cost.step_time's FLOPs are tokens x (6 Psi + 12 L h s), x 4/3 with full remat,
+    and its compute time is those FLOPs at the preset's peak x achievable fraction."""
+    from zerojax.analysis.cost import ACCELERATORS, model_flops, step_time
+
+    psi, layers, hidden, seq, batch = 1_280_000_000, 24, 2048, 1024, 8
+    tokens = batch * seq
+    flops = tokens * (6 * psi + 12 * layers * hidden * seq)
+    assert model_flops(psi, tokens, layers=layers, hidden=hidden, seq=seq) == flops
+    h100 = ACCELERATORS["h100"]
+    assert h100.peak_flops == 989e12 and h100.achievable == 0.447
+    kw = dict(stage=0, tokens_per_device=tokens, devices=1, accel="h100", layers=layers,
+              hidden=hidden, seq=seq)
+    dots = step_time(psi, remat_policy="dots", **kw)
+    assert dots.flops == flops and dots.compute == pytest.approx(flops / (989e12 * 0.447))
+    assert dots.exposed == 0 and dots.total == dots.compute  # one device: no collective
+    assert dots.tokens_per_s == pytest.approx(tokens / dots.total)
+    assert step_time(psi, remat=True, **kw).flops == pytest.approx(flops * 4 / 3)
+    with pytest.raises(ValueError, match="not a preset"):
+        step_time(psi, stage=0, tokens_per_device=1, devices=1, accel="h900")
+
+
+def test_time_model_a_faster_link_lowers_the_step():
+    """Across two nodes the network dominates a stage-3 step of a 7B model at 256
+    tokens per device: doubling the network's bandwidth lowers the predicted time; stage 3's traffic
+    hides under compute where stage 1's all-gather after the update cannot."""
+    from zerojax.analysis.cost import ACCELERATORS, step_time
+
+    h100 = ACCELERATORS["h100"]
+    kw = dict(tokens_per_device=256, devices=16, layers=32, hidden=4096, seq=256)
+    slow = step_time(6_738_415_616, stage=3, accel=h100, **kw)
+    fast = step_time(6_738_415_616, stage=3, accel=h100.replace(inter_bw=2 * h100.inter_bw),
+                     **kw)
+    assert slow.exposed > 0 and fast.total < slow.total
+    assert fast.compute == slow.compute and fast.across == pytest.approx(slow.across / 2)
+    # ZeRO++ (hpZ + quantized) moves less across nodes: faster on the same links
+    zpp = step_time(6_738_415_616, stage=3, accel=h100, hpz=True, quantize_weights="int8",
+                    quantize_gradients="int4", **kw)
+    assert zpp.across < slow.across and zpp.total < slow.total
+    # no overlap: every collective second is exposed
+    flat = step_time(6_738_415_616, stage=3, accel=h100, overlap=False, **kw)
+    assert flat.exposed == pytest.approx(flat.inside + flat.across)
+    assert flat.exposed > slow.exposed
+
+
+def test_plan_recommends_the_fastest_row_that_fits():
+    """plan_model's recommendation is the row of the least predicted step time among
+    those that fit, ModelPlan.leanest the fitting row of the least peak; the accelerator
+    changes the times (a V100 is slower than an H100)."""
+    from zerojax.analysis.plan import plan_model
+
+    kw = dict(devices=4, budget_bytes=29 * 10**9, seq=2048, batch=2,
+              host_memory_bytes=10**12)
+    p = plan_model("llama2-7b", **kw)
+    fitting = [r for r in p.rows if r.fits]
+    assert len(fitting) >= 2 and any(not r.fits for r in p.rows)
+    assert p.recommendation.step_time == min(r.step_time for r in fitting)
+    assert p.leanest.peak == min(r.peak for r in fitting)
+    assert all(r.tokens_per_s == pytest.approx(4 * 2 * 2048 / r.step_time) for r in p.rows)
+    assert f"{p.recommendation.tokens_per_s:,.0f} tokens/s" in p.reason
+    assert "memory-leanest" in p.reason and "step (ms)" in str(p)
+    v100 = plan_model("llama2-7b", accelerator="v100", **kw)
+    assert v100.row("stage 3").step_time > p.row("stage 3").step_time

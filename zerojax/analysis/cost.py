@@ -7,6 +7,8 @@ step of a configuration is predicted as::
     compute  = FLOPs / (peak x achievable)
     FLOPs    = tokens x (6 Psi + 12 L h s) x remat factor     (per device: / mp)
     comm     = bytes inside a node / intra_bw + bytes across nodes / inter_bw
+               (x devices per node for one ring over every device: its NIC hops
+               carry one device's volume; HSDP/hpZ's per-device shards share them)
                (+ Megatron's activation all-reduces when mp > 1, inside the node)
     exposed  = the part of comm the stage cannot hide under compute
     host     = offloaded state in and out over PCIe / pcie_bw (not hidden)
@@ -173,8 +175,8 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
         per_node = max(1, acc.per_node // mp)
     per_node = min(per_node, devices)
     psi_shard = -(-int(num_params) // mp)
+    nodes = max(1, devices // per_node)
     if inside_bytes is None or across_bytes is None:
-        nodes = max(1, devices // per_node)
         inside_bytes, across_bytes = link_traffic(
             psi_shard, stage, per_node=per_node, nodes=nodes, param_bytes=param_bytes,
             grad_bytes=param_bytes, **link_options)
@@ -185,7 +187,14 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
                         seq=seq) * factor / mp
     compute = flops / acc.rate
     inside = inside_bytes / acc.intra_bw
-    across = across_bytes / acc.inter_bw
+    # one collective over every device (plain ZeRO, stage 0 on nodes): a ring (NCCL's
+    # channels, one per NIC) crosses each node boundary once, so the node's NICs carry
+    # about one device's volume: the node's bandwidth, inter_bw x per_node. HSDP/hpZ
+    # and the hierarchical qgZ run one cross-node collective per device of the node
+    # (its own shard), all sharing the NICs: inter_bw each.
+    one_ring = nodes > 1 and not any(link_options.get(k) for k in (
+        "hpz", "replica_axis", "quantize_gradients"))
+    across = across_bytes / (acc.inter_bw * (per_node if one_ring else 1))
     tensor = 0.0
     if mp > 1 and layers and hidden:
         # Megatron: 2 all-reduces of b s h activations per layer forward, 2 backward
@@ -193,7 +202,8 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
         per_layer = 6 if factor > 1 else 4
         tensor_bytes = (layers * per_layer * 2 * (mp - 1) / mp * tokens_per_device
                         * hidden * param_bytes)
-        link = acc.intra_bw if mp <= acc.per_node else acc.inter_bw
+        # beyond a node: one ring over the model axis, its NIC hops at the node's rate
+        link = acc.intra_bw if mp <= acc.per_node else acc.inter_bw * acc.per_node
         tensor = tensor_bytes / link
     comm = inside + across
     if not overlap:

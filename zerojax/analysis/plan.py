@@ -1025,7 +1025,8 @@ def format_model_plan(p: ModelPlan) -> str:
     if p.memory_note:
         head.append(p.memory_note)
     header = ["option set", "params", "grads", "optim", "act", "other", "peak (GB)",
-              "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
+              "fits", "traffic (GB)", "host (GB)", "host/node (GB)", "step (ms)",
+              "tokens/s"]
     rows = []
     for r in p.rows:
         s = r.states
@@ -1033,7 +1034,9 @@ def format_model_plan(p: ModelPlan) -> str:
         fits = "yes" if r.fits else ("no: host" if r.peak <= p.budget_bytes else "no")
         rows.append([r.label, _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
                      _gb(r.activations), _gb(other), _gb(r.peak), fits,
-                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)])
+                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes),
+                     f"{r.step_time * 1e3:,.0f}" if r.time else "-",
+                     f"{r.tokens_per_s:,.0f}" if r.time else "-"])
     out = "\n".join(head) + "\n" + _table(header, rows)
     host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
                  f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
@@ -1045,6 +1048,14 @@ def format_model_plan(p: ModelPlan) -> str:
             "offloaded state moved in and out per step; host/node: the pinned host memory "
             f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
             "not the host)")
+    if p.accelerator is not None:
+        a = p.accelerator
+        out += (f"\n(step, tokens/s: predicted for {a.name} by zerojax.analysis.cost: "
+                f"tokens x (6 Psi + 12 L h s) x remat at {a.peak_flops / 1e12:.0f} TFLOP/s "
+                f"x {a.achievable:.1%} achievable, collectives at {a.intra_bw / GB:.0f} GB/s "
+                f"in a node and {a.inter_bw / GB:.2f} GB/s across nodes per device, hidden "
+                "under compute as the stage allows, offload at "
+                f"{a.pcie_bw / GB:.0f} GB/s PCIe; tokens/s of the whole job)")
     if p.largest:
         out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
         out += _table(["option set", "layers", "hidden", "heads", "Psi"],
@@ -1060,10 +1071,13 @@ def format_model_plan(p: ModelPlan) -> str:
                 f"{precision}):\n")
         peaks = {r.label: r for r in p.link_rows}
         out += _table(["option set", "peak (GB)", "fits", "inside a node (GB)",
-                       "across nodes (GB)", "inside (Psi)", "across (Psi)"],
+                       "across nodes (GB)", "inside (Psi)", "across (Psi)", "step (ms)"],
                       [[label, _gb(peaks[label].peak) if label in peaks else "-",
                         ("yes" if peaks[label].fits else "no") if label in peaks else "-",
                         _gb(inside), _gb(across), f"{inside / unit:.3f}",
-                        f"{across / unit:.3f}"] for label, inside, across in p.links])
+                        f"{across / unit:.3f}",
+                        f"{peaks[label].step_time * 1e3:,.0f}"
+                        if label in peaks and peaks[label].time else "-"]
+                       for label, inside, across in p.links])
     out += f"\n\nrecommendation: {p.reason}\n({p.not_counted})"
     return out

@@ -170,8 +170,11 @@ Two questions:
   --largest: the per-device peak of a train step at each stage and option set (model
   states from the optimizer's own state and the dtypes, gradients in flight,
   activations with attention scores and logits, working copies), whether it fits
-  --memory, the traffic per step, and the recommendation: the least traffic among
-  the option sets that fit. --largest searches layers L with hidden = 128 L and
+  --memory, the traffic per step, the predicted step time and tokens/s on
+  --accelerator (zerojax.analysis.cost: FLOPs at the preset's achievable rate, the
+  collectives over NVLink/ICI and the network with the stage's overlap, offload's
+  PCIe), and the recommendation: the fastest option set that fits, with the
+  memory-leanest beside it. --largest searches layers L with hidden = 128 L and
   128-wide heads (GPT-3's ratio) for the largest model each option set fits.
   The model is zerojax's reference GPT (scanned, rematerialised blocks); the llama2-*
   and llama3-* presets are the released Llama shapes (GQA, SwiGLU, untied head,
@@ -315,7 +318,7 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                             param_dtype=precision, devices_per_node=per_node,
                             largest=args.largest, reserve_bytes=round(args.reserve),
                             mp=args.mp, attention=args.attention,
-                            host_memory_bytes=round(host),
+                            host_memory_bytes=round(host), accelerator=args.accelerator,
                             memory_note=str(memory) + (
                                 "\nhost memory per node: " + gb(host)
                                 + (" (--host-memory)" if args.host_memory is not None else
@@ -623,6 +626,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory", "--budget", "-b", dest="budget", type=byte_size,
                       required=True, metavar="SIZE",
                       help="memory per device, with its unit: 80GB, 80GiB, 512MB")
+    from zerojax.analysis.cost import ACCELERATORS
+
+    plan.add_argument("--accelerator", choices=list(ACCELERATORS), default="h100",
+                      help="the preset the step times are predicted for (peak FLOP/s, "
+                      "achievable fraction, link bandwidths: zerojax.analysis.cost)")
     plan.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
                       help="a model size for the paper's formula: 7.5B, 340M, ...")
     g = plan.add_argument_group("the model (its shape, a preset, or the largest)")
