@@ -34,11 +34,13 @@ import functools
 import math
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["lm_head_loss", "check_tiles", "logits_bytes"]
+__all__ = ["lm_head_loss", "check_tiles", "logits_bytes", "tiled_dense", "TiledDense",
+           "tile_kernel", "untile_kernel"]
 
 
 def check_tiles(tiles: Any, dim: int, what: str) -> int:
@@ -275,3 +277,101 @@ def logits_bytes(tokens: int, vocab: int, tiles: int | None = None) -> int:
     otherwise (what a planner counts for the head's activations)."""
     per = tokens if not tiles else math.ceil(tokens / tiles)
     return 4 * per * vocab
+
+
+def tiled_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                dtype: Any = None) -> jax.Array:
+    """``x @ W + b`` with the output dimension computed in tiles, one after another.
+
+    ``kernel``: ``(tiles, in, out / tiles)``, tile ``i`` holding the output columns
+    ``[i * out / tiles, (i + 1) * out / tiles)`` of the whole ``(in, out)`` weight
+    (:func:`tile_kernel` / :func:`untile_kernel` convert). ``bias``: ``(out,)`` or
+    None. ``dtype``: the compute dtype (default ``x``'s); float32 accumulation.
+
+    The tiles run in a ``lax.scan`` over ``kernel``'s leading axis whose body is a
+    ``jax.checkpoint``: the backward pass recomputes each tile from ``x`` and the
+    tile's weight instead of stacking the tiles' residuals. Under zerojax stage 3 a
+    scanned parameter is gathered one iteration at a time (zerojax/schedule.py:
+    ``_eval_scan`` iterates over the shards of a stacked leaf whose ``data`` split is
+    not its leading dim), so each tile gathers only its ``(in, out / tiles)`` part,
+    in the forward and again in the backward pass: the gathered whole weight never
+    exists at once (ZeRO-Infinity's TiledLinear, arXiv:2104.07857 section 5.1.3).
+    """
+    x = jnp.asarray(x)
+    if kernel.ndim != 3 or kernel.shape[1] != x.shape[-1]:
+        raise ValueError(f"tiled_dense: kernel has shape {kernel.shape}, expected (tiles, "
+                         f"in={x.shape[-1]}, out / tiles) for x of shape {x.shape} (use "
+                         f"tile_kernel(w, tiles) on an (in, out) weight)")
+    tiles, _, width = kernel.shape
+    if bias is not None and bias.shape != (tiles * width,):
+        raise ValueError(f"tiled_dense: bias has shape {bias.shape}, expected "
+                         f"({tiles * width},)")
+    dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    xc = x.astype(dtype)
+
+    @jax.checkpoint
+    def body(carry, k):
+        return carry, jnp.einsum("...i,io->...o", xc, k.astype(dtype),
+                                 preferred_element_type=jnp.float32).astype(dtype)
+
+    _, ys = jax.lax.scan(body, None, kernel)  # (tiles, ..., width)
+    y = jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], tiles * width)
+    if bias is not None:
+        y = y + bias.astype(dtype)
+    return y
+
+
+def tile_kernel(w: jax.Array, tiles: int) -> jax.Array:
+    """An ``(in, out)`` weight as :func:`tiled_dense`'s ``(tiles, in, out / tiles)``."""
+    w = jnp.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"tile_kernel: w must be (in, out), got shape {w.shape}")
+    _check_out_tiles(tiles, w.shape[1])
+    return jnp.moveaxis(w.reshape(w.shape[0], tiles, w.shape[1] // tiles), 1, 0)
+
+
+def untile_kernel(kernel: jax.Array) -> jax.Array:
+    """:func:`tiled_dense`'s ``(tiles, in, out / tiles)`` kernel as the ``(in, out)``
+    weight."""
+    t, i, o = kernel.shape
+    return jnp.moveaxis(kernel, 0, 1).reshape(i, t * o)
+
+
+def _check_out_tiles(tiles, features: int) -> None:
+    check_tiles(tiles, features, "output dimension")
+    if features % tiles:
+        raise ValueError(f"tiles={tiles} does not divide the output dimension "
+                         f"{features}: a tiled linear needs equal tiles; pick a divisor "
+                         f"of {features}")
+
+
+class TiledDense(nn.Module):
+    """``nn.Dense(features)`` computed in ``tiles`` tiles of the output dimension
+    (:func:`tiled_dense`). Params: ``kernel`` ``(tiles, in, features / tiles)``
+    (``untile_kernel`` gives ``nn.Dense``'s ``(in, features)``; the initializer sees
+    that whole shape, so the values are ``nn.Dense``'s for the same key) and ``bias``
+    ``(features,)``."""
+
+    features: int
+    tiles: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x):
+        _check_out_tiles(self.tiles, self.features)
+        fan_in = x.shape[-1]
+
+        def init(key, shape, dtype):
+            whole = self.kernel_init(key, (fan_in, self.features), dtype)
+            return tile_kernel(whole, self.tiles)
+
+        kernel = self.param("kernel", init,
+                            (self.tiles, fan_in, self.features // self.tiles),
+                            self.param_dtype)
+        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
+        return tiled_dense(x, kernel, bias, dtype=self.dtype)
