@@ -68,6 +68,7 @@ class TuneResult:
     budget: int
     budget_source: str
     recommendation: TuneRow | None
+    accelerator: str = ""  # what the predicted step times assume
 
 
 def _ints(text: str, name: str, minimum: int = 1) -> list[int]:
@@ -98,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
                    help="memory per device the planner checks against (default: the "
                         "accelerator's; CPU: host memory / devices)")
+    g.add_argument("--accelerator", default="auto", metavar="NAME",
+                   help="the planner's time model for the predicted step: a preset "
+                        "(h100, h200, a100, v100, tpu-v5e), 'measure' (this machine's "
+                        "matmul FLOP/s and all-reduce bandwidth, timed here first), or "
+                        "auto: the preset of the GPU's device_kind, else measure (CPU)")
     g = p.add_argument_group("the model (reference GPT) and batch")
     g.add_argument("--layers", type=positive_int, default=2, help="decoder blocks")
     g.add_argument("--hidden", type=positive_int, default=128, help="model width")
@@ -211,6 +217,77 @@ def _device_budget(args, jax) -> tuple[int, str]:
     return host // args.devices, f"host memory / {args.devices} devices"
 
 
+KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("v100", "v100"),
+         ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"))
+
+
+def measure_accelerator(jax, mesh, budget: int):
+    """A :class:`zerojax.analysis.cost.Accelerator` for the devices of ``mesh`` as
+    measured here: FLOP/s per device from a 512 x 512 fp32 matmul run on every device
+    at once (simulated CPU devices share the host's cores, so each gets its share), all
+    links the bandwidth of an all-reduce over all of them (4 MiB per device), achievable
+    fraction 1 (the rate is already a measured one)."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from zerojax.analysis.cost import Accelerator
+
+    devices = mesh.devices.reshape(-1)
+    n = len(devices)
+    flat = jax.sharding.Mesh(devices, ("d",))
+    split = NamedSharding(flat, PartitionSpec("d"))
+    m, reps = 512, 4
+    a = jax.device_put(np.ones((n, m, m), np.float32) / m, split)
+
+    @jax.jit
+    def matmuls(a):
+        x = a
+        for _ in range(reps):
+            x = x @ a
+        return x
+
+    def best_of(f, x, k=3):
+        jax.block_until_ready(f(x))
+        times = []
+        for _ in range(k):
+            t = time.perf_counter()
+            jax.block_until_ready(f(x))
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    rate = 2 * m**3 * reps / best_of(matmuls, a)  # per device: all ran at once
+    e = 2**20
+    v = jax.device_put(np.ones((n, e), np.float32), split)
+    reduce = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(flat, PartitionSpec()))
+    bw = 2 * (n - 1) / n * e * 4 / best_of(reduce, v) if n > 1 else 1e12
+    name = f"{devices[0].platform} x {n} (measured)"
+    return Accelerator(name, rate, 1.0, bw, bw, bw, n, float(budget),
+                       "measured by zerojax tune: fp32 matmul FLOP/s per device with all "
+                       "devices busy; an all-reduce's bus bandwidth for every link")
+
+
+def _accelerator(args, jax, mesh, budget):
+    """(the accelerator the planner times, a line saying which and why)."""
+    from zerojax.analysis.cost import ACCELERATORS
+
+    name = args.accelerator.lower()
+    if name == "auto":
+        kind = jax.devices()[0].device_kind.lower()
+        name = next((preset for key, preset in KINDS
+                     if key in kind and jax.devices()[0].platform != "cpu"), "measure")
+    if name == "measure":
+        accel = measure_accelerator(jax, mesh, budget)
+        return accel, (f"predicted step: the planner's time model for {accel.name}: "
+                       f"{accel.peak_flops / 1e9:,.1f} GFLOP/s per device, links "
+                       f"{accel.intra_bw / 1e9:,.2f} GB/s ({accel.source})")
+    if name not in ACCELERATORS:
+        args.error(f"--accelerator {args.accelerator!r} is not one of "
+                   f"{', '.join(ACCELERATORS)}, measure, auto")
+    accel = ACCELERATORS[name]
+    return accel, (f"predicted step: the planner's time model for {accel.name} "
+                   f"({accel.peak_flops / 1e12:,.0f} TFLOP/s x {accel.achievable:.1%})")
+
+
 def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counter,
          out=sys.stdout) -> TuneResult:
     """Plan, compile and time every candidate of ``args`` (see the module docstring);
@@ -252,6 +329,7 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
     rng = np.random.default_rng(0)
     data = rng.integers(0, args.vocab, (args.batch, args.seq), dtype=np.int32)
 
+    accel, accel_note = _accelerator(args, jax, mesh, budget)
     todo, skipped = [], []
     for c in candidates(args):
         opts = {k: v for k, v in c.options.items() if k != "stage"}
@@ -262,7 +340,8 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
             p = plan_model(shape, devices=dp * (args.replicas if not plan_kw else 1),
                            budget_bytes=budget, seq=args.seq, batch=per_device, tx=tx,
                            param_dtype="fp32", mp=args.mp, attention="xla",
-                           option_sets=((c.label, c.options["stage"], opts),), **plan_kw)
+                           option_sets=((c.label, c.options["stage"], opts),),
+                           accelerator=accel, **plan_kw)
             row = p.rows[0]
         except (TypeError, ValueError) as e:
             args.error(f"{c.label}: the planner refused it: {' '.join(str(e).split())}")
@@ -308,7 +387,11 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
         del state, opt, step, compiled
     bar.close()
     best = max(rows, key=lambda r: r.tokens_per_s) if rows else None
-    return TuneResult(rows, skipped, budget, source, best)
+    return TuneResult(rows, skipped, budget, source, best, accel_note)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def format_result(res: TuneResult, args: argparse.Namespace) -> str:
@@ -323,14 +406,16 @@ def format_result(res: TuneResult, args: argparse.Namespace) -> str:
             ("* " if r is res.recommendation else "  ") + r.label,
             f"{r.predicted_peak / MiB:.2f} MiB", f"{r.peak / MiB:.2f} MiB",
             f"{r.peak / r.predicted_peak:.2f}",
-            "-" if r.predicted_step_time is None else f"{r.predicted_step_time * 1e3:.2f} ms",
-            f"{r.step_time * 1e3:.2f} ms", f"{r.tokens_per_s:,.0f}"])
+            "-" if r.predicted_step_time is None else _ms(r.predicted_step_time),
+            _ms(r.step_time), f"{r.tokens_per_s:,.0f}"])
     lines = [table(header, body)] if body else []
     lines.append(f"\nmeasured: peak from the compiled step's memory_analysis(); step "
                  f"time the mean of {args.steps} timed steps after {args.warmup} warm-up "
                  f"(block_until_ready); tokens/s = {args.batch} x {args.seq} tokens x steps "
                  "/ their time")
-    if not has_time:
+    if has_time:
+        lines.append(res.accelerator)
+    else:
         lines.append("predicted step: '-': the planner has no time model for these rows; "
                      "the predicted peak only")
     lines.append(f"memory per device checked: {res.budget / MiB:,.0f} MiB "
