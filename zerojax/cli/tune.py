@@ -14,9 +14,9 @@ counts), plus offload_optimizer at stages 1-3 with ``--offload``, and with
 of a device (``--memory``, else the accelerator's, else host memory / devices on the
 CPU) are skipped. Each remaining one is built (``zero(...)``, ``init_sharded``),
 compiled (``step.lower(...).compile()``: its ``memory_analysis`` peak is the row's
-measured peak), run ``--warmup`` steps untimed and ``--steps`` timed steps, each
-waited for (``block_until_ready``); tokens/s = global tokens x timed steps / their
-summed time. Works unchanged on a GPU (``jax.devices()`` there).
+measured peak, and this executable is the one timed), run ``--warmup`` steps untimed
+and ``--steps`` timed steps, each waited for (``block_until_ready``); tokens/s =
+global tokens x timed steps / their summed time. Works unchanged on a GPU (``jax.devices()`` there).
 """
 
 from __future__ import annotations
@@ -370,14 +370,15 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
         compiled = step.lower(state, batch).compile()
         peak = compiled_memory(compiled).peak
         placed = step.place_batch(batch)
+        # the timed steps run this very executable (one compilation per configuration)
         for _ in range(args.warmup):
-            state, metrics = step(state, placed)
+            state, metrics = compiled(state, placed, None)
             jax.block_until_ready((state, metrics))
             bar.update()
         times = []
         for _ in range(args.steps):
             start = clock()
-            state, metrics = step(state, placed)
+            state, metrics = compiled(state, placed, None)
             jax.block_until_ready((state, metrics))
             times.append(clock() - start)
             bar.update()
