@@ -165,7 +165,7 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
     with ``tokens_per_device`` tokens (batch x seq per data shard), at ZeRO ``stage``.
 
     The collective bytes per device are ``inside_bytes``/``across_bytes`` when given,
-    else :func:`zerojax.analysis.plan.link_traffic` of the stage with ``link_options``
+    else :func:`link_traffic` of the stage with ``link_options``
     (``hpz``, ``replica_axis``, ``quantize_weights``, ``quantize_gradients``) on
     ``devices // per_node`` nodes (``per_node``: data devices per node, default the
     preset's devices per node / mp). ``host_bytes``: offloaded state in and out over

@@ -1024,19 +1024,18 @@ def format_model_plan(p: ModelPlan) -> str:
             else "explicit, float32 s x s scores materialised per layer being recomputed"))
     if p.memory_note:
         head.append(p.memory_note)
-    header = ["option set", "params", "grads", "optim", "act", "other", "peak (GB)",
-              "fits", "traffic (GB)", "host (GB)", "host/node (GB)", "step (ms)",
-              "tokens/s"]
+    header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
+              "other", "peak (GB)", "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
     rows = []
     for r in p.rows:
         s = r.states
         other = r.peak - s.params - s.optimizer_state - r.activations
         fits = "yes" if r.fits else ("no: host" if r.peak <= p.budget_bytes else "no")
-        rows.append([r.label, _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
+        rows.append([r.label, f"{r.step_time * 1e3:,.0f}" if r.time else "-",
+                     f"{r.tokens_per_s:,.0f}" if r.time else "-",
+                     _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
                      _gb(r.activations), _gb(other), _gb(r.peak), fits,
-                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes),
-                     f"{r.step_time * 1e3:,.0f}" if r.time else "-",
-                     f"{r.tokens_per_s:,.0f}" if r.time else "-"])
+                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)])
     out = "\n".join(head) + "\n" + _table(header, rows)
     host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
                  f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
