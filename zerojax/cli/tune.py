@@ -440,9 +440,13 @@ def run(args: argparse.Namespace) -> int:
     demo.simulate_devices(args.devices)
     import jax
 
+    from zerojax.analysis.plan import ModelShape
+
     res = tune(args)
+    psi = ModelShape(args.layers, args.hidden, args.heads, args.vocab).num_params(args.seq)
     print(f"zerojax tune: GPT {args.layers} layers x hidden {args.hidden}, {args.heads} "
-          f"heads, seq {args.seq}, vocab {args.vocab}, batch {args.batch}; fp32 adamw; "
+          f"heads, seq {args.seq}, vocab {args.vocab} (Psi = {psi:,}), batch {args.batch}; "
+          "fp32 adamw; "
           f"mesh " + (f"replica={args.replicas} x " if args.replicas > 1 else "")
           + f"data={args.data} x model={args.mp} of {jax.devices()[0].platform} devices")
     print(format_result(res, args))
