@@ -95,7 +95,7 @@ ACCELERATORS = {
         "TPU v5e", 197e12, 0.55, 200e9, 6.25e9, 16e9, 256, 16e9,
         "peak: Google Cloud TPU v5e spec (197 TFLOP/s bf16, 1600 Gb/s ICI = 200 GB/s "
         "per chip); achievable 55%: MaxText's v5e table (MaxText/configs/v5e/README.md: "
-        "46-67% MFU, 16B-128B on 1-32 v5e-256 slices, 55-61% for 16B and 128B on one "
+        "46-67% MFU, 16B-128B on 1-32 v5e-256 slices, 56-61% for 16B and 128B on one "
         "slice); a 256-chip slice is one ICI domain; between slices the DCN, "
         "about 50 Gb/s per chip = 6.25 GB/s; PCIe Gen4 x16 to the host"),
 }
