@@ -97,7 +97,7 @@ ACCELERATORS = {
         "per chip); achievable 55%: MaxText's v5e table (MaxText/configs/v5e/README.md: "
         "46-67% MFU, 16B-128B on 1-32 v5e-256 slices, 56-61% for 16B and 128B on one "
         "slice); a 256-chip slice is one ICI domain; between slices the DCN, "
-        "about 50 Gb/s per chip = 6.25 GB/s; PCIe Gen4 x16 to the host"),
+        "assumed 50 Gb/s per chip = 6.25 GB/s (not sourced); PCIe Gen4 x16 to the host"),
 }
 ACCELERATORS["h200"] = ACCELERATORS["h100"].replace(
     name="H200 SXM", memory=141e9,
