@@ -77,20 +77,20 @@ ACCELERATORS = {
         "measured on one H100 for zerojax's 1.28B GPT, cuDNN attention, batch 8 x 1024, "
         "remat dots (benchmarks/gpu.py); NVLink 4: 900 GB/s bidirectional = 450 per "
         "direction; network: 8 x 400 Gb/s NDR InfiniBand per DGX H100 node = 50 GB/s per "
-        "GPU; PCIe Gen5 x16: 64 GB/s nominal, 55 reached"),
+        "GPU; PCIe Gen5 x16: 64 GB/s nominal, 55 assumed reachable"),
     "a100": Accelerator(
         "A100 SXM", 312e12, 0.50, 300e9, 25e9, 25e9, 8, 80e9,
         "peak: NVIDIA A100 datasheet (312 TFLOP/s dense bf16); achievable 50%: "
         "Megatron-LM (Narayanan et al., SC21) reaches 44-52% of peak on 1.7B-1T GPTs; "
         "NVLink 3: 600 GB/s bidirectional = 300 per direction; network: 8 x 200 Gb/s HDR "
-        "per DGX A100 = 25 GB/s per GPU; PCIe Gen4 x16: 32 GB/s nominal, 25 reached"),
+        "per DGX A100 = 25 GB/s per GPU; PCIe Gen4 x16: 32 GB/s nominal, 25 assumed reachable"),
     "v100": Accelerator(
         "V100 SXM3 (DGX-2)", 125e12, 0.30, 150e9, 6.25e9, 12e9, 16, 32e9,
         "peak: NVIDIA V100 datasheet (125 TFLOP/s fp16 tensor core); achievable 30%: "
         "Megatron-LM (Shoeybi et al. 2019) sustains 39 TFLOP/s = 30% of peak on one "
         "V100 (1.2B GPT); NVSwitch: 300 GB/s bidirectional = 150 per direction; "
         "network: the ZeRO paper's DGX-2 cluster, 800 Gb/s per node of 16 = 6.25 GB/s "
-        "per GPU; PCIe Gen3 x16: 16 GB/s nominal, 12 reached"),
+        "per GPU; PCIe Gen3 x16: 16 GB/s nominal, 12 assumed reachable"),
     "tpu-v5e": Accelerator(
         "TPU v5e", 197e12, 0.55, 200e9, 6.25e9, 16e9, 256, 16e9,
         "peak: Google Cloud TPU v5e spec (197 TFLOP/s bf16, 1600 Gb/s ICI = 200 GB/s "
