@@ -998,3 +998,7 @@ def test_plan_recommends_the_fastest_row_that_fits():
     assert "memory-leanest" in p.reason and "step (ms)" in str(p)
     v100 = plan_model("llama2-7b", accelerator="v100", **kw)
     assert v100.row("stage 3").step_time > p.row("stage 3").step_time
+    # stage 3 without prefetch: the gathers wait for their layers (same bytes, slower)
+    serial = plan_model("llama2-7b", prefetch=False, **kw).row("stage 3")
+    assert serial.step_time > p.row("stage 3").step_time
+    assert serial.peak == p.row("stage 3").peak

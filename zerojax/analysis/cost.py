@@ -28,7 +28,10 @@ FLOPs, 3/4 with full remat); stages 1-2's all-gather of the updated parameters c
 after the optimizer and is exposed; stage 3's gathers are prefetched (the next
 layer's under this layer's compute) and its reduce-scatter runs under the backward,
 so all of its traffic may hide under the whole step's compute. Tensor parallelism's
-all-reduces sit on the critical path (exposed). ``overlap=False`` exposes all.
+all-reduces sit on the critical path (exposed). ``overlap=False`` exposes all (the
+planner passes it for stage 3 with ``prefetch=False``). Not modelled: bucket sizes,
+collective latency (bandwidth only), small-GEMM efficiency, the host's optimizer
+compute under offload (only its PCIe transfers).
 
 The ``achievable`` fraction of each preset is a measured model-FLOPs utilisation
 (MFU) of a dense transformer on that accelerator, from the source stated with it;

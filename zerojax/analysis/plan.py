@@ -795,7 +795,9 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
                      hidden=shape.hidden, seq=seq, mp=mp,
                      per_node=devices if replicas > 1 else per_node, host_bytes=host,
                      remat=remat, remat_policy=opts.get("remat_policy"),
-                     param_bytes=compute, **links)
+                     param_bytes=compute,
+                     # stage 3 without prefetch: each gather waits for its layer
+                     overlap=stage != 3 or opts.get("prefetch", True), **links)
     return PlanRow(label, stage, options, states, step, reserve,
                    peak <= budget and host_fits, traffic, host, host_bytes, host_fits, time)
 
