@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 MiB = 2**20
+HIERARCHICAL = ("replica_axis", "hpz", "quantize_weights", "quantize_gradients")
 
 
 @dataclasses.dataclass
@@ -300,7 +301,7 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
 
     import zerojax
     from zerojax.analysis import compiled_memory
-    from zerojax.analysis.plan import ModelShape, plan_model
+    from zerojax.analysis.plan import HIERARCHICAL_SETS, ModelShape, plan_model
     from zerojax.models import GPT, GPTConfig, lm_loss
 
     have = len(jax.devices())
@@ -333,16 +334,22 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
     todo, skipped = [], []
     for c in candidates(args):
         opts = {k: v for k, v in c.options.items() if k != "stage"}
-        plan_kw = {}
-        if args.replicas > 1 and ("hpz" in opts or "replica_axis" in opts):
-            plan_kw = {"devices_per_node": dp}
+        hier = {k: opts.pop(k) for k in HIERARCHICAL if k in opts}
         try:
-            p = plan_model(shape, devices=dp * (args.replicas if not plan_kw else 1),
-                           budget_bytes=budget, seq=args.seq, batch=per_device, tx=tx,
-                           param_dtype="fp32", mp=args.mp, attention="xla",
-                           option_sets=((c.label, c.options["stage"], opts),),
-                           accelerator=accel, **plan_kw)
-            row = p.rows[0]
+            if hier:  # the planner's hierarchical rows: R nodes of dp devices
+                p = plan_model(shape, devices=dp * args.replicas, devices_per_node=dp,
+                               budget_bytes=budget, seq=args.seq, batch=per_device, tx=tx,
+                               param_dtype="fp32", mp=args.mp, attention="xla",
+                               option_sets=((c.label, 3, {}),), accelerator=accel, **opts)
+                row = next(r for (_, o), r in zip(HIERARCHICAL_SETS, p.link_rows)
+                           if o == hier)
+            else:
+                p = plan_model(shape, devices=dp * args.replicas, budget_bytes=budget,
+                               seq=args.seq, batch=per_device, tx=tx, param_dtype="fp32",
+                               mp=args.mp, attention="xla",
+                               option_sets=((c.label, c.options["stage"], opts),),
+                               accelerator=accel)
+                row = p.rows[0]
         except (TypeError, ValueError) as e:
             args.error(f"{c.label}: the planner refused it: {' '.join(str(e).split())}")
         if not row.fits:
