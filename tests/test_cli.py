@@ -13,7 +13,7 @@ import pytest
 
 from zerojax.cli import demo, main
 
-COMMANDS = ["estimate", "plan", "train", "bench", "export"]
+COMMANDS = ["estimate", "plan", "train", "bench", "export", "tune", "launch"]
 
 
 def _exit_code(argv, capsys):
