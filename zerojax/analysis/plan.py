@@ -484,7 +484,10 @@ class ModelShape:
       GPT's; 0: none, rotary positions). A fixed count makes the parameter count
       independent of ``seq``;
     * ``norm``: ``"layernorm"`` or ``"rmsnorm"`` (a scale, no bias);
-    * ``bias``: biases on the attention and MLP projections.
+    * ``bias``: biases on the attention and MLP projections;
+    * ``vocab_tiles``: the LM head and loss computed in that many sequence tiles
+      (:func:`zerojax.tiling.lm_head_loss`, ``GPTConfig(vocab_tiles=...)``): the
+      planner counts one tile's logits, not the whole ``b s V`` (None: untiled).
     """
 
     layers: int
@@ -500,10 +503,14 @@ class ModelShape:
     positions: int | None = None
     norm: str = "layernorm"
     bias: bool = True
+    vocab_tiles: int | None = None
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "vocab", "mlp_ratio"):
             _count(f, getattr(self, f), minimum=1)
+        if self.vocab_tiles is not None:
+            _count("vocab_tiles", self.vocab_tiles, minimum=1,
+                   hint="the LM head's sequence tiles, or None for no tiling")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
         if self.kv_heads is not None:
@@ -549,14 +556,15 @@ class ModelShape:
 
             return GPTConfig(vocab=self.vocab, seq=seq, layers=self.layers,
                              hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
-                             dtype=dtype, attention=attention)
+                             dtype=dtype, attention=attention, vocab_tiles=self.vocab_tiles)
         from zerojax.analysis.report import DecoderConfig
 
         return DecoderConfig(vocab=self.vocab, seq=seq, layers=self.layers,
                              hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
                              dtype=dtype, attention=attention, kv_heads=self.kv_heads,
                              mlp_hidden=self.mlp_hidden, gated=self.gated, tied=self.tied,
-                             positions=self.positions, norm=self.norm, bias=self.bias)
+                             positions=self.positions, norm=self.norm, bias=self.bias,
+                             vocab_tiles=self.vocab_tiles)
 
     def num_params(self, seq: int | None = None) -> int:
         """Psi: every parameter, exactly. ``seq`` is the position table's rows when
@@ -598,6 +606,8 @@ class ModelShape:
             out += ", RMSNorm"
         if not self.bias:
             out += ", no biases"
+        if self.vocab_tiles:
+            out += f", LM head in {self.vocab_tiles} tiles"
         return out
 
 
