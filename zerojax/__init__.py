@@ -20,7 +20,7 @@ _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
 # them (`zerojax.distributed.initialize()`, `zerojax.analysis.compiled_memory(...)`):
 # imported on first use, so `import zerojax` stays light (no orbax, no launcher).
 _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat", "export",
-               "config", "distributed", "formats", "load", "mesh", "models", "offload",
+               "config", "distributed", "formats", "launch", "load", "mesh", "models", "offload",
                "optimizer", "partition", "preemption", "quant", "schedule", "state", "step",
                "tiling")
 

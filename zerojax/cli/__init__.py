@@ -1,12 +1,16 @@
 """zerojax's command-line tools, apart from the library's core modules.
 
 - :mod:`zerojax.cli.command`: the ``zerojax`` command (``estimate``, ``plan``, ``train``,
-  ``bench``, ``export``), installed as a console script; also ``python -m zerojax.cli``.
+  ``bench``, ``export``, ``tune``, ``launch``), installed as a console script; also
+  ``python -m zerojax.cli``.
 - :mod:`zerojax.cli.demo`: ``zerojax train``, the demo (a character-level GPT on the
   Python standard library's source).
 - :mod:`zerojax.cli.bench`: ``zerojax bench``, the side-by-side benchmark.
-- :mod:`zerojax.cli.launch`: ``python -m zerojax.cli.launch``, several processes on one
-  machine for a multi-process job.
+- :mod:`zerojax.cli.launch`: ``zerojax launch`` (also ``python -m zerojax.launch`` and
+  ``python -m zerojax.cli.launch``), several processes on one machine for a
+  multi-process job.
+- :mod:`zerojax.cli.tune`: ``zerojax tune``, compile and time the configurations the
+  planner says fit, and recommend the measured fastest.
 - :mod:`zerojax.cli.args`: argument types and tables they share.
 
 Nothing here is imported by ``import zerojax``.
@@ -17,7 +21,7 @@ import importlib
 from zerojax.cli.command import build_parser, main
 
 __all__ = ["main", "build_parser"]
-_SUBMODULES = ("args", "bench", "command", "demo", "launch")
+_SUBMODULES = ("args", "bench", "command", "demo", "launch", "tune")
 
 
 def __getattr__(name):
