@@ -287,6 +287,16 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
         if args.hidden % args.heads:
             args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
         model = ModelShape(args.layers, args.hidden, args.heads, args.vocab)
+    if args.vocab_tiles is not None:
+        import dataclasses
+
+        from zerojax.analysis.plan import PRESETS
+
+        if model is None or (isinstance(model, str) and model not in PRESETS):
+            args.error(f"--vocab-tiles {args.vocab_tiles}: give the model (--model "
+                       f"{'/'.join(PRESETS)} or --layers/--hidden/--heads) to tile its head")
+        shape = PRESETS[model] if isinstance(model, str) else model
+        model = dataclasses.replace(shape, vocab_tiles=args.vocab_tiles)
     names = {"fp32": "fp32", "float32": "fp32", "tf32": "fp32", "bf16": "bf16",
              "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
     precision = names.get(getattr(args.param_dtype, "name", ""))
@@ -683,6 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "partitioned_host (Pa+cpu: checkpoints in host memory), dots "
                            "(projections saved), none (nothing recomputed), ... "
                            "(default: the model's own, one checkpoint per layer)")
+    plan.add_argument("--vocab-tiles", type=positive_int, default=None, metavar="T",
+                      help="the LM head and loss computed in T sequence tiles "
+                           "(GPTConfig/LlamaConfig(vocab_tiles=T), zerojax.tiling): one "
+                           "tile's logits counted, not the whole batch x seq x vocab "
+                           "(default: untiled)")
     plan.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
                       help="--params only: a constant-size communication buffer of this many "
                            "gradient elements, added to every stage (default: none counted, "
