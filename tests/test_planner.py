@@ -1009,7 +1009,7 @@ def test_tiled_lm_head_within_10_percent():
     """GPTConfig(vocab_tiles=8) at stage 3 (vocab 32768, hidden 32, 2 sequences of 128
     a device): the planner counts one tile's logits and gradient, the head's float32
     gradient accumulator and the gathered head (compiled over predicted 0.991 on jax
-    0.10.2), and predicts the untiled step's peak at least 2.5x higher."""
+    0.10.2 and 0.12), and predicts the untiled step's peak at least 2.5x higher."""
     tx = optax.adam(1e-3)
     opt = zerojax.zero(tx, zerojax.make_mesh(data=N), stage=3)
     cfg = GPTConfig(vocab=32768, seq=128, layers=1, hidden=32, heads=4, vocab_tiles=8)
