@@ -42,6 +42,7 @@ def init_fn(key):
 CASES = {
     "stage0": ({"data": 8}, {"stage": 0}),
     "stage1": ({"data": 8}, {"stage": 1}),
+    "stage2": ({"data": 8}, {"stage": 2}),
     "stage3": ({"data": 8}, {"stage": 3}),
     "offload": ({"data": 8}, {"stage": 3, "offload_params": True, "offload_optimizer": True}),
     "bf16": ({"data": 8}, {"stage": 3, "param_dtype": jnp.bfloat16}),
