@@ -352,24 +352,30 @@ def _unconstrained(model: GPT) -> GPT:
     sequence could not be split)."""
     if model.config.activation_sharding is None:
         return model
-    return GPT(dataclasses.replace(model.config, activation_sharding=None))
+    return type(model)(dataclasses.replace(model.config, activation_sharding=None))
+
+
+def init_variables(model: nn.Module, rng: jax.Array | int, tokens: jax.Array,
+                   abstract: bool = False) -> Any:
+    """``model.init(rng, tokens)`` without activation constraints (eagerly, or under
+    ``jax.eval_shape`` with ``abstract=True``): shared by the GPT's and the Llama's
+    params, specs and shapes helpers."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    init = _unconstrained(model).init
+    return jax.eval_shape(init, rng, tokens) if abstract else init(rng, tokens)
 
 
 def gpt_params(model: GPT, rng: jax.Array | int = 0) -> Any:
     """Initialised ``params`` of ``model`` as a plain pytree of arrays (the
     ``nn.Partitioned`` boxes removed), ready for ``zerojax.zero(...).init_state``."""
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
-    variables = _unconstrained(model).init(rng, _dummy_tokens(model))
-    return nn.meta.unbox(variables["params"])
+    return nn.meta.unbox(init_variables(model, rng, _dummy_tokens(model))["params"])
 
 
 def gpt_param_specs(model: GPT, rng: jax.Array | int = 0) -> Any:
     """The ``PartitionSpec`` tree of ``model``'s params read from their sharding
     metadata (no arrays are materialised). Same tree structure as :func:`gpt_params`."""
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
-    variables = jax.eval_shape(_unconstrained(model).init, rng, _dummy_tokens(model))
+    variables = init_variables(model, rng, _dummy_tokens(model), abstract=True)
     return nn.get_partition_spec(variables["params"])
 
 

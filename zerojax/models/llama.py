@@ -84,6 +84,7 @@ from zerojax.models.gpt import (
     QKV_PROJ,
     _constrain,
     check_model_config,
+    init_variables,
     resolve_attention,
 )
 
@@ -396,12 +397,6 @@ class Llama(nn.Module):
         return Decoder(cfg, name="decoder")(x, hidden_only)
 
 
-def _unconstrained(model: Llama) -> Llama:
-    if model.config.activation_sharding is None:
-        return model
-    return Llama(dataclasses.replace(model.config, activation_sharding=None))
-
-
 def _dummy_tokens(model: Llama) -> jax.Array:
     # no parameter depends on the length: a short dummy keeps the eager init cheap
     return jnp.zeros((1, min(model.config.seq, 2)), jnp.int32)
@@ -410,26 +405,20 @@ def _dummy_tokens(model: Llama) -> jax.Array:
 def llama_params(model: Llama, rng: jax.Array | int = 0) -> Any:
     """Initialised ``params`` of ``model`` as a plain pytree of float32 arrays (the
     ``nn.Partitioned`` boxes removed), ready for ``zerojax.zero(...).init_state``."""
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
-    variables = _unconstrained(model).init(rng, _dummy_tokens(model))
-    return nn.meta.unbox(variables["params"])
+    return nn.meta.unbox(init_variables(model, rng, _dummy_tokens(model))["params"])
 
 
 def llama_param_specs(model: Llama, rng: jax.Array | int = 0) -> Any:
     """The ``PartitionSpec`` tree of ``model``'s params read from their sharding
     metadata (nothing materialised). Same tree structure as :func:`llama_params`."""
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
-    variables = jax.eval_shape(_unconstrained(model).init, rng, _dummy_tokens(model))
+    variables = init_variables(model, rng, _dummy_tokens(model), abstract=True)
     return nn.get_partition_spec(variables["params"])
 
 
 def llama_param_shapes(model: Llama) -> Any:
     """``jax.ShapeDtypeStruct`` of each param (``jax.eval_shape`` of the init: nothing
     materialised, so a 70B config takes well under a second)."""
-    variables = jax.eval_shape(_unconstrained(model).init, jax.random.key(0),
-                               _dummy_tokens(model))
+    variables = init_variables(model, 0, _dummy_tokens(model), abstract=True)
     return nn.meta.unbox(variables["params"])
 
 
