@@ -296,7 +296,7 @@ def test_a_rank_that_leaves_early_ends_the_job_within_seconds():
     assert proc.returncode != 0, out[-3000:]
     assert "[launch] process 1's script ended while processes [0] still run" in out
     assert ("[0] zerojax.distributed: process 0 of 2 stops: its peer process 1 left (its "
-            "script ended after 2 training steps) while this process is in step 2") in out
+            "script ended after 2 training steps) while this process is in step 2") in out, out
     assert "[launch] process 1 left first: its script ended" in out, out[-3000:]
     assert ended <= 15, ended
     print(f"leave at step 2, default settings: the job ended {ended:.1f} s after the fault "

@@ -88,6 +88,9 @@ STALL_FLOOR = 30.0
 STALL_FACTOR = 20
 WARMUP_STEPS = 2
 POLL_S = 0.5  # how often the watchdog looks at its peers and its own progress
+# at exit, how long to wait for the latest step to finish on every local device before
+# counting it (a step that waits for a peer which left never does)
+EXIT_STEP_WAIT_S = 2.0
 _KV = "zerojax"  # the prefix of zerojax's keys in the coordination service
 EXIT_FAILURE = 1  # a rank that raised or stalled
 
@@ -348,11 +351,20 @@ def stall_bound(progress_timeout: float | None = None) -> float:
     return min(bound, progress_timeout) if progress_timeout else bound
 
 
-def _finished() -> int:
+def _finished(wait: float = 0.0) -> int:
     """Steps this process finished: the one it is inside of (waiting for its peers'
-    rows, compiling, dispatching) or whose results it waits for not counted."""
+    rows, compiling, dispatching) or whose results it waits for not counted.
+
+    ``wait``: seconds to wait for the latest dispatched step to finish on every local
+    device first. A script that read its step's loss has the loss from one device; the
+    other local devices of that step may still be finishing their last ops (XLA:CPU
+    runs each on its own thread), and without the wait such a step counted as not made.
+    """
     if _progress["in_call"]:
         return _progress["started"] - 1
+    deadline = time.monotonic() + wait
+    while not _step_done() and time.monotonic() < deadline:
+        time.sleep(0.005)
     return _progress["started"] - (not _step_done())
 
 
@@ -367,13 +379,14 @@ def _client():
         return None
 
 
-def _post_down(kind: str, what: str) -> None:
+def _post_down(kind: str, what: str, steps: int | None = None) -> None:
     """Tell the peers (through the coordination service) that this process is ending:
-    ``kind`` raised / stalled / exited. Best effort, 2 s at most."""
+    ``kind`` raised / stalled / exited, after ``steps`` training steps (default: those
+    :func:`_finished` counts now). Best effort, 2 s at most."""
     client = _client()
     if client is None:
         return
-    value = f"{kind}|{_finished()}|{what}"
+    value = f"{kind}|{_finished() if steps is None else steps}|{what}"
 
     def post():
         try:
@@ -421,9 +434,13 @@ def _announce_exit() -> None:
     at = preemption.preempted_at()
     why = ("(its script ended)" if at is None else
            f"(it stopped for preemption at step {at}: SIGTERM)")
+    # a step whose loss the script read has finished here, or within moments on the
+    # other local devices; one still waiting for a peer that left does not finish
+    finished = _finished(wait=EXIT_STEP_WAIT_S)
     print(f"zerojax.distributed: {_rank()} is exiting {why} after "
-          f"{_finished()} training steps.", file=sys.stderr, flush=True)
-    _post_down("exited", f"left: its script ended after {_finished()} training steps")
+          f"{finished} training steps.", file=sys.stderr, flush=True)
+    _post_down("exited", f"left: its script ended after {finished} training steps",
+               steps=finished)
     _progress["closing"] = True  # JAX's shutdown follows: the watchdog stops its requests
 
 
