@@ -360,11 +360,58 @@ def test_tiled_dense_stage3_gathers_a_tile():
 
 def test_tiled_dense_bad_input():
     x = jnp.ones((2, 6))
-    with pytest.raises(ValueError, match="tiles=5 does not divide the output dimension 12"):
-        TiledDense(12, 5).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"tiles=6 leaves the last tile of the output "
+                       r"dimension 10 empty .* use tiles=5"):
+        TiledDense(10, 6).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"features=9 does not fit a kernel of 5 tiles"):
+        tiled_dense(x, jnp.ones((5, 6, 3)), features=9)
+    with pytest.raises(ValueError, match=r"bias has shape \(15,\), expected \(13,\)"):
+        tiled_dense(x, jnp.ones((5, 6, 3)), jnp.ones(15), features=13)
     with pytest.raises(ValueError, match="tiles=0 must be >= 1"):
         TiledDense(12, 0).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="tiles=13 is larger than the output dimension"):
         tile_kernel(jnp.ones((6, 12)), 13)
     with pytest.raises(ValueError, match=r"kernel has shape \(2, 5, 6\).*in=6"):
         tiled_dense(x, jnp.ones((2, 5, 6)))
+
+
+def test_tiled_dense_uneven_last_tile():
+    """13 outputs in 5 tiles of ceil(13 / 5) = 3 columns: the last tile holds 1 real
+    column and 2 zero ones. Values are nn.Dense's for the same key, the output and
+    gradients equal nn.Dense's, the padding's gradient is exactly zero, and Adam keeps
+    it zero."""
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    dense, tiled = nn.Dense(13), TiledDense(13, 5)   # ceil(13 / 5) = 3: 15 stored
+    ref_p = dense.init(jax.random.key(0), x)["params"]
+    got_p = tiled.init(jax.random.key(0), x)["params"]
+    assert got_p["kernel"].shape == (5, 6, 3)
+    assert jnp.array_equal(untile_kernel(got_p["kernel"], 13), ref_p["kernel"])
+    assert not jnp.any(untile_kernel(got_p["kernel"])[:, 13:])
+
+    def loss(net):
+        return lambda p: jnp.sum(jnp.tanh(net.apply({"params": p}, x)) ** 2)
+
+    ref_l, ref_g = jax.value_and_grad(loss(dense))(ref_p)
+    got_l, got_g = jax.value_and_grad(loss(tiled))(got_p)
+    # measured (jax 0.10.2, XLA:CPU): bitwise equal
+    assert abs(float(got_l) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
+    whole = untile_kernel(got_g["kernel"])
+    assert not jnp.any(whole[:, 13:])   # the padding gets no gradient
+    assert max_rel_err(ref_g, {"kernel": whole[:, :13], "bias": got_g["bias"]}) < 1e-6
+    opt = optax.adam(1e-2)
+    p, s = got_p, opt.init(got_p)
+    for _ in range(3):
+        u, s = opt.update(jax.grad(loss(tiled))(p), s, p)
+        p = optax.apply_updates(p, u)
+    assert not jnp.any(untile_kernel(p["kernel"])[:, 13:])
+
+
+def test_vocab_split_that_does_not_divide_warns():
+    mesh = zerojax.make_mesh(data=2, model=4)
+    hidden = jnp.ones((2, 4, 8))
+    targets = jnp.zeros((2, 4), jnp.int32)
+    with pytest.warns(UserWarning, match=r"vocabulary \(10\) is not split over 'model': "
+                      r"its size 4 does not divide it.*\(e.g. 12\)"):
+        got = lm_head_loss(hidden, jnp.ones((8, 10)), targets, tiles=2, mesh=mesh)
+    ref = lm_head_loss(hidden, jnp.ones((8, 10)), targets, tiles=2)
+    assert float(got[0]) == float(ref[0])

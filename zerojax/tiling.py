@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -106,8 +107,10 @@ def lm_head_loss(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
     gradient and ``dhead`` are constrained to that split, so each shard computes its
     vocabulary slice's logits from its slice of the head, the max / log-sum-exp and the
     target logit (a masked sum) are reduced over the axis by the SPMD partitioner, and
-    the whole head is never gathered. Ignored when the axis has size 1 or does not
-    divide the vocabulary.
+    the whole head is never gathered. Not applied when the axis has size 1; when it
+    does not divide the vocabulary a ``UserWarning`` says so (the result is the same,
+    the head and the logits are then not split: pad the vocabulary to a multiple of the
+    axis size, as Megatron does, to split them).
 
     ``tiles``: ``None`` computes the whole ``(..., seq, vocab)`` logits at once (the
     reference); an int ``1 <= tiles <= seq`` splits the sequence into tiles of
@@ -195,6 +198,12 @@ def _vocab_split(mesh, axis: str, vocab: int):
         raise ValueError(f"lm_head_loss: vocab_axis={axis!r} is not an axis of the mesh "
                          f"{dict(mesh.shape)}")
     size = mesh.shape[axis]
+    if size > 1 and vocab % size:
+        warnings.warn(f"lm_head_loss: the vocabulary ({vocab}) is not split over "
+                      f"{axis!r}: its size {size} does not divide it, so every {axis} "
+                      f"shard computes the whole head's logits (same result, {size}x the "
+                      f"memory of a split); pad the vocabulary to a multiple of {size} "
+                      f"(e.g. {-(-vocab // size) * size}) to split it", stacklevel=3)
     return (mesh, axis) if size > 1 and vocab % size == 0 else None
 
 
@@ -280,13 +289,18 @@ def logits_bytes(tokens: int, vocab: int, tiles: int | None = None) -> int:
 
 
 def tiled_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-                dtype: Any = None) -> jax.Array:
+                dtype: Any = None, features: int | None = None) -> jax.Array:
     """``x @ W + b`` with the output dimension computed in tiles, one after another.
 
-    ``kernel``: ``(tiles, in, out / tiles)``, tile ``i`` holding the output columns
-    ``[i * out / tiles, (i + 1) * out / tiles)`` of the whole ``(in, out)`` weight
-    (:func:`tile_kernel` / :func:`untile_kernel` convert). ``bias``: ``(out,)`` or
-    None. ``dtype``: the compute dtype (default ``x``'s); float32 accumulation.
+    ``kernel``: ``(tiles, in, width)``, tile ``i`` holding the output columns
+    ``[i * width, (i + 1) * width)`` of the whole ``(in, out)`` weight
+    (:func:`tile_kernel` / :func:`untile_kernel` convert), ``width = ceil(out /
+    tiles)``. ``features``: ``out`` (default ``tiles * width``); fewer where the tile
+    count does not divide it: the last tile is then shorter, stored padded with zero
+    columns whose outputs are dropped (their gradient is exactly zero, so they stay
+    zero under any optimizer whose update of a zero gradient on a zero weight is
+    zero: SGD, Adam, AdamW, Lion...). ``bias``: ``(out,)`` or None. ``dtype``: the
+    compute dtype (default ``x``'s); float32 accumulation.
 
     The tiles run in a ``lax.scan`` over ``kernel``'s leading axis whose body is a
     ``jax.checkpoint``: the backward pass recomputes each tile from ``x`` and the
@@ -303,9 +317,16 @@ def tiled_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, 
                          f"in={x.shape[-1]}, out / tiles) for x of shape {x.shape} (use "
                          f"tile_kernel(w, tiles) on an (in, out) weight)")
     tiles, _, width = kernel.shape
-    if bias is not None and bias.shape != (tiles * width,):
+    if features is None:
+        features = tiles * width
+    elif not (isinstance(features, int) and (tiles - 1) * width < features <= tiles * width):
+        raise ValueError(f"tiled_dense: features={features!r} does not fit a kernel of "
+                         f"{tiles} tiles of {width} columns: expected an int in "
+                         f"({(tiles - 1) * width}, {tiles * width}] (the last tile holds "
+                         "1 to width real columns)")
+    if bias is not None and bias.shape != (features,):
         raise ValueError(f"tiled_dense: bias has shape {bias.shape}, expected "
-                         f"({tiles * width},)")
+                         f"({features},)")
     dtype = x.dtype if dtype is None else jnp.dtype(dtype)
     xc = x.astype(dtype)
 
@@ -316,41 +337,55 @@ def tiled_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, 
 
     _, ys = jax.lax.scan(body, None, kernel)  # (tiles, ..., width)
     y = jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], tiles * width)
+    if features < tiles * width:  # the last tile's zero padding
+        y = y[..., :features]
     if bias is not None:
         y = y + bias.astype(dtype)
     return y
 
 
 def tile_kernel(w: jax.Array, tiles: int) -> jax.Array:
-    """An ``(in, out)`` weight as :func:`tiled_dense`'s ``(tiles, in, out / tiles)``."""
+    """An ``(in, out)`` weight as :func:`tiled_dense`'s ``(tiles, in, ceil(out /
+    tiles))`` (the last tile padded with zero columns where ``tiles`` does not divide
+    ``out``)."""
     w = jnp.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"tile_kernel: w must be (in, out), got shape {w.shape}")
-    _check_out_tiles(tiles, w.shape[1])
-    return jnp.moveaxis(w.reshape(w.shape[0], tiles, w.shape[1] // tiles), 1, 0)
+    width = _tile_width(tiles, w.shape[1])
+    w = jnp.pad(w, ((0, 0), (0, tiles * width - w.shape[1])))
+    return jnp.moveaxis(w.reshape(w.shape[0], tiles, width), 1, 0)
 
 
-def untile_kernel(kernel: jax.Array) -> jax.Array:
-    """:func:`tiled_dense`'s ``(tiles, in, out / tiles)`` kernel as the ``(in, out)``
-    weight."""
+def untile_kernel(kernel: jax.Array, features: int | None = None) -> jax.Array:
+    """:func:`tiled_dense`'s ``(tiles, in, width)`` kernel as the ``(in, out)`` weight
+    (``features``: ``out``, where the last tile is padded; default ``tiles * width``)."""
     t, i, o = kernel.shape
-    return jnp.moveaxis(kernel, 0, 1).reshape(i, t * o)
+    w = jnp.moveaxis(kernel, 0, 1).reshape(i, t * o)
+    return w if features is None else w[:, :features]
 
 
-def _check_out_tiles(tiles, features: int) -> None:
+def _tile_width(tiles, features: int) -> int:
+    """The columns per tile, ``ceil(features / tiles)``, for a tile count every tile of
+    which holds at least one real column."""
     check_tiles(tiles, features, "output dimension")
-    if features % tiles:
-        raise ValueError(f"tiles={tiles} does not divide the output dimension "
-                         f"{features}: a tiled linear needs equal tiles; pick a divisor "
-                         f"of {features}")
+    width = -(-features // tiles)
+    if (tiles - 1) * width >= features:
+        fits = sorted({-(-features // w) for w in range(1, features + 1)})
+        near = min(fits, key=lambda t: abs(t - tiles))
+        raise ValueError(f"tiles={tiles} leaves the last tile of the output dimension "
+                         f"{features} empty (tiles of ceil({features} / {tiles}) = {width} "
+                         f"columns fill {features} in {-(-features // width)}): use "
+                         f"tiles={near}, or any count whose tiles all hold a column")
+    return width
 
 
 class TiledDense(nn.Module):
     """``nn.Dense(features)`` computed in ``tiles`` tiles of the output dimension
-    (:func:`tiled_dense`). Params: ``kernel`` ``(tiles, in, features / tiles)``
-    (``untile_kernel`` gives ``nn.Dense``'s ``(in, features)``; the initializer sees
-    that whole shape, so the values are ``nn.Dense``'s for the same key) and ``bias``
-    ``(features,)``."""
+    (:func:`tiled_dense`). Params: ``kernel`` ``(tiles, in, ceil(features / tiles))``
+    (``untile_kernel(kernel, features)`` gives ``nn.Dense``'s ``(in, features)``; the
+    initializer sees that whole shape, so the values are ``nn.Dense``'s for the same
+    key; a tile count that does not divide ``features`` pads the last tile with zero
+    columns) and ``bias`` ``(features,)``."""
 
     features: int
     tiles: int
@@ -362,16 +397,15 @@ class TiledDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        _check_out_tiles(self.tiles, self.features)
+        width = _tile_width(self.tiles, self.features)
         fan_in = x.shape[-1]
 
         def init(key, shape, dtype):
             whole = self.kernel_init(key, (fan_in, self.features), dtype)
             return tile_kernel(whole, self.tiles)
 
-        kernel = self.param("kernel", init,
-                            (self.tiles, fan_in, self.features // self.tiles),
+        kernel = self.param("kernel", init, (self.tiles, fan_in, width),
                             self.param_dtype)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
-        return tiled_dense(x, kernel, bias, dtype=self.dtype)
+        return tiled_dense(x, kernel, bias, dtype=self.dtype, features=self.features)
