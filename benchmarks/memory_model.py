@@ -284,8 +284,8 @@ def main(argv=None) -> None:
     import optax
 
     import zerojax
-    from zerojax.analysis import table1
     from zerojax.analysis.report import largest_layers_compiled, largest_layers_predicted
+    from zerojax.cli.plan_text import table1
     from zerojax.models.gpt import GPTConfig
 
     n = jax.device_count()
@@ -339,7 +339,8 @@ def main(argv=None) -> None:
         print()
 
     if "answers" in only:
-        from zerojax.analysis.plan import _human, plan_model
+        from zerojax.analysis.plan import plan_model
+        from zerojax.cli.plan_text import human
 
         print("largest model per option set (zerojax plan --largest: AdamW, bf16 params, "
               "fp32 master and moments, batch 8 per device; layers L, hidden 128 L)")
@@ -352,7 +353,7 @@ def main(argv=None) -> None:
                     header = [label for label, _, _ in p.largest]
                     print("| devices x 80 GB | seq | batch | " + " | ".join(header) + " |")
                     print("|---|--:|--:|" + "--:|" * len(header))
-                cells = [f"{_human(psi)} ({s.layers} x {s.hidden})" if s else "none"
+                cells = [f"{human(psi)} ({s.layers} x {s.hidden})" if s else "none"
                          for _, s, psi in p.largest]
                 print(f"| {devices} | {seq} | {batch} | " + " | ".join(cells) + " |",
                       flush=True)

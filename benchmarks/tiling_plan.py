@@ -43,6 +43,7 @@ def largest_batch(shape, seq: int, args) -> tuple[int, float]:
 
 def main() -> None:
     from zerojax.analysis.plan import PRESETS
+    from zerojax.cli.plan_text import describe_shape
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
@@ -54,8 +55,9 @@ def main() -> None:
     args = p.parse_args()
     shape = PRESETS[args.model]
     tiled = dataclasses.replace(shape, vocab_tiles=args.tiles)
-    print(f"{shape}\n{args.devices} devices x {args.budget_gb:g} GB, stage {args.stage}, "
-          f"AdamW, bf16 compute: the largest sequences per device that fit (planner)")
+    print(f"{describe_shape(shape)}\n{args.devices} devices x {args.budget_gb:g} GB, "
+          f"stage {args.stage}, AdamW, bf16 compute: the largest sequences per device "
+          "that fit (planner)")
     print(f"| seq | untiled: batch | tokens/device | peak GB | {args.tiles} tiles: batch "
           f"| tokens/device | peak GB |")
     print("|---|---|---|---|---|---|---|")

@@ -225,7 +225,7 @@ def test_train_with_memory_in_a_fresh_process():
     code = ("import jax.numpy, sys\n"
             "from zerojax.cli.command import build_parser, _check_train_plan\n"
             "from zerojax.cli import demo\n"
-            "a = build_parser().parse_args(['train', '--memory', '1GB'])\n"
+            "a = build_parser().parse_args(['train', '--memory', '4GB'])\n"
             "demo.check_arguments(a, a.parser)\n"
             "_check_train_plan(a)\n"
             "import jax; print(len(jax.devices()))\n")
@@ -234,10 +234,11 @@ def test_train_with_memory_in_a_fresh_process():
                          timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["8"], (out.stdout, out.stderr)
     small = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "train", "--memory", "1MB", "--steps", "1"],
+        [sys.executable, "-m", "zerojax.cli", "train", "--memory", "1MB", "--mem-fraction",
+         "1", "--runtime-reserve", "0", "--steps", "1"],
         capture_output=True, text=True, timeout=300, env=env)
     assert small.returncode == 2 and len(small.stderr.strip().splitlines()) == 1
-    assert "more than the 0.95 MiB each device has (--memory)" in small.stderr
+    assert "more than the 0.95 MiB each device has (--memory 0.95 MiB x 1" in small.stderr
 
 
 def test_train_on_a_data_by_model_mesh(capsys):
@@ -389,12 +390,102 @@ def test_offload_beyond_host_memory_does_not_fit(capsys):
     (["plan", "--memory", "80GB", "--mem-fraction", "1.5"], "'1.5' is not in (0, 1]"),
     (["plan", "--memory", "80GB", "--model", "llama2-7b", "--optimizer-bytes", "12"],
      "--optimizer-bytes 12"),
+    (["plan", "--memory", "80GB", "--params", "7.5B", "--devices", "-8"], "'-8' is negative"),
+    (["plan", "--memory", "80GB", "--params", "7.5B", "--reserve", "-1GB"],
+     "'-1GB' is negative"),
+    (["plan", "--memory", "80GB", "--params", "7.5B", "--optimizer-bytes", "-12"],
+     "'-12' is negative"),
+    (["plan", "--memory", "80GB", "--params", "7.5"], "did you mean 7.5B?"),
+    (["estimate", "--params", "1e30"], "above the ceiling"),
+    (["plan", "--memory", "80GB", "--model", "gpt3-175b", "--seq", "4096"],
+     "seq 4096 is beyond gpt3-175b's 2048 learned positions"),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--reserve", "80GB"],
+     "--reserve 80.00 GB is at or above"),
+    # --gpus-per-node splits the model planner's links; the formula has none: refused
+    (["plan", "--memory", "80GB", "--params", "7.5B", "--devices", "16", "--gpus-per-node",
+      "8"], "--gpus-per-node 8"),
+    (["train", "--memory", "1MB"], "runtime reserve 1.00 GB is at or above"),
+    (["train", "--mem-fraction", "0.9"], "--mem-fraction 0.9 goes with --memory"),
+    (["train", "--memory", "-1GB"], "'-1GB' is negative"),
 ])
 def test_issue32_bad_inputs_are_one_line(argv, value, capsys):
     code, out, err = _exit_code(argv, capsys)
     assert code == 2, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and value in lines[0] and "Traceback" not in err, err
+
+
+def test_train_memory_means_what_plan_means(monkeypatch):
+    """train --memory is the card, as in plan: the run is planned against card x JAX's
+    fraction - the runtime reserve, the figure plan prints as 'planned'. No compile."""
+    from zerojax.cli.command import _device_memory, _plan_memory, build_parser
+
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                 "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+
+    def both(*extra):
+        train = build_parser().parse_args(["train", "--memory", "40GB", *extra])
+        plan = build_parser().parse_args(["plan", "--memory", "40GB", *extra])
+        return _device_memory(train), _plan_memory(plan).usable
+
+    (usable, source), planned = both()
+    assert usable == planned == 29 * 10**9 and "x 0.75 (JAX's default" in source
+    assert both("--mem-fraction", "0.5", "--runtime-reserve", "0")[0][0] == 20 * 10**9
+    assert both("--mem-fraction", "0.5", "--runtime-reserve", "0")[1] == 20 * 10**9
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    (usable, _), planned = both()
+    assert usable == planned == 37 * 10**9
+
+
+def test_plan_tables_say_how_the_columns_make_the_peak(capsys):
+    """The model plan's columns: peak = params + optim + act + other (grads inside
+    other), said under the table and true of every row; the formula's total = params +
+    grads + optim + act+buf, said and true."""
+    code, out, _ = _exit_code(FASTCHAT, capsys)
+    assert code == 0, out
+    assert "peak = params + optim + act + other; grads is not added in" in out
+    lines = out.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("option set"))
+    header = re.split(r"\s{2,}", lines[at].strip())
+    rows = [dict(zip(header, re.split(r"\s{2,}", ln.strip()))) for ln in lines[at + 2:at + 10]]
+    assert [r["option set"] for r in rows][:4] == [f"stage {s}" for s in range(4)], out
+
+    def gb_value(cell):  # "13.48" GB, "4 B", "1.50 MiB", "0"
+        if cell.endswith(" MiB"):
+            return float(cell[:-4]) * 2**20 / 1e9
+        if cell.endswith(" B"):
+            return float(cell[:-2].replace(",", "")) / 1e9
+        return float(cell.replace(",", ""))
+
+    for r in rows:
+        parts = [gb_value(r[c]) for c in ("params", "optim", "act", "other")]
+        assert sum(parts) == pytest.approx(gb_value(r["peak (GB)"]), abs=0.025), r
+        assert gb_value(r["grads"]) > 0
+    code, out, _ = _exit_code(["plan", "--memory", "80GB", "--devices", "64", "--params",
+                               "7.5B", "--activations", "2GB"], capsys)
+    assert code == 0 and "total = params + grads + optim + act+buf" in out, out
+    table = re.findall(r"^\s*\d \S+  .*$", out, re.M)
+    assert len(table) == 4, out
+    for line in table:
+        cells = [gb_value(c) for c in re.split(r"\s{2,}", line.strip())[1:6]]
+        assert sum(cells[:4]) == pytest.approx(cells[4], abs=0.025), line
+
+
+def test_export_names_an_unreadable_checkpoint(tiny_checkpoint, tmp_path, capsys):
+    """A checkpoint file that cannot be read (here a directory where a data file was):
+    exit 2, one line naming the checkpoint, not 'could not write' the output."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    data = max((p for p in (ckpt / "0").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.unlink()
+    data.mkdir()
+    code, _, err = _exit_code(["export", str(ckpt), str(tmp_path / "out.safetensors")],
+                              capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"could not read the checkpoint {str(ckpt)!r}" in err, err
+    assert "could not write" not in err and "Traceback" not in err
 
 
 def test_explicit_optimizer_bytes_win(capsys):

@@ -14,7 +14,7 @@ from helpers import JAX_AT_LEAST_0_11
 
 import zerojax
 from zerojax.analysis import estimate_activations, estimate_buffers, estimate_memory
-from zerojax.analysis.plan import format_table1, paper_table1, plan
+from zerojax.analysis.plan import paper_table1, plan
 from zerojax.analysis.report import (
     compare,
     compile_step,
@@ -23,6 +23,7 @@ from zerojax.analysis.report import (
     largest_layers_predicted,
     memory_report,
 )
+from zerojax.cli import plan_text
 from zerojax.models.gpt import GPT, GPTConfig, gpt_param_specs, gpt_params, lm_loss
 
 GB = 1e9
@@ -65,7 +66,7 @@ def test_table1_reproduced():
                 assert paper <= got < paper + 1, (row.dp, name, stage, got)
             else:
                 assert abs(got - paper) <= 0.06, (row.dp, name, stage, got)
-    text = format_table1(rows)
+    text = plan_text.format_table1(rows)
     # printed as the model computes it (4187.5 -> 4188, where the paper truncates to 4187),
     # and the note says how the paper rounds
     assert "52.5" in text and "4188" in text and "0.117" in text
@@ -216,7 +217,7 @@ def test_plan_7_5b_on_64_v100s():
     assert [s.comm_elements for s in p.stages] == [15e9, 15e9, 15e9, 22.5e9]
     assert [s.comm_bytes / GB for s in p.stages] == [30, 30, 30, 45]
     assert p.stage(0).max_params == pytest.approx(2e9)
-    text = str(p)
+    text = plan_text.format_plan(p)
     assert "P_os+g+p" in text and "yes" in text and "no" in text
 
 
@@ -346,7 +347,8 @@ def test_plan_splits_stage_3_traffic_by_link_on_nodes():
     # int8 weights (1 byte + a 4-byte scale per 2048), int4 gradients (half a byte +)
     assert inside == pytest.approx(2 * psi * (1 + 4 / 2048) + psi * (0.5 + 4 / 2048), rel=1e-4)
     assert across == pytest.approx(shard * (0.5 + 4 / 2048) + shard * 2, rel=1e-4)
-    assert "the step's peak and the traffic by link" in str(p) and "64 nodes x 8" in str(p)
+    text = plan_text.format_model_plan(p)
+    assert "the step's peak and the traffic by link" in text and "64 nodes x 8" in text
     # and each mode's peak: HSDP holds stage 3's states over a node's 8 devices, hpZ its
     # optimizer state over all 512 and a secondary param copy over 8; the batch is 8
     # sequences per device in every mode
@@ -384,7 +386,9 @@ def test_plan_model_returns_the_table_as_data():
     assert off.host_traffic_bytes == 2 * off.states.host
     assert p.recommendation is not None and p.recommendation.fits
     # the fastest that fits (issue 32; was the least traffic), the memory-leanest beside
-    assert p.recommendation.label in p.reason and "the fastest" in p.reason
+    reason = plan_text.recommendation(p)
+    assert reason.startswith(p.recommendation.label) and "the fastest" in reason
+    assert p.recommendation in p.fitting and p.smallest.peak == min(r.peak for r in p.rows)
     assert p.leanest is not None and p.leanest.fits
     assert s3.traffic_bytes == 3 * p.num_params * 2  # 3 Psi in bf16
     # SGD holds less than AdamW: the optimizer changes the answer
@@ -393,7 +397,8 @@ def test_plan_model_returns_the_table_as_data():
     assert sgd.row("stage 0").peak < p.row("stage 0").peak
     nothing = zerojax.plan(model="gpt3-175b", dp=8, budget_bytes=80 * 10**9, seq=2048,
                            batch=8)
-    assert nothing.recommendation is None and nothing.reason.startswith("nothing fits")
+    assert nothing.recommendation is None and nothing.fitting == ()
+    assert plan_text.recommendation(nothing).startswith("nothing fits")
     with pytest.raises(ValueError, match="not a preset"):
         zerojax.plan(model="gpt5", dp=8, budget_bytes=10**9)
 
@@ -621,7 +626,8 @@ def test_plan_model_takes_the_model_axis_and_remat_policy():
     for a, b, c in zip(one.rows, two.rows, pa.rows):
         assert b.states < a.states and b.peak < a.peak, a.label
         assert c.activations < b.activations and c.states == b.states, a.label
-    assert "8 data x 2 model = 16 devices" in str(pa) and "remat_policy='partitioned'" in str(pa)
+    text = plan_text.format_model_plan(pa)
+    assert "8 data x 2 model = 16 devices" in text and "remat_policy='partitioned'" in text
 
 
 @pytest.mark.parametrize("mode", ["hsdp", "zeropp"])
@@ -762,7 +768,8 @@ def test_planner_counts_cudnn_flash_attention_where_train_runs_it():
     kw = dict(devices=8, budget_bytes=int(80e9), seq=s, batch=b)
     flash, explicit = plan_model(shape, **kw), plan_model(shape, attention="xla", **kw)
     assert all(f.activations < e.activations for f, e in zip(flash.rows, explicit.rows))
-    assert "cuDNN flash attention" in str(flash) and "s x s scores materialised" in str(explicit)
+    assert "cuDNN flash attention" in plan_text.format_model_plan(flash)
+    assert "s x s scores materialised" in plan_text.format_model_plan(explicit)
 
 
 # --- presets from real configurations --------------------------------------------------------
@@ -899,10 +906,12 @@ def test_usable_memory_is_what_jax_gives():
 
     m = usable_memory(40 * 10**9, env={})
     assert (m.fraction, m.usable, m.preallocate) == (0.75, 29 * 10**9, True)
-    assert "JAX's default" in str(m) and "29.00 GB planned" in str(m)
+    text = plan_text.format_memory(m)
+    assert "JAX's default" in text and "29.00 GB planned" in text
     m = usable_memory(40 * 10**9, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
                                        "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    assert m.usable == 37 * 10**9 and not m.preallocate and "preallocation off" in str(m)
+    assert m.usable == 37 * 10**9 and not m.preallocate
+    assert "preallocation off" in plan_text.format_memory(m)
     assert usable_memory(40 * 10**9, fraction=0.5, runtime_reserve=0,
                          env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}).usable == 20 * 10**9
     assert usable_memory(10**9, env={"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
@@ -927,7 +936,8 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
     row, checked = free.row(label), tight.row(label)
     assert row.fits and row.host_fits and row.host_bytes == 8 * row.states.host > 1e12
     assert not checked.fits and not checked.host_fits and checked.peak == row.peak
-    assert tight.recommendation is None and "of host memory per node" in tight.reason
+    assert tight.recommendation is None
+    assert "of host memory per node" in plan_text.recommendation(tight)
     assert all(r.fits == f.fits for r, f in zip(tight.rows, free.rows) if not r.options)
     with pytest.raises(ValueError, match="beyond gpt2-1.5b's 1024 learned positions"):
         plan_model("gpt2-1.5b", **kw)
@@ -995,8 +1005,9 @@ def test_plan_recommends_the_fastest_row_that_fits():
     assert p.recommendation.step_time == min(r.step_time for r in fitting)
     assert p.leanest.peak == min(r.peak for r in fitting)
     assert all(r.tokens_per_s == pytest.approx(4 * 2 * 2048 / r.step_time) for r in p.rows)
-    assert f"{p.recommendation.tokens_per_s:,.0f} tokens/s" in p.reason
-    assert "memory-leanest" in p.reason and "step (ms)" in str(p)
+    reason = plan_text.recommendation(p)
+    assert f"{p.recommendation.tokens_per_s:,.0f} tokens/s" in reason
+    assert "memory-leanest" in reason and "step (ms)" in plan_text.format_model_plan(p)
     v100 = plan_model("llama2-7b", accelerator="v100", **kw)
     assert v100.row("stage 3").step_time > p.row("stage 3").step_time
     # stage 3 without prefetch: the gathers wait for their layers (same bytes, slower)
@@ -1020,3 +1031,52 @@ def test_tiled_lm_head_within_10_percent():
     assert 0.9 <= ratio <= 1.1, ratio
     untiled = gpt_step_prediction(dataclasses.replace(cfg, vocab_tiles=None), N, 3, 16, tx=tx)
     assert untiled.peak >= 2.5 * predicted, (untiled.peak, predicted)
+
+
+# --- the planner's layers (issue 32) -----------------------------------------------------
+
+
+def _imports(path):
+    """Every module ``path`` imports, at any depth (function-level imports included),
+    with relative imports resolved against the zerojax.analysis package."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(["zerojax", "analysis"][: 3 - node.level] + [base]).strip(".")
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def test_planner_layers_import_one_way():
+    """What a configuration costs (cost.py, memory.py, report.py, comm.py) below, the
+    search and the recommendation (plan.py) above, the text (zerojax.cli.plan_text) on
+    top: nothing in zerojax/analysis imports zerojax.cli, nothing below plan.py imports
+    it, and plan.py formats nothing (no format_* functions, no __str__, no print)."""
+    import ast
+    from pathlib import Path
+
+    analysis = Path(zerojax.__file__).parent / "analysis"
+    modules = sorted(analysis.glob("*.py"))
+    assert {"cost.py", "memory.py", "report.py", "plan.py"} <= {m.name for m in modules}
+    for module in modules:
+        names = _imports(module)
+        assert not [n for n in names if n == "zerojax.cli" or n.startswith("zerojax.cli.")
+                    ], module.name
+        if module.name not in ("plan.py", "__init__.py"):
+            assert not [n for n in names if n.startswith("zerojax.analysis.plan")], module.name
+    tree = ast.parse((analysis / "plan.py").read_text())
+    defined = {n.name for n in ast.walk(tree)
+               if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not {n for n in defined if n.startswith("format") or n in ("__str__", "table1")}
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", None) == "print"]
+    # the text is the CLI's, reading plan.py's data
+    assert "zerojax.analysis.plan" in _imports(
+        Path(zerojax.__file__).parent / "cli" / "plan_text.py")

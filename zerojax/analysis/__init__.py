@@ -1,4 +1,6 @@
-"""Measured and modelled costs: communication volume from compiled HLO, per-device memory."""
+"""Measured and modelled costs: communication volume from compiled HLO, per-device memory,
+the planner (data; its text is :mod:`zerojax.cli.plan_text`'s: ``format_plan``,
+``format_table1``, ``table1``)."""
 
 from zerojax.analysis.comm import CollectiveOp, CommVolume, collective_counts, comm_volume
 from zerojax.analysis.memory import (
@@ -12,7 +14,7 @@ from zerojax.analysis.memory import (
     estimate_buffers,
     estimate_memory,
 )
-from zerojax.analysis.plan import Plan, StagePlan, format_plan, format_table1, paper_table1, table1
+from zerojax.analysis.plan import Plan, StagePlan, paper_table1
 from zerojax.analysis.report import MemoryReport, memory_report, predict_step_memory
 from zerojax.analysis.residuals import SavedCheckpoint, saved_checkpoints
 
@@ -34,11 +36,8 @@ __all__ = [
     "estimate_activations",
     "estimate_buffers",
     "estimate_memory",
-    "format_plan",
-    "format_table1",
     "memory_report",
     "paper_table1",
     "predict_step_memory",
     "saved_checkpoints",
-    "table1",
 ]

@@ -15,7 +15,12 @@ of Rajbhandari et al. (SC20), sections 5 and 7:
   after activations, buffers and the reserve, divided by the stage's bytes per
   parameter (P + G + K, P + G + K/N, P + (G + K)/N, (P + G + K)/N, all over M).
 
-``paper_table1()`` and ``format_table1()`` reproduce the paper's Table 1.
+``paper_table1()`` reproduces the paper's Table 1.
+
+This module returns data (dataclasses: :class:`Plan`, :class:`ModelPlan`,
+:class:`DeviceMemory`); it formats nothing for the terminal. The text ``zerojax plan``
+prints is :mod:`zerojax.cli.plan_text`'s (``format_plan``, ``format_model_plan``,
+``format_table1``, ``format_memory``, ``recommendation``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from typing import Any, NamedTuple
 
 # One-way layers: cost.py, memory.py and report.py (what a configuration costs: time,
 # bytes, the step's peak, the paper's communication) below; this module (the search and the
-# recommendation, their text) imports them, never the other way.
+# recommendation, as data) imports them, never the other way; zerojax.cli.plan_text (the
+# text) imports this module, never the other way (tests/test_planner.py checks both).
 from zerojax.analysis.cost import (  # noqa: F401 (link_traffic re-exported)
     StepTime,
     accelerator as _accelerator,
@@ -53,11 +59,8 @@ __all__ = [
     "StagePlan",
     "Table1Row",
     "bytes_per_param",
-    "format_plan",
-    "format_table1",
     "paper_table1",
     "plan",
-    "table1",
     "DeviceMemory",
     "usable_memory",
 ]
@@ -109,15 +112,6 @@ class DeviceMemory:
     preallocate: bool
     usable: int
 
-    def __str__(self) -> str:
-        alloc = ("preallocated" if self.preallocate else
-                 "preallocation off (XLA_PYTHON_CLIENT_PREALLOCATE=false): grown on demand "
-                 "up to the same fraction")
-        return (f"memory per device: {_gb(self.card)} GB card x {self.fraction:g} "
-                f"({self.fraction_source}; {alloc}) - {_gb(self.runtime_reserve)} GB runtime "
-                f"reserve (CUDA/NCCL/cuBLAS workspaces; --runtime-reserve) = "
-                f"{_gb(self.usable)} GB planned")
-
 
 def usable_memory(card_bytes: int, *, fraction: float | None = None,
                   runtime_reserve: int | None = None, env: Any = None) -> DeviceMemory:
@@ -154,8 +148,9 @@ def usable_memory(card_bytes: int, *, fraction: float | None = None,
     reserve = _count("runtime_reserve", reserve, minimum=0)
     pool = int(card * fraction)
     if reserve >= pool:
-        raise ValueError(f"runtime reserve {_gb(reserve)} GB is at or above the "
-                         f"{_gb(pool)} GB JAX gets ({_gb(card)} GB x {fraction:g}); lower "
+        raise ValueError(f"runtime reserve {reserve / GB:,.2f} GB is at or above the "
+                         f"{pool / GB:,.2f} GB JAX gets ({card / GB:,.2f} GB x {fraction:g}); "
+                         "lower "
                          "--runtime-reserve")
     preallocate = env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in (
         "false", "0")
@@ -227,9 +222,6 @@ class Plan:
         """The lowest stage that fits (least communication), or None."""
         return min(self.fitting, default=None)
 
-    def __str__(self) -> str:
-        return format_plan(self)
-
 
 def plan(num_params: int | None = None, *, dp: int, budget_bytes: int,
          model: Any = None, batch: Any = None, param_bytes: int = 2, grad_bytes: int = 2,
@@ -260,7 +252,8 @@ def plan(num_params: int | None = None, *, dp: int, budget_bytes: int,
     (``"llama-7b"``), or ``largest=True``, with ``seq``, ``batch`` (sequences per
     device), ``optimizer`` or ``tx``, ``param_dtype``: returns :func:`plan_model`'s
     :class:`ModelPlan` (per stage and option set, bytes by part, fits, traffic, the
-    recommendation and its reason; the largest model per option set).
+    recommendation; the largest model per option set; its text:
+    :mod:`zerojax.cli.plan_text`).
     """
     if largest or isinstance(model, (str, ModelShape)):
         if num_params is not None:
@@ -359,65 +352,6 @@ def _from_model(model, batch, dp, mp, value_bytes, checkpointing, partition):
     return num_params, act, ""
 
 
-# --- formatting ---------------------------------------------------------------------------
-
-
-def _human(n: float) -> str:
-    if n == math.inf:
-        return "unbounded"
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def _gb(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if n == 0:
-        return "0"
-    if n < 2**20:
-        return f"{n:,.0f} B"
-    return f"{n / GB:,.2f}" if n >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
-
-
-def _time(r) -> str:
-    """A row's predicted step: seconds and tokens/s."""
-    return f"{r.step_time * 1e3:,.0f} ms/step, {r.tokens_per_s:,.0f} tokens/s"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def format_plan(p: Plan) -> str:
-    """A readable table of ``p`` (GB = 1e9 bytes, as the paper)."""
-    head = (f"plan: budget {p.budget_bytes / GB:,.2f} GB per device, N = {p.dp} data-parallel"
-            + (f", M = {p.mp} model-parallel" if p.mp > 1 else "")
-            + f"; bytes per parameter {p.param_bytes} + {p.grad_bytes} + {p.optimizer_bytes}"
-            + (f"; Psi = {_human(p.num_params)} ({p.num_params:,})"
-               if p.num_params is not None else ""))
-    header = ["stage", "params", "grads", "optim", "act+buf", "total (GB)", "fits",
-              "comm/step", "comm (GB)", "largest model"]
-    rows = []
-    for s in p.stages:
-        m = s.model_states
-        rows.append([
-            f"{s.stage} {s.name}",
-            _gb(m.params if m else None), _gb(m.grads if m else None),
-            _gb(m.optimizer_state if m else None),
-            _gb(s.activations + s.buffers + s.reserve),
-            _gb(s.total), "-" if s.fits is None else ("yes" if s.fits else "no"),
-            "-" if s.comm_elements is None else f"{3 if s.stage == 3 else 2} Psi",
-            _gb(s.comm_bytes), _human(s.max_params)])
-    out = head + "\n" + _table(header, rows)
-    if p.note:
-        out += f"\n({p.note})"
-    return out
-
-
 # --- the paper's Table 1 ------------------------------------------------------------------
 
 TABLE1_MODELS = (("7.5B", 7_500_000_000), ("128B", 128_000_000_000),
@@ -438,32 +372,6 @@ def paper_table1(dps: Sequence[int] = TABLE1_DP,
     device for stages 1-3 (P_os, P_os+g, P_os+g+p), mixed-precision Adam (K = 12)."""
     return [Table1Row(n, {(name, s): int(estimate_memory(psi, n, s)) / GB
                           for name, psi in models for s in (1, 2, 3)}) for n in dps]
-
-
-def format_table1(rows: list[Table1Row] | None = None) -> str:
-    """``paper_table1()`` as a text table, numbers rounded as the paper prints them."""
-    rows = paper_table1() if rows is None else rows
-    keys = list(rows[0].gb) if rows else []
-    header = ["DP"] + [f"{name} {STAGE_NAMES[s]}" for name, s in keys]
-    body = [[str(r.dp)] + [_paper_round(r.gb[k]) for k in keys] for r in rows]
-    return ("Table 1 (Rajbhandari et al., SC20): model-state GB per device, mixed-precision "
-            "Adam (2 + 2 + 12 bytes per parameter)\n" + _table(header, body)
-            + "\n(printed as computed, 3 significant figures, whole GB from 1000 GB; the paper "
-            "rounds the same way below 100 GB, but from 100 GB the paper truncates: it "
-            "prints 4187 for 4187.5, 257 for 257.75)")
-
-
-def table1() -> str:
-    """The text of ``format_table1(paper_table1())``."""
-    return format_table1(paper_table1())
-
-
-def _paper_round(gb: float) -> str:
-    """Three significant figures, whole numbers from 1000 (52.5, 0.469, 4188: the paper
-    prints 0.47 and truncates 4187.5 to 4187)."""
-    if gb >= 1000:
-        return f"{gb:.0f}"
-    return f"{gb:.3g}"
 
 
 # --- the question as asked: a model's shape (or the largest), sequence, batch, optimizer ---
@@ -587,29 +495,6 @@ class ModelShape:
         return (self.vocab * h * (1 if self.tied else 2) + positions * h + norm
                 + self.layers * (attn + mlp + 2 * norm))
 
-    def __str__(self) -> str:
-        out = ((f"{self.name}: " if self.name else "")
-               + f"{self.layers} layers x hidden {self.hidden}, {self.heads} heads")
-        if self.kv_heads not in (None, self.heads):
-            out += f" ({self.kv_heads} key-value)"
-        if not self.gpt_shaped or self.mlp_hidden is not None:
-            f = self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.hidden
-            out += f", {'SwiGLU' if self.gated else 'GELU'} MLP {f}"
-        out += f", vocab {self.vocab}"
-        if not self.tied:
-            out += ", untied head"
-        if self.positions == 0:
-            out += ", rotary positions"
-        elif self.positions is not None:
-            out += f", {self.positions} learned positions"
-        if self.norm == "rmsnorm":
-            out += ", RMSNorm"
-        if not self.bias:
-            out += ", no biases"
-        if self.vocab_tiles:
-            out += f", LM head in {self.vocab_tiles} tiles"
-        return out
-
 
 # Llama-2 (Touvron et al. 2023) and Llama-3 (Meta, 2024) from their Hugging Face
 # config.json files (num_hidden_layers, hidden_size, num_attention_heads,
@@ -669,16 +554,6 @@ OPTION_SETS = (
      {"offload_optimizer": True, "offload_params": True}),
 )
 
-NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buffers), "
-               "allocator fragmentation beyond --runtime-reserve (use --reserve). "
-               "Checked against compiled steps on CPU (benchmarks/memory_model.py): the "
-               "reference GPT within 10% on 48 of 48 cells, 6 shapes x stages 0-3 x fp32 "
-               "and bf16 (0.94-1.08 on jax 0.10.2, 0.92-1.06 on jax 0.12); zerojax's "
-               "Llama (the llama presets' shape) within 10% on 24 of 24 fp32 cells, bf16 "
-               "over-predicted up to 1.47x (benchmarks/llama_memory.py); the "
-               "flash-attention terms are not checked (the CPU has no cuDNN)")
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
     """One stage and option set: per-device bytes by part, fits or not, traffic."""
@@ -733,10 +608,8 @@ class ModelPlan:
     optimizer: str
     param_dtype: Any
     rows: tuple[PlanRow, ...]
-    recommendation: PlanRow | None
-    reason: str
+    recommendation: PlanRow | None  # the fastest fitting row (ties: the lower peak)
     largest: tuple = ()  # ((label, ModelShape or None, Psi), ...) with largest=True
-    not_counted: str = NOT_COUNTED
     links: tuple = ()  # ((label, inside, across bytes per device per step), ...) on nodes
     link_rows: tuple = ()  # a PlanRow (the step's peak, fits) per ``links`` entry
     mp: int = 1  # the model axis beside the data-parallel devices
@@ -745,7 +618,6 @@ class ModelPlan:
     note: str = ""  # a preset asked for by its old name
     host_memory_bytes: int | None = None  # pinned host memory per node (None: unchecked)
     node_devices: int = 1  # devices whose offloaded state shares one node's host memory
-    memory_note: str = ""  # where budget_bytes came from (the card x fraction - reserve)
     accelerator: Any = None  # the cost.Accelerator the step times are predicted for
     leanest: PlanRow | None = None  # the fitting row of the lowest peak
 
@@ -755,8 +627,15 @@ class ModelPlan:
                 return r
         raise KeyError(f"no row {label!r} (rows: {[r.label for r in self.rows]})")
 
-    def __str__(self) -> str:
-        return format_model_plan(self)
+    @property
+    def fitting(self) -> tuple[PlanRow, ...]:
+        """The rows that fit the device (and the host memory), in ``rows``' order."""
+        return tuple(r for r in self.rows if r.fits)
+
+    @property
+    def smallest(self) -> PlanRow:
+        """The row of the lowest peak, fitting or not (what to shrink when none fits)."""
+        return min(self.rows, key=lambda r: r.peak)
 
 
 def _dtype(param_dtype: Any):
@@ -818,7 +697,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                largest: bool = False, reserve_bytes: int = 0, remat: bool = True,
                width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
                option_sets: Sequence = OPTION_SETS, mp: int = 1, attention: str = "auto",
-               host_memory_bytes: int | None = None, memory_note: str = "",
+               host_memory_bytes: int | None = None,
                accelerator: Any = "h100", **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
@@ -826,7 +705,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     master weights stay fp32): per stage and option set, the per-device peak of a train
     step by part (model states from ``tx``'s own state, activations with attention scores
     and logits, gradients in flight, working copies), fits or not, traffic per step, and
-    a recommendation with its reason.
+    the recommendation (data: the rows; the text is :mod:`zerojax.cli.plan_text`'s).
 
     ``model``: a :class:`ModelShape` or a preset name (``PRESETS``: gpt2-1.5b,
     llama-7b, ...). ``largest=True``: also search, for each option set, the largest
@@ -850,8 +729,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     gets (:func:`usable_memory`), not the card's. ``host_memory_bytes``: pinned host
     memory per node; an offload row whose offloaded state (the shards of the node's
     ``devices_per_node x mp`` devices, else ``min(devices x mp, 8)``) exceeds it does not
-    fit (``PlanRow.host_bytes``, ``.host_fits``). ``memory_note`` is printed with the
-    table (where ``budget_bytes`` came from).
+    fit (``PlanRow.host_bytes``, ``.host_fits``).
 
     ``accelerator``: a preset of :data:`zerojax.analysis.cost.ACCELERATORS` (h100,
     h200, a100, v100, tpu-v5e) or an ``Accelerator``: each row gets a predicted step
@@ -940,29 +818,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     if fitting:
         best = min(fitting, key=lambda r: (r.step_time, r.peak))
         leanest = min(fitting, key=lambda r: (r.peak, r.step_time))
-        others = [r for r in fitting if r is not best]
-        reason = (f"{best.label}: the fastest of the {len(fitting)} option set(s) that "
-                  f"fit on {accel.name}, {_time(best)} ({_gb(best.traffic_bytes)} GB over "
-                  "the data axis"
-                  + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
-                     if best.host_traffic_bytes else "")
-                  + f"), peak {_gb(best.peak)} of {_gb(budget_bytes)} GB per device, "
-                  f"{_gb(budget_bytes - best.peak)} GB "
-                  f"({(budget_bytes - best.peak) / budget_bytes:.0%}) headroom"
-                  + (f"; the memory-leanest: {leanest.label}, peak {_gb(leanest.peak)} GB, "
-                     f"{_time(leanest)}" if leanest is not best else
-                     "; it is also the memory-leanest")
-                  + (f"; {len(others)} other(s) fit" if others else ""))
     else:
         best = leanest = None
-        least = min(rows, key=lambda r: r.peak)
-        reason = (f"nothing fits: the smallest, {least.label}, needs {_gb(least.peak)} GB "
-                  f"per device of {_gb(budget_bytes)}"
-                  + (f" and {_gb(least.host_bytes)} GB of host memory per node of "
-                     f"{_gb(host_memory_bytes)}" if not least.host_fits else "")
-                  + f"; add devices, shorten --seq or "
-                  f"--batch (activations {_gb(least.activations)} GB), or use a smaller "
-                  "model")
     links = ()
     if devices_per_node and devices > devices_per_node and devices % devices_per_node == 0:
         import jax.numpy as jnp
@@ -982,10 +839,10 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
         link_rows = ()
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
                      seq, batch, optimizer if isinstance(optimizer, str) else "tx",
-                     pd, rows, best, reason, tuple(found), links=links, mp=mp,
+                     pd, rows, best, tuple(found), links=links, mp=mp,
                      options=dict(options), attention=attention, link_rows=link_rows,
                      note=note, host_memory_bytes=host_memory_bytes,
-                     node_devices=node_devices, memory_note=memory_note,
+                     node_devices=node_devices,
                      accelerator=accel, leanest=leanest)
 
 
@@ -1006,89 +863,3 @@ def _check_model_axis(model: ModelShape, mp: int) -> None:
             raise ValueError(
                 f"{name}: {what} {n} is not divisible by mp {mp}, over which the reference "
                 f"GPT splits it (Megatron); use an mp that divides {n}, or another {fix}")
-
-
-def format_model_plan(p: ModelPlan) -> str:
-    """A readable table of ``p`` (GB = 1e9 bytes)."""
-    import jax.numpy as jnp
-
-    precision = "fp32" if p.param_dtype is None else jnp.dtype(p.param_dtype).name
-    nodes = ""
-    if p.devices_per_node:
-        n_nodes = -(-p.devices // p.devices_per_node)
-        nodes = (f" ({n_nodes} node(s) of {p.devices_per_node}"
-                 + ("; every step's data-axis traffic crosses the network)" if n_nodes > 1
-                    else "; all traffic within the node)"))
-    mesh = (f"{p.devices} data x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
-            else f"{p.devices} devices")
-    extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
-    head = [f"plan: {mesh} x {_gb(p.budget_bytes)} GB usable{nodes}, seq {p.seq}, "
-            f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
-            f"{precision} (fp32 master weights and optimizer state){extra}"]
-    if p.shape is not None:
-        head.append(f"model: {p.shape}; Psi = {_human(p.num_params)} ({p.num_params:,})"
-                    + (f"\n({p.note})" if p.note else ""))
-        from zerojax.analysis.report import flash_attention
-
-        flash = flash_attention(p.shape.config(p.seq, p.param_dtype, p.attention))
-        head.append(f"attention: {p.attention}: " + (
-            "cuDNN flash attention on a CUDA GPU (no s x s scores in memory)" if flash
-            else "explicit, float32 s x s scores materialised per layer being recomputed"))
-    if p.memory_note:
-        head.append(p.memory_note)
-    header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
-              "other", "peak (GB)", "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
-    rows = []
-    for r in p.rows:
-        s = r.states
-        other = r.peak - s.params - s.optimizer_state - r.activations
-        fits = "yes" if r.fits else ("no: host" if r.peak <= p.budget_bytes else "no")
-        rows.append([r.label, f"{r.step_time * 1e3:,.0f}" if r.time else "-",
-                     f"{r.tokens_per_s:,.0f}" if r.time else "-",
-                     _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
-                     _gb(r.activations), _gb(other), _gb(r.peak), fits,
-                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)])
-    out = "\n".join(head) + "\n" + _table(header, rows)
-    host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
-                 f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
-                 else "host memory not checked")
-    out += ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
-            "bytes at the peak are inside other. params/optim: what init_state places on "
-            "the device; grads: the gradient handed to the update; other: gradients in "
-            "flight, working copies, the batch and --reserve at the step's peak; host: "
-            "offloaded state moved in and out per step; host/node: the pinned host memory "
-            f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
-            "not the host)")
-    if p.accelerator is not None:
-        a = p.accelerator
-        out += (f"\n(step, tokens/s: predicted for {a.name} by zerojax.analysis.cost: "
-                f"tokens x (6 Psi + 12 L h s) x remat at {a.peak_flops / 1e12:.0f} TFLOP/s "
-                f"x {a.achievable:.1%} achievable, collectives at {a.intra_bw / GB:.0f} GB/s "
-                f"in a node and {a.inter_bw / GB:.2f} GB/s across nodes per device, hidden "
-                "under compute as the stage allows, offload at "
-                f"{a.pcie_bw / GB:.0f} GB/s PCIe; tokens/s of the whole job)")
-    if p.largest:
-        out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
-        out += _table(["option set", "layers", "hidden", "heads", "Psi"],
-                      [[label, str(s.layers) if s else "-", str(s.hidden) if s else "-",
-                        str(s.heads) if s else "-", _human(psi) if s else "none"]
-                       for label, s, psi in p.largest])
-    if p.links:
-        unit = p.num_params * jnp.dtype(p.param_dtype or jnp.float32).itemsize
-        out += (f"\n\nhierarchical sharding at stage 3: the step's peak and the traffic by "
-                f"link, per device per step "
-                f"({p.devices // p.devices_per_node} nodes x {p.devices_per_node}; "
-                "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
-                f"{precision}):\n")
-        peaks = {r.label: r for r in p.link_rows}
-        out += _table(["option set", "peak (GB)", "fits", "inside a node (GB)",
-                       "across nodes (GB)", "inside (Psi)", "across (Psi)", "step (ms)"],
-                      [[label, _gb(peaks[label].peak) if label in peaks else "-",
-                        ("yes" if peaks[label].fits else "no") if label in peaks else "-",
-                        _gb(inside), _gb(across), f"{inside / unit:.3f}",
-                        f"{across / unit:.3f}",
-                        f"{peaks[label].step_time * 1e3:,.0f}"
-                        if label in peaks and peaks[label].time else "-"]
-                       for label, inside, across in p.links])
-    out += f"\n\nrecommendation: {p.reason}\n({p.not_counted})"
-    return out

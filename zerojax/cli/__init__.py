@@ -11,6 +11,9 @@
   multi-process job.
 - :mod:`zerojax.cli.tune`: ``zerojax tune``, compile and time the configurations the
   planner says fit, and recommend the measured fastest.
+- :mod:`zerojax.cli.plan_text`: the planner's text (``zerojax plan``'s tables and
+  recommendation, ``zerojax estimate --table1``), on top of
+  :mod:`zerojax.analysis.plan`'s data.
 - :mod:`zerojax.cli.args`: argument types and tables they share.
 
 Nothing here is imported by ``import zerojax``.
@@ -21,7 +24,7 @@ import importlib
 from zerojax.cli.command import build_parser, main
 
 __all__ = ["main", "build_parser"]
-_SUBMODULES = ("args", "bench", "command", "demo", "launch", "tune")
+_SUBMODULES = ("args", "bench", "command", "demo", "launch", "plan_text", "tune")
 
 
 def __getattr__(name):

@@ -155,7 +155,7 @@ def _activations(args: argparse.Namespace) -> None:
 
 def _table1() -> int:
     """The paper's Table 1: per-device model-state GB, mixed-precision Adam (K = 12)."""
-    from zerojax.analysis import table1
+    from zerojax.cli.plan_text import table1
 
     print(table1())
     return 0
@@ -197,7 +197,7 @@ examples:
 
 def _plan(args: argparse.Namespace) -> int:
     import zerojax
-    from zerojax.analysis import format_plan
+    from zerojax.cli.plan_text import format_memory, format_plan
 
     shape_given = [a for a in ("layers", "hidden", "heads") if getattr(args, a) is not None]
     if args.largest or args.model is not None or shape_given:
@@ -212,6 +212,11 @@ def _plan(args: argparse.Namespace) -> int:
         args.error("--host-memory checks the model planner's offload rows; the paper's "
                    "formula (--params) plans no offload: use --model or --layers/--hidden/"
                    "--heads with it")
+    if args.gpus_per_node is not None:
+        args.error(f"--gpus-per-node {args.gpus_per_node} splits the model planner's traffic "
+                   "and step time between the links in a node and the network; the paper's "
+                   "formula (--params) counts bytes per device only, which nodes do not "
+                   "change: drop it, or use --model or --layers/--hidden/--heads with it")
     try:
         result = zerojax.plan(args.params, dp=dp, budget_bytes=memory.usable,
                               param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
@@ -223,7 +228,7 @@ def _plan(args: argparse.Namespace) -> int:
                               bucket_size=args.bucket_size)
     except (TypeError, ValueError) as e:
         args.error(str(e))
-    print(memory)
+    print(format_memory(memory))
     print(format_plan(result))
     if args.params is not None:
         fits = result.fitting
@@ -272,6 +277,7 @@ HOST_MEMORY_DEFAULT = 1e12  # per node: a DGX A100's 1 TB (a DGX H100 has 2 TB)
 
 def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     from zerojax.analysis.plan import ModelShape, plan_model
+    from zerojax.cli.plan_text import format_memory, format_model_plan
 
     if args.params is not None:
         args.error("--params is the paper-formula question; give the model's shape "
@@ -329,16 +335,14 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                             largest=args.largest, reserve_bytes=round(args.reserve),
                             mp=args.mp, attention=args.attention,
                             host_memory_bytes=round(host), accelerator=args.accelerator,
-                            memory_note=str(memory) + (
-                                "\nhost memory per node: " + gb(host)
-                                + (" (--host-memory)" if args.host_memory is not None else
-                                   " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: "
-                                   "pass --host-memory)")),
                             **({"remat_policy": args.remat_policy}
                                if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
         args.error(str(e))
-    print(result)
+    print(format_model_plan(result, memory_note=format_memory(memory) + (
+        "\nhost memory per node: " + gb(host)
+        + (" (--host-memory)" if args.host_memory is not None else
+           " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: pass --host-memory)"))))
     return 0
 
 
@@ -372,10 +376,28 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
-    """(bytes per device, where the figure comes from): --memory, else the accelerator's
-    limit, else (CPU: the simulated devices share the host) host memory / devices."""
+    """(bytes the run may fill per device, where the figure comes from), as ``zerojax
+    plan`` counts it: --memory is the card, of which JAX's allocator takes --mem-fraction
+    (else XLA_[PYTHON_]CLIENT_MEM_FRACTION, else 0.75) less --runtime-reserve (default
+    1GB): ``analysis.plan.usable_memory``. Without --memory: the accelerator's
+    ``bytes_limit`` (JAX's pool, the fraction already taken) less the runtime reserve;
+    on CPU (the simulated devices share the host) host memory / devices."""
+    from zerojax.analysis.plan import RUNTIME_RESERVE_BYTES, usable_memory
+
+    if args.memory is None and getattr(args, "mem_fraction", None) is not None:
+        args.error(f"--mem-fraction {args.mem_fraction:g} goes with --memory (the card it "
+                   "takes a share of); without --memory the run is planned against JAX's "
+                   "own pool, the fraction already taken: give --memory SIZE too")
+    reserve = (None if getattr(args, "runtime_reserve", None) is None
+               else round(args.runtime_reserve))
     if args.memory is not None:
-        return round(args.memory), "--memory"
+        try:
+            m = usable_memory(round(args.memory), fraction=args.mem_fraction,
+                              runtime_reserve=reserve)
+        except ValueError as e:
+            args.error(f"--memory {gb(args.memory)}: {e}")
+        return m.usable, (f"--memory {gb(m.card)} x {m.fraction:g} ({m.fraction_source}) - "
+                          f"{gb(m.runtime_reserve)} runtime reserve, as zerojax plan")
     from zerojax.cli import demo
 
     demo.simulate_devices(args.devices)
@@ -385,7 +407,9 @@ def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         if stats.get("bytes_limit"):
-            return int(stats["bytes_limit"]), f"{device.platform} memory"
+            keep = RUNTIME_RESERVE_BYTES if reserve is None else reserve
+            return (int(stats["bytes_limit"]) - keep,
+                    f"{device.platform} memory: JAX's pool - {gb(keep)} runtime reserve")
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -714,8 +738,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same as --model (as in plan and estimate): --devices is "
                             "the total, data = devices / mp")
     train.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
-                       help="memory per device the run is planned against before it starts "
-                            "(default: the accelerator's; on CPU, host memory / devices)")
+                       help="the card's memory per device, as in zerojax plan: before it "
+                            "starts, the run is planned against what JAX gets of it, "
+                            "--memory x --mem-fraction - --runtime-reserve, the figure "
+                            "zerojax plan prints as 'planned' (default: JAX's pool on the "
+                            "accelerator - --runtime-reserve; on CPU, host memory / "
+                            "devices)")
+    train.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
+                       help="the share of --memory JAX's allocator takes (default: "
+                            "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
+                            "set, else JAX's default 0.75)")
+    train.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
+                       help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
+                            "workspaces, NCCL buffers; default 1GB, as zerojax plan)")
     train.set_defaults(func=_train)
 
     bench = command(

@@ -1,0 +1,299 @@
+"""The planner's text: what ``zerojax plan`` and ``zerojax estimate --table1`` print.
+
+The layers run one way (issue 32): :mod:`zerojax.analysis.cost`,
+:mod:`~zerojax.analysis.memory` and :mod:`~zerojax.analysis.report` say what a
+configuration costs (time, bytes, the step's peak); :mod:`zerojax.analysis.plan`
+searches the configurations and picks the recommendation, returning dataclasses
+(:class:`~zerojax.analysis.plan.Plan`, :class:`~zerojax.analysis.plan.ModelPlan`,
+:class:`~zerojax.analysis.plan.DeviceMemory`); this module, on top, turns them into
+tables and sentences. Nothing below imports it.
+
+    from zerojax.analysis.plan import plan_model
+    from zerojax.cli.plan_text import format_model_plan
+    print(format_model_plan(plan_model("llama2-7b", devices=8, budget_bytes=59 * 10**9,
+                                       seq=2048, batch=8)))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from zerojax.analysis.plan import (
+    STAGE_NAMES,
+    DeviceMemory,
+    ModelPlan,
+    ModelShape,
+    Plan,
+    PlanRow,
+    Table1Row,
+    paper_table1,
+)
+
+__all__ = ["NOT_COUNTED", "describe_shape", "format_memory", "format_model_plan",
+           "format_plan", "format_table1", "human", "recommendation", "table1"]
+
+GB = 1e9  # the paper's GB
+
+NOT_COUNTED = ("not counted: XLA temporaries beyond the terms above (fusion buffers), "
+               "allocator fragmentation beyond --runtime-reserve (use --reserve). "
+               "Checked against compiled steps on CPU (benchmarks/memory_model.py): the "
+               "reference GPT within 10% on 48 of 48 cells, 6 shapes x stages 0-3 x fp32 "
+               "and bf16 (0.94-1.08 on jax 0.10.2, 0.92-1.06 on jax 0.12); zerojax's "
+               "Llama (the llama presets' shape) within 10% on 24 of 24 fp32 cells, bf16 "
+               "over-predicted up to 1.47x (benchmarks/llama_memory.py); the "
+               "flash-attention terms are not checked (the CPU has no cuDNN)")
+
+
+# --- cells ------------------------------------------------------------------------------
+
+
+def human(n: float) -> str:
+    """A count with three significant figures and a unit: 6.74B, 128B, 1T."""
+    if n == math.inf:
+        return "unbounded"
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _gb(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    if n < 2**20:
+        return f"{n:,.0f} B"
+    return f"{n / GB:,.2f}" if n >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
+
+
+def _time(r: PlanRow) -> str:
+    """A row's predicted step: seconds and tokens/s."""
+    return f"{r.step_time * 1e3:,.0f} ms/step, {r.tokens_per_s:,.0f} tokens/s"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+# --- the memory a JAX process gets, a model's shape ---------------------------------------
+
+
+def format_memory(m: DeviceMemory) -> str:
+    """One line: the card, the fraction JAX takes (and where it came from), the runtime
+    reserve, what the plan fills."""
+    alloc = ("preallocated" if m.preallocate else
+             "preallocation off (XLA_PYTHON_CLIENT_PREALLOCATE=false): grown on demand "
+             "up to the same fraction")
+    return (f"memory per device: {_gb(m.card)} GB card x {m.fraction:g} "
+            f"({m.fraction_source}; {alloc}) - {_gb(m.runtime_reserve)} GB runtime "
+            f"reserve (CUDA/NCCL/cuBLAS workspaces; --runtime-reserve) = "
+            f"{_gb(m.usable)} GB planned")
+
+
+def describe_shape(s: ModelShape) -> str:
+    """``gpt2-1.5b: 48 layers x hidden 1600, 25 heads, vocab 50304, ...``."""
+    out = ((f"{s.name}: " if s.name else "")
+           + f"{s.layers} layers x hidden {s.hidden}, {s.heads} heads")
+    if s.kv_heads not in (None, s.heads):
+        out += f" ({s.kv_heads} key-value)"
+    if not s.gpt_shaped or s.mlp_hidden is not None:
+        f = s.mlp_hidden if s.mlp_hidden is not None else s.mlp_ratio * s.hidden
+        out += f", {'SwiGLU' if s.gated else 'GELU'} MLP {f}"
+    out += f", vocab {s.vocab}"
+    if not s.tied:
+        out += ", untied head"
+    if s.positions == 0:
+        out += ", rotary positions"
+    elif s.positions is not None:
+        out += f", {s.positions} learned positions"
+    if s.norm == "rmsnorm":
+        out += ", RMSNorm"
+    if not s.bias:
+        out += ", no biases"
+    if s.vocab_tiles:
+        out += f", LM head in {s.vocab_tiles} tiles"
+    return out
+
+
+# --- the paper's formula: zerojax.plan(num_params, dp=, budget_bytes=) ---------------------
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table of ``p`` (GB = 1e9 bytes, as the paper)."""
+    head = (f"plan: budget {p.budget_bytes / GB:,.2f} GB per device, N = {p.dp} data-parallel"
+            + (f", M = {p.mp} model-parallel" if p.mp > 1 else "")
+            + f"; bytes per parameter {p.param_bytes} + {p.grad_bytes} + {p.optimizer_bytes}"
+            + (f"; Psi = {human(p.num_params)} ({p.num_params:,})"
+               if p.num_params is not None else ""))
+    header = ["stage", "params", "grads", "optim", "act+buf", "total (GB)", "fits",
+              "comm/step", "comm (GB)", "largest model"]
+    rows = []
+    for s in p.stages:
+        m = s.model_states
+        rows.append([
+            f"{s.stage} {s.name}",
+            _gb(m.params if m else None), _gb(m.grads if m else None),
+            _gb(m.optimizer_state if m else None),
+            _gb(s.activations + s.buffers + s.reserve),
+            _gb(s.total), "-" if s.fits is None else ("yes" if s.fits else "no"),
+            "-" if s.comm_elements is None else f"{3 if s.stage == 3 else 2} Psi",
+            _gb(s.comm_bytes), human(s.max_params)])
+    out = head + "\n" + _table(header, rows)
+    out += ("\n(total = params + grads + optim + act+buf: the paper's model states, each "
+            "whole for the step, plus --activations, one --bucket-size buffer and "
+            "--reserve; largest model: the Psi whose total fills the budget)")
+    if p.note:
+        out += f"\n({p.note})"
+    return out
+
+
+def format_table1(rows: Sequence[Table1Row] | None = None) -> str:
+    """``paper_table1()`` as a text table, numbers rounded as the paper prints them."""
+    rows = paper_table1() if rows is None else rows
+    keys = list(rows[0].gb) if rows else []
+    header = ["DP"] + [f"{name} {STAGE_NAMES[s]}" for name, s in keys]
+    body = [[str(r.dp)] + [_paper_round(r.gb[k]) for k in keys] for r in rows]
+    return ("Table 1 (Rajbhandari et al., SC20): model-state GB per device, mixed-precision "
+            "Adam (2 + 2 + 12 bytes per parameter)\n" + _table(header, body)
+            + "\n(printed as computed, 3 significant figures, whole GB from 1000 GB; the paper "
+            "rounds the same way below 100 GB, but from 100 GB the paper truncates: it "
+            "prints 4187 for 4187.5, 257 for 257.75)")
+
+
+def table1() -> str:
+    """The text of ``format_table1(paper_table1())``."""
+    return format_table1(paper_table1())
+
+
+def _paper_round(gb: float) -> str:
+    """Three significant figures, whole numbers from 1000 (52.5, 0.469, 4188: the paper
+    prints 0.47 and truncates 4187.5 to 4187)."""
+    if gb >= 1000:
+        return f"{gb:.0f}"
+    return f"{gb:.3g}"
+
+
+# --- the question as asked: plan_model ------------------------------------------------------
+
+
+def recommendation(p: ModelPlan) -> str:
+    """The recommendation and why: the fastest fitting row, its time, traffic, peak and
+    headroom, the memory-leanest beside it; or, when nothing fits, the smallest row's
+    needs and what to change."""
+    best, leanest, budget = p.recommendation, p.leanest, p.budget_bytes
+    if best is not None:
+        fitting = p.fitting
+        others = len(fitting) - 1
+        accel = p.accelerator.name if p.accelerator is not None else "the accelerator"
+        return (f"{best.label}: the fastest of the {len(fitting)} option set(s) that "
+                f"fit on {accel}, {_time(best)} ({_gb(best.traffic_bytes)} GB over "
+                "the data axis"
+                + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
+                   if best.host_traffic_bytes else "")
+                + f"), peak {_gb(best.peak)} of {_gb(budget)} GB per device, "
+                f"{_gb(budget - best.peak)} GB ({(budget - best.peak) / budget:.0%}) headroom"
+                + (f"; the memory-leanest: {leanest.label}, peak {_gb(leanest.peak)} GB, "
+                   f"{_time(leanest)}" if leanest is not best else
+                   "; it is also the memory-leanest")
+                + (f"; {others} other(s) fit" if others else ""))
+    least = p.smallest
+    return (f"nothing fits: the smallest, {least.label}, needs {_gb(least.peak)} GB "
+            f"per device of {_gb(budget)}"
+            + (f" and {_gb(least.host_bytes)} GB of host memory per node of "
+               f"{_gb(p.host_memory_bytes)}" if not least.host_fits else "")
+            + f"; add devices, shorten --seq or --batch (activations "
+            f"{_gb(least.activations)} GB), or use a smaller model")
+
+
+def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
+    """A readable table of ``p`` (GB = 1e9 bytes): the setting, one row per option set
+    with the peak by part, fits, traffic, host memory and the predicted step, how the
+    columns make the peak, the largest models and hierarchical rows when planned, the
+    recommendation. ``memory_note``: printed with the setting (where ``budget_bytes``
+    came from: :func:`format_memory`, the host memory's source)."""
+    import jax.numpy as jnp
+
+    precision = "fp32" if p.param_dtype is None else jnp.dtype(p.param_dtype).name
+    nodes = ""
+    if p.devices_per_node:
+        n_nodes = -(-p.devices // p.devices_per_node)
+        nodes = (f" ({n_nodes} node(s) of {p.devices_per_node}"
+                 + ("; every step's data-axis traffic crosses the network)" if n_nodes > 1
+                    else "; all traffic within the node)"))
+    mesh = (f"{p.devices} data x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
+            else f"{p.devices} devices")
+    extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
+    head = [f"plan: {mesh} x {_gb(p.budget_bytes)} GB usable{nodes}, seq {p.seq}, "
+            f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
+            f"{precision} (fp32 master weights and optimizer state){extra}"]
+    if p.shape is not None:
+        head.append(f"model: {describe_shape(p.shape)}; Psi = {human(p.num_params)} "
+                    f"({p.num_params:,})" + (f"\n({p.note})" if p.note else ""))
+        from zerojax.analysis.report import flash_attention
+
+        flash = flash_attention(p.shape.config(p.seq, p.param_dtype, p.attention))
+        head.append(f"attention: {p.attention}: " + (
+            "cuDNN flash attention on a CUDA GPU (no s x s scores in memory)" if flash
+            else "explicit, float32 s x s scores materialised per layer being recomputed"))
+    if memory_note:
+        head.append(memory_note)
+    header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
+              "other", "peak (GB)", "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
+    rows = []
+    for r in p.rows:
+        s = r.states
+        other = r.peak - s.params - s.optimizer_state - r.activations
+        fits = "yes" if r.fits else ("no: host" if r.peak <= p.budget_bytes else "no")
+        rows.append([r.label, f"{r.step_time * 1e3:,.0f}" if r.time else "-",
+                     f"{r.tokens_per_s:,.0f}" if r.time else "-",
+                     _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
+                     _gb(r.activations), _gb(other), _gb(r.peak), fits,
+                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)])
+    out = "\n".join(head) + "\n" + _table(header, rows)
+    host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
+                 f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
+                 else "host memory not checked")
+    out += ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
+            "bytes at the peak are inside other. params/optim: what init_state places on "
+            "the device; grads: the gradient handed to the update; other: gradients in "
+            "flight, working copies, the batch and --reserve at the step's peak; host: "
+            "offloaded state moved in and out per step; host/node: the pinned host memory "
+            f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
+            "not the host)")
+    if p.accelerator is not None:
+        a = p.accelerator
+        out += (f"\n(step, tokens/s: predicted for {a.name} by zerojax.analysis.cost: "
+                f"tokens x (6 Psi + 12 L h s) x remat at {a.peak_flops / 1e12:.0f} TFLOP/s "
+                f"x {a.achievable:.1%} achievable, collectives at {a.intra_bw / GB:.0f} GB/s "
+                f"in a node and {a.inter_bw / GB:.2f} GB/s across nodes per device, hidden "
+                "under compute as the stage allows, offload at "
+                f"{a.pcie_bw / GB:.0f} GB/s PCIe; tokens/s of the whole job)")
+    if p.largest:
+        out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
+        out += _table(["option set", "layers", "hidden", "heads", "Psi"],
+                      [[label, str(s.layers) if s else "-", str(s.hidden) if s else "-",
+                        str(s.heads) if s else "-", human(psi) if s else "none"]
+                       for label, s, psi in p.largest])
+    if p.links:
+        unit = p.num_params * jnp.dtype(p.param_dtype or jnp.float32).itemsize
+        out += (f"\n\nhierarchical sharding at stage 3: the step's peak and the traffic by "
+                f"link, per device per step "
+                f"({p.devices // p.devices_per_node} nodes x {p.devices_per_node}; "
+                "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
+                f"{precision}):\n")
+        peaks = {r.label: r for r in p.link_rows}
+        out += _table(["option set", "peak (GB)", "fits", "inside a node (GB)",
+                       "across nodes (GB)", "inside (Psi)", "across (Psi)", "step (ms)"],
+                      [[label, _gb(peaks[label].peak) if label in peaks else "-",
+                        ("yes" if peaks[label].fits else "no") if label in peaks else "-",
+                        _gb(inside), _gb(across), f"{inside / unit:.3f}",
+                        f"{across / unit:.3f}",
+                        f"{peaks[label].step_time * 1e3:,.0f}"
+                        if label in peaks and peaks[label].time else "-"]
+                       for label, inside, across in p.links])
+    out += f"\n\nrecommendation: {recommendation(p)}\n({NOT_COUNTED})"
+    return out
