@@ -201,6 +201,15 @@ if me == 0:      # process 0 only, as the docs say; process 1 waits at the barri
 multihost_utils.sync_global_devices("after the process-0 export")
 export_params(ckpt, os.path.join(out, "all.safetensors"))  # every process, one file
 multihost_utils.sync_global_devices("after the every-process export")
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+split = jax.make_array_from_callback(   # half on each process: neither can read it whole
+    (4, 2), NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data")),
+    lambda index: np.arange(8.).reshape(4, 2)[index])
+try:
+    export_params({"w": split}, os.path.join(out, f"split{me}.safetensors"))
+except ValueError as e:
+    print(f"refused on {me}: {e}", flush=True)
 print(f"done {me}", flush=True)
 """
 
@@ -220,6 +229,10 @@ def test_export_on_process_0_of_two_does_not_hang(tmp_path):
         pytest.fail(f"the 2-process export hung: {e.stdout!r} {e.stderr!r}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "exported on 0" in proc.stdout and "done 1" in proc.stdout
+    for me in (0, 1):   # a params tree split over the processes: refused, naming the fix
+        assert (f"refused on {me}: export_params: leaf 'w' (shape (4, 2)) spans devices of "
+                "other processes") in proc.stdout, proc.stdout[-3000:]
+    assert "save a checkpoint" in proc.stdout
     for name in ("zero", "all"):
         _same(load_params(tmp_path / f"{name}.safetensors", like=params), params)
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]

@@ -275,7 +275,9 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
 
     Reads files only, no collective: call it from one process (process 0) of a
     multi-process job, or from every process (each writes its own temporary files and
-    renames them into place atomically; a reader never sees a partial file). Returns
+    renames them into place atomically; a reader never sees a partial file). A params
+    tree whose leaves span other processes' devices is refused (this process cannot read
+    their shards): export the checkpoint directory instead. Returns
     ``out`` (the index's path for ``format="hf"``).
 
     ``verify``: check the step's checksums first (:meth:`CheckpointManager.verify`:
@@ -418,6 +420,14 @@ class _TreeSource:
                        for x in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "unbox"))]
         self.leaves = []
         for name, x in zip(self.names, self.values):
+            if not getattr(x, "is_fully_addressable", True):
+                raise ValueError(
+                    f"export_params: leaf {name!r} (shape {tuple(x.shape)}) spans devices of "
+                    f"other processes ({x.sharding}): a params tree is read where it lives, "
+                    "and this process cannot read their shards. In a multi-process job save "
+                    "a checkpoint (CheckpointManager.save, every process) and export its "
+                    "directory from one process, or gather the leaves first on every "
+                    "process (opt.iter_full_params(state): one leaf at a time).")
             dtype, st = _file_dtype(x.dtype, name)
             self.leaves.append(_Leaf(name, name, None, tuple(np.shape(x)), dtype, st,
                                      int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize))
