@@ -93,9 +93,11 @@ def test_the_row_exchange_runs_every_step(two_process_run):
     assert "row exchange: 50 steps" in line, line
     cost_ms = float(line.split(", ")[1].split(" ms")[0])
     print(f"per-step row exchange (coordination service, 2 processes): {line}")
-    # its own requests (set, directory read, delete): 0.5 ms on an idle machine; the
-    # wait for the later process is time the step's collective would wait anyway
-    assert cost_ms < 20, line
+    # its own requests (set, directory read, delete): 0.5 ms on an idle machine, 67 ms
+    # measured with the 2 cores at load 21; the wait for the later process is time the
+    # step's collective would wait anyway. The bound catches an exchange that polls
+    # (POLL_S = 500 ms) or waits out a timeout, not the machine's load.
+    assert cost_ms < 250, line
 
 
 @functools.cache
