@@ -73,7 +73,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import distributed, hostmem, offload, partition as part
+from zerojax import distributed, hostmem, nvme, offload, partition as part
 from zerojax.state import LossScaleState, MasterState, TrainState
 
 FORMAT = 2
@@ -798,6 +798,9 @@ class CheckpointManager:
             raise RuntimeError(f"{self!r} is closed; make a new one to save.")
         if not isinstance(state, TrainState):
             raise TypeError(f"save() takes the zerojax.TrainState, got {type(state).__name__}.")
+        # offload_optimizer="nvme": the optimizer state read from its scratch files (the
+        # checkpoint is the durable copy; it holds the state whole while it is written)
+        state = nvme.materialized(state)
         step = _check_step(step)
         treedef = jax.tree.structure(state.params)
         if treedef not in self._names_checked:  # orbax stores each leaf by its dotted
@@ -1158,6 +1161,8 @@ class CheckpointManager:
         jax.block_until_ready((params, opt_state))  # the read buffers are free only now
         del got, weights, inner_state
         hostmem.release_freed_memory()
+        if nvme.is_nvme(cfg):  # the NVMe tier: the restored state written to its files
+            opt_state = nvme.to_disk(opt, opt_state)
         return TrainState(saved_step, params, opt_state, loss_scale)
 
 

@@ -126,6 +126,22 @@ class ZeroConfig:
         would be whole (N copies in one host's memory); use stage 1, the same step
         traffic with 1/N of the state. Not a bool (DeepSpeed's ``{"device": "cpu"}``)
         is refused; so is a backend without ``pinned_host`` memory.
+        ``"nvme"``: ZeRO-Infinity's NVMe tier (stages 1-3): the same state lives in
+        files under ``nvme_path`` between steps, one set per process, and streams
+        through ``nvme_buffer_count`` host buffers of ``nvme_buffer_size`` bytes during
+        the update, reads and writes in background threads overlapping the update of
+        each bucket; the training equals ``offload_optimizer=True`` bitwise. See
+        :mod:`zerojax.nvme` for the file layout, what was measured and the limits
+        (Auto-axes meshes; an update reading a norm of the whole update is refused).
+      nvme_path: with ``offload_optimizer="nvme"``: an existing, writable directory on a
+        local disk; process ``i`` keeps its files in ``<nvme_path>/zerojax-nvme-p<i>/``
+        (checked, and locked against a second optimizer or process, when ``zero()``
+        builds the optimizer). Refused without ``offload_optimizer="nvme"``.
+      nvme_buffer_count: buckets of optimizer state in host memory at once with the NVMe
+        tier (being read, updated or written back); at least 2, default 4.
+      nvme_buffer_size: bytes of optimizer state per bucket with the NVMe tier (a
+        parameter's state is never split: a larger one is a bucket of its own); at
+        least 4096, default 2**28.
       offload_params: stage 3 only (where each device holds a 1/N shard of the
         parameters): the partitioned params (``TrainState.params``) live in
         ``pinned_host`` memory between steps too. The step brings the shards to the
@@ -172,8 +188,11 @@ class ZeroConfig:
     data_axis: str = "data"
     donate: bool = True
     has_aux: bool = False
-    offload_optimizer: bool = False
+    offload_optimizer: bool | str = False
     offload_params: bool = False
+    nvme_path: str | None = None
+    nvme_buffer_count: int = 4
+    nvme_buffer_size: int = 2**28
     replica_axis: str | None = None
     hpz: bool = False
     quantize_weights: str | None = None
@@ -227,12 +246,20 @@ class ZeroConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("offload_optimizer", "offload_params"):
-            if not isinstance(getattr(self, name), bool):
+            value = getattr(self, name)
+            if name == "offload_optimizer" and isinstance(value, str) and value == "nvme":
+                continue
+            if not isinstance(value, bool):
+                alt = (" or 'nvme' (files under nvme_path: DeepSpeed's {'device': 'nvme'})"
+                        if name == "offload_optimizer" else "")
                 raise ValueError(
-                    f"{name}={getattr(self, name)!r} must be True or False: True keeps it in "
-                    "host memory (pinned_host), the one offload tier zerojax has (DeepSpeed's "
-                    f"{{'device': 'cpu'}} is {name}=True here; there is no NVMe tier).")
-        if self.offload_optimizer and self.stage == 0:
+                    f"{name}={value!r} must be True or False{alt}: True keeps it in host "
+                    "memory (pinned_host; DeepSpeed's "
+                    f"{{'device': 'cpu'}} is {name}=True here).")
+        from zerojax import nvme
+
+        nvme.check_config(self)
+        if self.offload_optimizer is True and self.stage == 0:
             raise ValueError(
                 "offload_optimizer=True needs stage 1, 2 or 3: at stage 0 the optimizer state "
                 "is replicated, so each device's host copy would be the whole state (N "

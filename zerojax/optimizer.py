@@ -14,7 +14,7 @@ from flax.core import meta as flax_meta
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C, offload, partition as part
+from zerojax import collectives as C, nvme, offload, partition as part
 from zerojax.config import ZeroConfig
 from zerojax.mesh import REPLICA, check_mesh, constrain
 from zerojax.state import LossScaleState, MasterState, TrainState
@@ -218,8 +218,10 @@ class ZeroOptimizer:
                 f"device; use bucket_size >= {self.data_size}."
             )
         for option in ("offload_optimizer", "offload_params"):
-            if getattr(config, option):
+            if getattr(config, option) is True:
                 offload.check_backend(self.mesh, option)
+        # offload_optimizer="nvme": the path checked and locked now, before training
+        self._nvme = nvme.store_for(self) if nvme.is_nvme(config) else None
         quantized = [f"{name}={getattr(config, name)!r}" for name in
                      ("quantize_weights", "quantize_gradients")
                      if getattr(config, name) is not None]
@@ -471,7 +473,8 @@ class ZeroOptimizer:
                                             offload.HOST if cfg.offload_params else None),
             grads=part.shardings(self.mesh, specs.grads),
             opt_state=offload.with_memory_kind(part.shardings(self.mesh, specs.opt_state),
-                                               offload.HOST if cfg.offload_optimizer else None),
+                                               offload.HOST if cfg.offload_optimizer is True
+                                               else None),
         )
 
     # -- state ----------------------------------------------------------------------
@@ -624,6 +627,8 @@ class ZeroOptimizer:
         """The TrainState of freshly placed params (their own shapes registered)."""
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         part.register_logical(placed, params)
+        if self._nvme is not None:  # the state written to the files, dropped from memory
+            opt_state = nvme.to_disk(self, opt_state)
         return TrainState(step, placed, opt_state, self.init_state_loss_scale())
 
     def input_shardings(self, like: Any, model_specs: Any = None) -> Any:
@@ -707,6 +712,8 @@ class ZeroOptimizer:
         ``param_dtype``, else the params."""
         cfg = self.config
         if cfg.param_dtype is not None:
+            if isinstance(state.opt_state, nvme.NvmeState):  # read from the files
+                return nvme.read_state(state, "master"), cfg.stage > 0
             return state.opt_state.master, cfg.stage > 0
         return state.params, cfg.stage == 3
 

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C, distributed, offload
+from zerojax import collectives as C, distributed, nvme, offload
 from zerojax.mesh import constrain
 from zerojax.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.schedule import apply_partitioned, localize_constraints, param_uses
@@ -779,6 +779,8 @@ def _check_bucket_count(logical: Any, opt) -> None:
 def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
                      ) -> TrainStep:
     cfg, mesh, axis = opt.config, opt.mesh, opt.zero_axis
+    if nvme.is_nvme(cfg):  # the state on disk: the gradient, then the update bucket by bucket
+        return nvme.NvmeTrainStep(loss_fn, opt, has_aux, weighted)
     stage = cfg.stage
     hpz = opt.mode == "hpz"
     mixed = cfg.param_dtype is not None

@@ -1,0 +1,1007 @@
+"""ZeRO-Infinity's NVMe tier: the optimizer state and master weights in files on disk.
+
+``zero(tx, mesh, stage=s, offload_optimizer="nvme", nvme_path=DIR)`` (s = 1, 2, 3)
+keeps each process's partitioned optimizer state, and with ``param_dtype`` its fp32
+master weights, in files under ``DIR`` between steps; host memory holds at most
+``nvme_buffer_count`` buckets of them at once (each at most ``nvme_buffer_size``
+bytes, or one leaf's group when a leaf is larger), whatever the model's size.
+
+Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
+
+* ``LOCK``: JSON ``{"pid", "host", "token"}`` of the optimizer that owns the directory,
+  written when ``zero(...)`` is built and removed when it is garbage-collected or the
+  process exits. A second optimizer or process given the same directory is refused
+  while the owner lives; a LOCK left by a killed process (its pid gone) marks the files
+  beside it as a dead run's scratch: they are deleted, never read as a state.
+* ``MANIFEST.json``: ``{"token", "generation", "status", "leaves"}``: the owner's token,
+  the number of updates written, ``"clean"`` between steps and ``"updating"`` while
+  one runs (a run killed mid-step leaves ``"updating"``: the files then mix two
+  steps and are refused), and per file the leaf's path in ``TrainState.opt_state``
+  (``jax.tree_util.keystr``), dtype, global (padded) shape and the process's shards.
+* ``leaf-<i>.bin`` for the i-th leaf of ``opt_state`` (``jax.tree.leaves`` order) of at
+  least ``max(min_shard_size, 2)`` elements: the raw bytes (native byte order, C
+  order) of this process's distinct shards of that leaf, one after another in the
+  order the manifest lists them (each shard's ``[start, stop)`` per dimension). In a
+  single process that holds every shard of a leaf split over ``data`` only, the
+  shards in order are the whole (padded) leaf. Smaller leaves (Adam's step count, a
+  scalar's master weight and moments) stay in memory, in the :class:`NvmeState`.
+
+The files are scratch: a checkpoint (:class:`zerojax.CheckpointManager`) is the
+durable copy. ``save`` reads the state back from the files (whole, for the time of
+the save) and writes an ordinary checkpoint; ``restore`` into an NVMe optimizer
+writes the restored state to its files. States move between the NVMe tier,
+``offload_optimizer=True`` and the device bitwise through a checkpoint.
+
+The step (:class:`NvmeTrainStep`): one compiled program computes the loss, the
+reduced gradients and their norm (as the in-memory step does); then the wrapped
+optax update runs bucket by bucket, as :func:`zerojax.offload.update_in_buckets`
+plans it (the same grouping: a parameter's master, moments and gradient in one
+bucket; buckets packed to ``nvme_buffer_size`` bytes of state): a reader thread reads
+bucket k+1 from the files while bucket k is updated on the mesh's devices and a
+writer thread writes bucket k-1's new values back in place. Each bucket's update is
+the in-memory update's equations for that bucket (the traced ``optax`` update
+replayed, :func:`zerojax.offload._inline`), compiled once per bucket, so a step
+equals ``offload_optimizer=True`` bitwise. An update that needs a norm of the whole
+update (``chain(adam, clip_by_global_norm)``) is refused: clip the gradients first
+(``max_grad_norm`` or ``chain(clip_by_global_norm, adam)``).
+
+Where the update runs: on the mesh's devices, each bucket sharded as the state is.
+On this CPU-only machine the devices are the host's CPU (8 simulated devices on 2
+cores), so "device" and "JAX's CPU backend" are one backend here; measured with
+``benchmarks/nvme.py`` (Adam over 2**26 fp32 elements a bucket): sharded over the 8
+devices against one CPU device (see benchmarks/README.md). On a GPU the bucket's
+host-to-device transfer (12 bytes a parameter each way) against the CPU's update
+time should be re-measured: ``offload.py`` measured the streamed device update 5.5x
+faster than a host update on an H100.
+
+Memory: between steps the process holds the params (compute copy, as without
+offload) and the small leaves; during a step, the gradients (partitioned, as
+without offload), and at most ``nvme_buffer_count`` buckets of state on their way
+through (read, being updated, being written), each up to about twice its size (the
+read bytes and the placed arrays, then the new values and their host copy).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+
+from zerojax import offload
+from zerojax.state import TrainState
+
+DIR_PREFIX = "zerojax-nvme-p"
+LOCK = "LOCK"
+MANIFEST = "MANIFEST.json"
+DEFAULT_BUFFER_COUNT = 4
+DEFAULT_BUFFER_SIZE = 2**28  # bytes of state per bucket (256 MiB)
+
+_LIVE_TOKENS: set = set()  # tokens of this process's live stores
+
+
+class NvmeError(RuntimeError):
+    """The NVMe tier's files are missing, short, stale or not this state's."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_path(path: str) -> str:
+    """``path`` as an absolute directory that exists and is writable, or a clear error
+    (raised when ``zero(...)`` is built, before anything trains)."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"nvme_path={path!r} does not exist: offload_optimizer='nvme' keeps the optimizer "
+            "state in files there and needs an existing directory on a local disk (NVMe). "
+            f"Create it (mkdir -p {path}) or pass another nvme_path.")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(
+            f"nvme_path={path!r} is not a directory: pass the directory (on a local disk) "
+            "the optimizer state's files go in.")
+    probe = os.path.join(path, f".zerojax-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"0")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(
+            f"nvme_path={path!r} is not writable ({type(e).__name__}: {e}): the optimizer "
+            "state's files go there. Pass a directory this process can write (check its "
+            "permissions, or that the disk is not read-only).") from e
+    return path
+
+
+class NvmeStore:
+    """One process's files of one optimizer: the lock, the manifest, a file per large
+    leaf; reads and writes shards by leaf."""
+
+    def __init__(self, path: str, buffer_count: int, buffer_size: int):
+        self.root = check_path(path)
+        self.dir = os.path.join(self.root, f"{DIR_PREFIX}{jax.process_index()}")
+        self.buffer_count, self.buffer_size = buffer_count, buffer_size
+        self.token = secrets.token_hex(8)
+        self.generation = 0
+        self.leaves: list[dict] = []  # manifest entries of the disk leaves
+        self.shardings: dict = {}  # leaf index -> where it is placed when read
+        self.stale_removed: list[str] = []  # files of a dead run deleted at start
+        os.makedirs(self.dir, exist_ok=True)
+        self._take_lock()
+        _LIVE_TOKENS.add(self.token)
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, self.token)
+
+    # -- ownership ----------------------------------------------------------------------
+    def _take_lock(self) -> None:
+        lock = os.path.join(self.dir, LOCK)
+        here = socket.gethostname()
+        try:
+            with open(lock) as f:
+                owner = json.load(f)
+        except FileNotFoundError:
+            owner = None
+        except (OSError, ValueError):
+            owner = {}
+        if owner is not None:
+            pid, host, token = owner.get("pid"), owner.get("host"), owner.get("token")
+            alive = (host != here or not isinstance(pid, int)
+                     or (pid == os.getpid() and token in _LIVE_TOKENS)
+                     or (pid != os.getpid() and _pid_alive(pid)))
+            if alive and owner:
+                who = (f"another optimizer in this process (pid {pid})" if pid == os.getpid()
+                       else f"process {pid} on {host}")
+                raise NvmeError(
+                    f"nvme_path {self.dir} is in use by {who} (its {LOCK} file): two optimizers "
+                    "or processes given one nvme_path would overwrite each other's optimizer "
+                    "state. Give each run its own nvme_path; if no run uses it any more, "
+                    f"delete {lock}.")
+            # a dead run's scratch: never a state; removed
+            for name in sorted(os.listdir(self.dir)):
+                if name == MANIFEST or (name.startswith("leaf-") and name.endswith(".bin")):
+                    os.remove(os.path.join(self.dir, name))
+                    self.stale_removed.append(name)
+        with open(lock + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "host": here, "token": self.token}, f)
+        os.replace(lock + ".tmp", lock)
+
+    def close(self) -> None:
+        """Delete this store's files and its lock (also done at garbage collection and
+        at exit)."""
+        self._finalizer()
+
+    # -- the manifest -------------------------------------------------------------------
+    def _write_manifest(self, status: str) -> None:
+        tmp = os.path.join(self.dir, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"token": self.token, "generation": self.generation, "status": status,
+                       "leaves": self.leaves}, f)
+        os.replace(tmp, os.path.join(self.dir, MANIFEST))
+
+    def check(self, state: NvmeState) -> None:
+        """Raise unless the files hold ``state``: this store's, its generation, clean,
+        every file its full size."""
+        if state.store is not self:
+            raise NvmeError(
+                f"this TrainState's optimizer state is in the files of another optimizer "
+                f"({state.store.dir}), not this one's ({self.dir}): step it with the "
+                "optimizer that made it, or move it through a checkpoint "
+                "(CheckpointManager.save, then restore with this optimizer).")
+        if state.generation != self.generation:
+            raise NvmeError(
+                f"this TrainState is generation {state.generation} of the optimizer state in "
+                f"{self.dir}, whose files now hold generation {self.generation}: a later step "
+                "updated them in place (the NVMe tier keeps one state; an old TrainState "
+                "cannot be stepped or read). Use the state the latest step returned.")
+        path = os.path.join(self.dir, MANIFEST)
+        try:
+            with open(path) as f:
+                man = json.load(f)
+        except (OSError, ValueError) as e:
+            raise NvmeError(
+                f"{path} is missing or unreadable ({e}): the optimizer state's files were "
+                "removed or damaged; restore the last checkpoint.") from e
+        if (man.get("token") != self.token or man.get("generation") != self.generation
+                or man.get("status") != "clean"):
+            raise NvmeError(
+                f"{path} describes {man.get('status')!r} generation {man.get('generation')} of "
+                f"run {man.get('token')}, not this state (clean generation {self.generation} "
+                f"of run {self.token}): an update was interrupted or another run wrote "
+                "there. The files are not a state; restore the last checkpoint.")
+        for e in self.leaves:
+            self._check_size(e)
+
+    def _check_size(self, e: dict) -> None:
+        path = os.path.join(self.dir, e["file"])
+        try:
+            size = os.path.getsize(path)
+        except OSError as err:
+            raise NvmeError(
+                f"{path} (opt_state{e['path']}) is missing ({err}): the optimizer state's file "
+                "was removed; restore the last checkpoint.") from err
+        if size != e["nbytes"]:
+            raise NvmeError(
+                f"{path} (opt_state{e['path']}) holds {size} bytes, {e['nbytes']} expected: "
+                "the file was truncated or replaced (a full disk, another run); it is not "
+                "read. Restore the last checkpoint.")
+
+    # -- leaves -------------------------------------------------------------------------
+    def layout(self, i: int, path: str, x: Any, sharding: NamedSharding) -> dict:
+        """The manifest entry of leaf ``i``: this process's distinct shards, in order."""
+        shape = tuple(x.shape)
+        shards: dict = {}
+        for idx in sharding.addressable_devices_indices_map(shape).values():
+            key = _key(idx, shape)
+            shards.setdefault(key, None)
+        itemsize = np.dtype(x.dtype).itemsize
+        entries, offset = [], 0
+        for key in sorted(shards):
+            n = int(np.prod([b - a for a, b in key], dtype=np.int64))
+            entries.append({"index": [list(k) for k in key], "offset": offset})
+            offset += n * itemsize
+        return {"leaf": i, "path": path, "file": f"leaf-{i:05d}.bin",
+                "dtype": np.dtype(x.dtype).name, "shape": list(shape), "shards": entries,
+                "nbytes": offset}
+
+    def allocate(self) -> None:
+        """Create every leaf's file at its full size (space reserved: a full disk fails
+        here, before training, naming the path)."""
+        need = sum(e["nbytes"] for e in self.leaves)
+        have = sum(os.path.getsize(os.path.join(self.dir, e["file"])) for e in self.leaves
+                   if os.path.exists(os.path.join(self.dir, e["file"])))
+        free = shutil.disk_usage(self.dir).free
+        if need - have > free:
+            raise NvmeError(
+                f"nvme_path {self.dir} has {free / 2**30:.2f} GiB free, but this process's "
+                f"optimizer state needs {need / 2**30:.2f} GiB there: free space on that disk "
+                "or pass an nvme_path on a larger one.")
+        for e in self.leaves:
+            path = os.path.join(self.dir, e["file"])
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if e["nbytes"]:
+                    _fallocate(fd, e["nbytes"], path)
+                os.ftruncate(fd, e["nbytes"])
+            finally:
+                os.close(fd)
+
+    def write(self, e: dict, x: jax.Array) -> None:
+        """Leaf ``e``'s new value (a placed array) into its file, shard by shard."""
+        shape = tuple(e["shape"])
+        want = {tuple(tuple(k) for k in s["index"]): s["offset"] for s in e["shards"]}
+        path = os.path.join(self.dir, e["file"])
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for shard in x.addressable_shards:
+                key = _key(shard.index, shape)
+                if key not in want:
+                    continue
+                buf = np.ascontiguousarray(np.asarray(shard.data)).view(np.uint8).reshape(-1)
+                off = want.pop(key)
+                _pwrite_all(fd, buf, off, path)
+        finally:
+            os.close(fd)
+
+    def read(self, e: dict, sharding: NamedSharding) -> jax.Array:
+        """Leaf ``e`` read from its file and placed with ``sharding``; a short read is an
+        error, never zeros."""
+        shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+        path = os.path.join(self.dir, e["file"])
+        self._check_size(e)
+        host: dict = {}
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for s in e["shards"]:
+                key = tuple(tuple(k) for k in s["index"])
+                sub = tuple(b - a for a, b in key)
+                buf = np.empty(sub, dtype)
+                _pread_all(fd, buf.view(np.uint8).reshape(-1), s["offset"], path, e)
+                host[key] = buf
+        finally:
+            os.close(fd)
+        return jax.make_array_from_callback(shape, sharding,
+                                             lambda idx: host[_key(idx, shape)])
+
+
+def _cleanup(directory: str, token: str) -> None:
+    _LIVE_TOKENS.discard(token)
+    lock = os.path.join(directory, LOCK)
+    try:
+        with open(lock) as f:
+            if json.load(f).get("token") != token:
+                return  # another owner now
+    except (OSError, ValueError):
+        return
+    for name in os.listdir(directory):
+        if name == MANIFEST or (name.startswith("leaf-") and name.endswith(".bin")):
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+    try:
+        os.remove(lock)
+        os.rmdir(directory)
+    except OSError:
+        pass
+
+
+def _key(idx, shape) -> tuple:
+    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in
+                 zip(tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx))), shape))
+
+
+def _fallocate(fd: int, n: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, n)
+    except OSError as e:
+        if e.errno in (28,):  # ENOSPC
+            raise NvmeError(
+                f"no space left for {n} bytes at {path}: free space on that disk or pass an "
+                "nvme_path on a larger one.") from e
+        # filesystems without fallocate (tmpfs on old kernels): the size is set by ftruncate
+
+
+def _pwrite_all(fd: int, buf: np.ndarray, off: int, path: str) -> None:
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        try:
+            n = os.pwrite(fd, view[done:], off + done)
+        except OSError as e:
+            raise NvmeError(
+                f"writing {path} failed ({e}): the optimizer state on disk is now incomplete. "
+                "Free space on that disk (or fix it) and restore the last checkpoint.") from e
+        done += n
+
+
+def _pread_all(fd: int, buf: np.ndarray, off: int, path: str, e: dict) -> None:
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], off + done)
+        if n <= 0:
+            raise NvmeError(
+                f"{path} (opt_state{e['path']}) ended at byte {off + done}, {off + len(view)} "
+                "expected: the file was truncated; it is not read as zeros. Restore the last "
+                "checkpoint.")
+        done += n
+
+
+@jax.tree_util.register_pytree_node_class
+class NvmeState:
+    """``TrainState.opt_state`` of an NVMe-tier optimizer: a handle on the files (no
+    array leaves of its own), plus the small leaves kept in memory.
+
+    ``generation``: the update the files hold for this state; a step consumes it and
+    returns the next one (an older handle is refused, naming the fix)."""
+
+    def __init__(self, store: NvmeStore, generation: int, treedef, small: dict):
+        self.store, self.generation, self.treedef, self.small = store, generation, treedef, small
+
+    def tree_flatten(self):
+        return (), self
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return aux
+
+    def __repr__(self) -> str:
+        return (f"NvmeState({self.store.dir}, generation {self.generation}, "
+                f"{len(self.store.leaves)} leaves on disk, {len(self.small)} in memory)")
+
+
+def is_nvme(cfg) -> bool:
+    return isinstance(cfg.offload_optimizer, str) and cfg.offload_optimizer == "nvme"
+
+
+def store_for(opt) -> NvmeStore:
+    """The optimizer's store (made, lock taken, when the optimizer is built)."""
+    cfg = opt.config
+    return NvmeStore(cfg.nvme_path, cfg.nvme_buffer_count, cfg.nvme_buffer_size)
+
+
+def disk_threshold(cfg) -> int:
+    """Leaves of at least this many elements live on disk."""
+    return max(cfg.min_shard_size, 2)
+
+
+def to_disk(opt, opt_state: Any) -> NvmeState:
+    """Write ``opt_state`` (placed arrays, as the in-memory optimizer lays it out) to
+    ``opt``'s files; returns the handle. Leaves written are deleted from memory."""
+    store: NvmeStore = opt._nvme
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    small: dict = {}
+    entries = []
+    for i, (path, x) in enumerate(flat):
+        if x.size >= disk_threshold(opt.config):
+            entries.append(store.layout(i, jax.tree_util.keystr(path), x, x.sharding))
+        else:
+            small[i] = x
+    store.leaves = entries
+    store.shardings = {e["leaf"]: flat[e["leaf"]][1].sharding for e in entries}
+    store.generation += 1
+    store._write_manifest("updating")
+    store.allocate()
+    with cf.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda e: store.write(e, flat[e["leaf"]][1]), entries))
+    store._write_manifest("clean")
+    for e in entries:
+        x = flat[e["leaf"]][1]
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+    return NvmeState(store, store.generation, treedef, small)
+
+
+def read_state(state: TrainState, which: str | None = None) -> Any:
+    """The optimizer state (``which="master"``: the master weights only) read from the
+    files into placed arrays (device memory), laid out as the in-memory optimizer
+    holds it."""
+    handle: NvmeState = state.opt_state
+    store = handle.store
+    store.check(handle)
+    by_leaf = {e["leaf"]: e for e in store.leaves}
+    # MasterState(master, inner) flattens the master weights first
+    treedef = handle.treedef.children()[0] if which == "master" else handle.treedef
+    leaves = [handle.small[i] if i in handle.small else store.read(by_leaf[i], store.shardings[i])
+              for i in range(treedef.num_leaves)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def materialized(state: TrainState) -> TrainState:
+    """``state`` with its optimizer state read from the files (whole, in memory): what
+    ``CheckpointManager.save`` writes."""
+    if not isinstance(state.opt_state, NvmeState):
+        return state
+    return state.replace(opt_state=read_state(state))
+
+
+# -- the step ---------------------------------------------------------------------------
+class NvmeTrainStep:
+    """``step(state, batch, rng=None) -> (state, metrics)`` with the optimizer state on
+    disk (see the module docstring). ``timings``: per call, seconds of the gradient
+    program and of the bucketed update, and the bytes read and written."""
+
+    def __init__(self, loss_fn, opt, has_aux: bool, weighted: bool):
+        from zerojax import step as S
+
+        cfg = opt.config
+        self._opt, self._cfg = opt, cfg
+        self._has_aux = has_aux
+        self._grad_fn = S.build_grad_fn(loss_fn, opt, has_aux, weighted)
+        self._plain = S.TrainStep(None, opt.mesh, opt.batch_size, opt.batch_axes,
+                                  cfg.accum_steps, None)
+        self._grad_jit = jax.jit(self._grad_part, static_argnums=(1,))
+        self._plans: dict = {}
+        self.overlap = True  # benchmarks turn it off: read, update, write one after another
+        self.timings: list[dict] = []
+        if any(t == AxisType.Explicit for t in opt.mesh.axis_types):
+            raise NotImplementedError(
+                "offload_optimizer='nvme' on a mesh with Explicit axes is not implemented: "
+                "build the mesh with Auto axes (zerojax.make_mesh's default).")
+
+    @property
+    def batch_sharding(self):
+        return self._plain.batch_sharding
+
+    def place_batch(self, batch):
+        return self._plain.place_batch(batch)
+
+    def lower(self, *a, **k):
+        raise NotImplementedError(
+            "offload_optimizer='nvme' runs as several programs (the gradient, then one "
+            "update per bucket); there is no single program to lower. Analyse the step "
+            "with offload_optimizer=True (the same programs' arithmetic).")
+
+    # the gradient: as the in-memory step computes it
+    def _grad_part(self, params, master_dtypes, loss_scale, step, batch, rng):
+        from zerojax import step as S
+
+        opt, cfg = self._opt, self._cfg
+        mixed, stage = cfg.param_dtype is not None, cfg.stage
+        logical = opt.logical_params(params)
+        lay_tree = opt.layouts(logical)
+        if mixed:
+            grad_dtypes = list(master_dtypes)
+            owned = None
+        elif stage in (1, 2):
+            owned = S._slice_params(params, lay_tree, opt.mesh, opt.zero_axis)
+            grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
+        else:
+            owned = params
+            grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
+        scale = None if loss_scale is None else loss_scale.scale
+        grads, loss, aux, sum_sq = self._grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng)
+        grad_norm = jnp.sqrt(sum_sq)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if cfg.max_grad_norm is not None:
+            metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, cfg.max_grad_norm)
+        finite = jnp.asarray(True) if loss_scale is None else jnp.isfinite(sum_sq)
+        new_ls = None
+        if loss_scale is not None:
+            new_ls = S.next_loss_scale(loss_scale, finite, cfg)
+            metrics["loss_scale"] = loss_scale.scale
+            metrics["skipped"] = ~finite
+        if self._has_aux:
+            metrics["aux"] = aux
+        new_step = step + finite.astype(jnp.int32)
+        return grads, owned, finite, grad_norm, scale, metrics, new_ls, new_step
+
+    def _plan(self, state: TrainState, owned, grads, finite, grad_norm, scale):
+        """Per params structure: the traced update, its buckets and their programs."""
+        from zerojax import step as S
+        from zerojax.mesh import constrain
+        from zerojax.partition import pad_tree, partitioned_specs, shardings, unpad_tree
+
+        opt, cfg = self._opt, self._cfg
+        handle: NvmeState = state.opt_state
+        key = (jax.tree.structure(state.params),
+               tuple(tuple(x.shape) for x in jax.tree.leaves(state.params)))
+        if key in self._plans:
+            return self._plans[key]
+        mixed, stage, mesh = cfg.param_dtype is not None, cfg.stage, opt.mesh
+        logical = opt.logical_params(state.params)
+        lay_tree = opt.layouts(logical)
+        opt_lays = opt.opt_state_layouts(logical)
+        specs = opt.specs(logical)
+        shs = handle.store.shardings
+        by_leaf = {e["leaf"]: e for e in handle.store.leaves}
+        structs = [handle.small[i] if i in handle.small else jax.ShapeDtypeStruct(
+            tuple(by_leaf[i]["shape"]), np.dtype(by_leaf[i]["dtype"]), sharding=shs[i])
+            for i in range(handle.treedef.num_leaves)]
+        opt_tree = jax.tree.unflatten(handle.treedef, structs)
+        own_tree = opt_tree.master if mixed else owned
+        inner_tree = opt_tree.inner if mixed else opt_tree
+        own_leaves, own_def = jax.tree.flatten(own_tree)
+        inner_leaves, inner_def = jax.tree.flatten(inner_tree)
+        grad_leaves, grad_def = jax.tree.flatten(grads)
+        n_own, n_inner, n_grad = len(own_leaves), len(inner_leaves), len(grad_leaves)
+        grad_dtypes = [x.dtype for x in own_leaves]
+        part_sh = shardings(mesh, partitioned_specs(lay_tree))
+        inner_sh = shardings(mesh, specs.opt_state.inner if mixed else specs.opt_state)
+        inner_lays = opt_lays.inner if mixed else opt_lays
+        own_lays = lay_tree if stage > 0 else None
+        scaled = scale is not None
+        tx = opt.inner
+
+        def fn(*leaves):  # the in-memory offloaded update (step._offloaded_update's fn)
+            own = jax.tree.unflatten(own_def, leaves[:n_own])
+            inner = jax.tree.unflatten(inner_def, leaves[n_own:n_own + n_inner])
+            g = jax.tree.unflatten(grad_def, leaves[n_own + n_inner:n_own + n_inner + n_grad])
+            rest = leaves[n_own + n_inner + n_grad:]
+            fin, norm = rest[0], rest[1]
+            sc = rest[2] if scaled else None
+            if not scaled:  # as the in-memory step: no loss scale, every step is finite
+                fin = jnp.asarray(True)
+            g = S.finish_grads(g, grad_dtypes, sc)
+            if cfg.max_grad_norm is not None:
+                g = S.clip_by_global_norm(g, norm, cfg.max_grad_norm)
+            p = unpad_tree(own, own_lays)
+            updates, new_inner = tx.update(unpad_tree(g, own_lays),
+                                           unpad_tree(inner, inner_lays), p)
+            new_own = pad_tree(optax.apply_updates(p, updates), own_lays)
+            new_inner = pad_tree(new_inner, inner_lays)
+            new_own, new_inner = jax.tree.map(lambda new, old: jnp.where(fin, new, old),
+                                              (new_own, new_inner), (own, inner))
+            new_own = constrain(new_own, part_sh if stage > 0 else
+                                shardings(mesh, specs.params))
+            new_inner = constrain(new_inner, inner_sh)
+            compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_own) if mixed
+                       else [])
+            return [*jax.tree.leaves(new_own), *jax.tree.leaves(new_inner),
+                    *jax.tree.leaves(compute)]
+
+        if stage == 0:
+            raise AssertionError("stage 0 is refused by the config")
+        extra = [finite, grad_norm] + ([scale] if scaled else [])
+        operands = [*own_leaves, *inner_leaves, *grad_leaves, *extra]
+        # which operand is which opt_state leaf (its index in jax.tree.leaves(opt_state))
+        opt_index = {}
+        if mixed:
+            for j in range(n_own + n_inner):
+                opt_index[j] = j  # MasterState(master, inner) flattens master first
+        else:
+            for j in range(n_inner):
+                opt_index[n_own + j] = j
+        on_disk = [opt_index.get(j) is not None and opt_index[j] not in handle.small
+                   for j in range(len(operands))]
+        closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*operands)
+        ops: list = []
+        out_refs = offload._inline(closed.jaxpr, closed.consts, list(range(len(operands))), ops,
+                                   [len(operands)])
+        itemsizes = [np.dtype(x.dtype).itemsize for x in operands]
+        elems = max(1, cfg.nvme_buffer_size // max(4, max(itemsizes)))
+        plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg))
+        if plan.reads_cross or any(plan.bucket(o[2][0]) == offload.CROSS for o in ops if o[2]):
+            raise NotImplementedError(
+                f"offload_optimizer='nvme' with {type(tx).__name__} whose update reads a norm "
+                "of the whole update (e.g. chain(adam, clip_by_global_norm)) is not "
+                "implemented: it would read the state from disk twice a step. Clip the "
+                "gradients first: max_grad_norm=..., or chain(clip_by_global_norm, adam).")
+        # outputs: new owned (n_own), new inner (n_inner), compute (n_own if mixed)
+        out_leaf = {}  # output position -> opt_state leaf index
+        if mixed:
+            for j in range(n_own + n_inner):
+                out_leaf[j] = j
+        else:
+            for j in range(n_inner):
+                out_leaf[n_own + j] = j
+        buckets = []
+        for b, members in enumerate(plan.buckets):
+            outs = [k for k, r in enumerate(out_refs) if plan.bucket(r) == b]
+            for k in outs:
+                leaf = out_leaf.get(k)
+                if leaf is not None and leaf not in handle.small:
+                    reads = [m for m in members if opt_index.get(m) == leaf]
+                    if not reads:
+                        raise NotImplementedError(
+                            f"opt_state leaf {by_leaf[leaf]['path']}'s new value is computed "
+                            "without its old one in the same bucket: the NVMe tier writes "
+                            "leaves in place and cannot run this optimizer.")
+            buckets.append((sorted(members), outs))
+        rest = [k for k, r in enumerate(out_refs) if plan.bucket(r) == -1]
+        for k in rest:
+            leaf = out_leaf.get(k)
+            if leaf is not None and leaf not in handle.small:
+                raise NotImplementedError(
+                    f"opt_state leaf {by_leaf[leaf]['path']}'s new value does not read its "
+                    "old one: the NVMe tier updates leaves in place, bucket by bucket, and "
+                    "cannot run this optimizer.")
+        # the small values no offloaded leaf is needed for (the step count, Adam's bias
+        # corrections) computed once, first, and passed to every bucket: as the
+        # in-memory step computes them once for all its leaves (XLA:CPU rewrites a
+        # division by a scalar it computes in the same program, 1 ulp apart)
+        pre = _shared_scalars(ops, plan, len(operands))
+        given = frozenset(pre)
+        full = _readers(ops)
+        for r in out_refs:
+            if not isinstance(r, tuple):
+                full[r] += 1
+        pre_prog = _program(ops, pre, pre, full_readers=full)
+        progs = [_program(ops, [out_refs[k] for k in outs], outs, given, full)
+                 for b, (_, outs) in enumerate(buckets)]
+        rest_prog = _program(ops, [out_refs[k] for k in rest], rest, given, full)
+        built = dict(buckets=buckets, progs=progs, rest=rest, rest_prog=rest_prog,
+                     pre_prog=pre_prog,
+                     opt_index=opt_index, out_leaf=out_leaf, n_own=n_own, n_inner=n_inner,
+                     n_grad=n_grad, own_def=own_def, inner_def=inner_def, shs=shs,
+                     lay_tree=lay_tree, specs=specs, mixed=mixed, on_disk=on_disk)
+        if stage in (1, 2):
+            from zerojax import collectives as C
+
+            def gather(compute):
+                new = C.gather_params(compute, lay_tree, mesh, opt.zero_axis, cfg.bucket_size)
+                return constrain(new, shardings(mesh, specs.params))
+
+            built["gather"] = jax.jit(gather)
+        self._plans[key] = built
+        return built
+
+    def __call__(self, state: TrainState, batch: Any, rng: Any = None):
+        from zerojax import distributed, step as S
+
+        distributed.step_begins()
+        handle = state.opt_state
+        if not isinstance(handle, NvmeState):
+            raise TypeError(
+                "this step's optimizer keeps the optimizer state on disk "
+                "(offload_optimizer='nvme'), but state.opt_state is "
+                f"{type(handle).__name__}: make the state with this optimizer's init_state, or "
+                "move it through a checkpoint (CheckpointManager.save / restore(opt, ...)).")
+        store = self._opt._nvme
+        store.check(handle)  # this optimizer's files, this generation, whole
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise ValueError(
+                "this TrainState was donated to an earlier step call and its buffers are "
+                "deleted: use the state that call returned.")
+        cfg = self._cfg
+        mixed = cfg.param_dtype is not None
+        t0 = time.perf_counter()
+        batch = self.place_batch(batch)
+        master_dtypes = None
+        if mixed:
+            by_leaf = {e["leaf"]: e for e in store.leaves}
+            master_dtypes = tuple(
+                handle.small[i].dtype if i in handle.small else np.dtype(by_leaf[i]["dtype"])
+                for i in range(len(jax.tree.leaves(state.params))))
+        grads, owned, finite, grad_norm, scale, metrics, new_ls, new_step = self._grad_jit(
+            state.params, master_dtypes, state.loss_scale, state.step, batch,
+            S._check_key(rng))
+        plan = self._plan(state, owned, grads, finite, grad_norm, scale)
+        jax.block_until_ready(grads)
+        if cfg.donate and (mixed or cfg.stage in (1, 2)):
+            # the old params are read by the gradient only (donate=True, as the in-memory
+            # step donates them): freed before the new ones are made
+            for x in jax.tree.leaves(state.params):
+                x.delete()
+        grad_leaves = jax.tree.leaves(grads)
+        del grads  # each bucket's gradients are freed once it is updated
+        t1 = time.perf_counter()
+        out, nread, nwritten = self._update(plan, handle, owned, grad_leaves, finite, grad_norm,
+                                            scale)
+        t2 = time.perf_counter()
+        n_own, n_inner = plan["n_own"], plan["n_inner"]
+        small = {}
+        for k, leaf in plan["out_leaf"].items():
+            if leaf in handle.small:
+                small[leaf] = out[k]
+        if mixed:
+            compute = jax.tree.unflatten(plan["own_def"], [out[n_own + n_inner + j]
+                                                           for j in range(n_own)])
+        else:
+            compute = jax.tree.unflatten(plan["own_def"], [out[j] for j in range(n_own)])
+        new_params = plan["gather"](compute) if "gather" in plan else compute
+        new_handle = NvmeState(store, store.generation, handle.treedef, small)
+        new_state = TrainState(new_step, new_params, new_handle, new_ls)
+        self.timings.append({"grad_s": t1 - t0, "update_s": t2 - t1, "read_bytes": nread,
+                             "written_bytes": nwritten})
+        distributed.step_dispatched((new_state, metrics))
+        return new_state, metrics
+
+    def _update(self, plan, handle: NvmeState, owned, grad_leaves: list, finite, grad_norm,
+                scale):
+        """Every bucket read, updated and written back; returns the outputs kept in
+        memory (by output position) and the bytes read and written."""
+        store = handle.store
+        by_leaf = {e["leaf"]: e for e in store.leaves}
+        shs = plan["shs"]
+        n_own, n_inner = plan["n_own"], plan["n_inner"]
+        own_leaves = [] if plan["mixed"] else jax.tree.leaves(owned)
+        operands: dict = {}
+        for j in range(n_own + n_inner):
+            leaf = plan["opt_index"].get(j)
+            if leaf is None:
+                operands[j] = own_leaves[j]
+            elif leaf in handle.small:
+                operands[j] = handle.small[leaf]
+        for j in range(len(grad_leaves)):
+            operands[n_own + n_inner + j] = grad_leaves[j]
+        n_grad = len(grad_leaves)
+        grad_refs = set(range(n_own + n_inner, n_own + n_inner + n_grad))
+        grad_leaves.clear()
+        later = set(plan["rest_prog"].inputs) | set(plan["pre_prog"].inputs)
+        extra = [finite, grad_norm] + ([scale] if scale is not None else [])
+        for j, x in enumerate(extra):
+            operands[n_own + n_inner + n_grad + j] = x
+        operands.update(plan["pre_prog"](operands, {}))
+        out: dict = {}
+        counts = {"read": 0, "written": 0}
+        lock = threading.Lock()
+
+        def read(b):
+            members, _ = plan["buckets"][b]
+            got = {}
+            for m in members:
+                if plan["on_disk"][m]:
+                    e = by_leaf[plan["opt_index"][m]]
+                    got[m] = store.read(e, shs[e["leaf"]])
+                    with lock:
+                        counts["read"] += e["nbytes"]
+            return got
+
+        def write(b, results):
+            for k, x in results.items():
+                e = by_leaf[plan["out_leaf"][k]]
+                store.write(e, x)
+                with lock:
+                    counts["written"] += e["nbytes"]
+
+        nb = len(plan["buckets"])
+        store.generation += 1
+        store._write_manifest("updating")
+        slots = threading.BoundedSemaphore(store.buffer_count)
+        if not self.overlap:
+            for b in range(nb):
+                got = read(b)
+                res = plan["progs"][b](operands, got)
+                self._drop_grads(plan["progs"][b], operands, grad_refs, later)
+                jax.block_until_ready(res)
+                write(b, self._split(plan, handle, res, out))
+        else:
+            with cf.ThreadPoolExecutor(1) as reader, cf.ThreadPoolExecutor(1) as writer:
+                def read_slot(b):
+                    slots.acquire()
+                    return read(b)
+
+                def write_slot(b, res):
+                    try:
+                        write(b, res)
+                    finally:
+                        slots.release()
+
+                reads = {0: reader.submit(read_slot, 0)}
+                writes = []
+                for b in range(nb):
+                    if b + 1 < nb:
+                        reads[b + 1] = reader.submit(read_slot, b + 1)
+                    got = reads.pop(b).result()
+                    res = plan["progs"][b](operands, got)
+                    self._drop_grads(plan["progs"][b], operands, grad_refs, later)
+                    del got
+                    writes.append(writer.submit(write_slot, b, self._split(plan, handle, res, out)))
+                    del res
+                for w in writes:
+                    w.result()
+        rest = plan["rest_prog"](operands, {})
+        for k, x in rest.items():
+            out[k] = x
+        store._write_manifest("clean")
+        return out, counts["read"], counts["written"]
+
+    @staticmethod
+    def _drop_grads(prog, operands: dict, grad_refs: set, later: set) -> None:
+        """Forget the gradients only this bucket read (freed when its update is done)."""
+        for r in prog.inputs:
+            if r in grad_refs and r not in later:
+                operands.pop(r, None)
+
+    @staticmethod
+    def _split(plan, handle, res: dict, out: dict) -> dict:
+        """A bucket's outputs: those of disk leaves (to write) returned, the rest kept."""
+        to_disk = {}
+        for k, x in res.items():
+            leaf = plan["out_leaf"].get(k)
+            if leaf is not None and leaf not in handle.small:
+                to_disk[k] = x
+            else:
+                out[k] = x
+        return to_disk
+
+
+# XLA's expensive elementwise ops (HloInstruction::IsElementwiseExpensive-like): a
+# value they make and many fusions read is computed once, not duplicated into each
+EXPENSIVE = frozenset({"div", "pow", "exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt",
+                       "cbrt", "tanh", "atan2", "erf", "erf_inv", "sin", "cos", "tan",
+                       "logistic", "lgamma", "digamma"})
+
+
+def _shared_scalars(ops, plan, n_operands: int) -> list:
+    """The small bucket-less values the buckets read that the in-memory step computes
+    once for all its leaves: those an expensive op makes (a bias correction's ``pow``),
+    reached from the buckets' inputs through cheap ones (which each fusion recomputes,
+    as the in-memory step's fusions do)."""
+    producer = {o: k for k, (_, _, outs) in enumerate(ops) for o in outs}
+    seen: set = set()
+    pre: set = set()
+    stack = [r for _, ins, outs in ops if outs and plan.bucket(outs[0]) not in (-1, offload.CROSS)
+             for r in ins if not isinstance(r, tuple)]
+    while stack:
+        r = stack.pop()
+        if r in seen or r < n_operands or plan.bucket(r) != -1 or not plan.is_small(r):
+            continue
+        seen.add(r)
+        eqn, ins, _ = ops[producer[r]]
+        if eqn.primitive.name in EXPENSIVE:
+            pre.add(r)
+        else:
+            stack.extend(x for x in ins if not isinstance(x, tuple))
+    return sorted(pre)
+
+
+def _readers(ops, chosen=None) -> collections.Counter:
+    """How many equations (of ``chosen``, default all) read each ref."""
+    count: collections.Counter = collections.Counter()
+    for k in (range(len(ops)) if chosen is None else chosen):
+        for r in {r for r in ops[k][1] if not isinstance(r, tuple)}:
+            count[r] += 1
+    return count
+
+
+def _shape(ref, sub) -> tuple | None:
+    for eqn, _, o in sub:
+        if ref in o:
+            return tuple(getattr(eqn.outvars[o.index(ref)].aval, "shape", ()))
+    return None
+
+
+def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
+             full_readers: collections.Counter | None = None):
+    """``run(operands, read) -> {output key: value}``: the equations computing the refs
+    ``want`` (keyed by ``outs``) from the operands and the refs ``given`` (computed
+    before, passed in as inputs), compiled as one program."""
+    need = {r for r in want if not isinstance(r, tuple)}
+    chosen = []
+    for k in range(len(ops) - 1, -1, -1):
+        _, ins, o = ops[k]
+        if any(x in need and x not in given for x in o):
+            chosen.append(k)
+            need.update(r for r in ins if not isinstance(r, tuple))
+    chosen.reverse()
+    produced = {x for k in chosen for x in ops[k][2]}
+    inputs = sorted(r for r in need if r not in produced)
+    sub = [ops[k] for k in chosen]
+    outputs = {r for r in want if not isinstance(r, tuple)}
+    # Every scalar the program computes is returned too (and dropped), and every scalar
+    # input gets one more use: in the in-memory step each leaf's update reads them (a
+    # bias correction, the loss scale, the clip norm), and XLA's algebraic simplifier
+    # rewrites a division by a single-use scalar, A / b -> A * (1/b), 1 ulp apart.
+    del full_readers
+    computed = [x for _, _, o in sub for x in o
+                if x not in outputs and _shape(x, sub) == ()]
+    def body(*vals):
+        env = dict(zip(inputs, vals))
+
+        def rd(r):
+            return r[1] if isinstance(r, tuple) else env[r]
+
+        for eqn, ins, o in sub:
+            for ref, val in zip(o, offload._bind(eqn, [rd(r) for r in ins])):
+                if ref in outputs and not isinstance(val, tuple):
+                    val = jax.lax.optimization_barrier(val)
+                env[ref] = val
+        more = [v for v in vals if getattr(v, "shape", None) == ()]
+        return ([rd(r) for r in want], [rd(r) for r in computed],
+                jax.lax.optimization_barrier(more))
+
+    jitted = jax.jit(body)
+
+    def run(operands: dict, read: dict) -> dict:
+        if not outs and not want:
+            return {}
+        vals = [read[r] if r in read else operands[r] for r in inputs]
+        return dict(zip(outs, jitted(*vals)[0]))
+
+    run.jitted, run.inputs = jitted, inputs
+    return run
+
+
+def check_config(cfg) -> None:
+    """Validate the NVMe options of ``cfg`` (called by ``ZeroConfig``)."""
+    nvme = is_nvme(cfg)
+    if isinstance(cfg.offload_optimizer, str) and not nvme:
+        raise ValueError(
+            f"offload_optimizer={cfg.offload_optimizer!r} is not a tier: use True (host "
+            "memory, pinned_host), 'nvme' (files under nvme_path) or False.")
+    if not nvme:
+        given = [n for n in ("nvme_path",) if getattr(cfg, n) is not None]
+        if given:
+            raise ValueError(
+                f"nvme_path={cfg.nvme_path!r} is given but offload_optimizer="
+                f"{cfg.offload_optimizer!r}: the path is where offload_optimizer='nvme' keeps "
+                "the optimizer state. Pass offload_optimizer='nvme' too, or drop nvme_path.")
+        return
+    if cfg.stage == 0:
+        raise ValueError(
+            "offload_optimizer='nvme' needs stage 1, 2 or 3: at stage 0 the optimizer state is "
+            "replicated, so every process would keep the whole state on its disk. Use stage=1.")
+    if cfg.nvme_path is None or not isinstance(cfg.nvme_path, (str, os.PathLike)):
+        raise ValueError(
+            f"offload_optimizer='nvme' needs nvme_path= (got {cfg.nvme_path!r}): an existing, "
+            "writable directory on a local disk where each process keeps its optimizer "
+            "state's files, e.g. zero(tx, mesh, stage=1, offload_optimizer='nvme', "
+            "nvme_path='/local_nvme/zerojax').")
+    if cfg.offload_params:
+        raise ValueError(
+            "offload_params=True with offload_optimizer='nvme' is not implemented: keep the "
+            "params on the device (offload_optimizer='nvme' alone), or use "
+            "offload_optimizer=True with offload_params=True.")
+    n = cfg.nvme_buffer_count
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError(
+            f"nvme_buffer_count={n!r} must be an int >= 2 (buckets in host memory at once: 2 "
+            "overlaps reading the next bucket with this one's update, 3 or more also its "
+            "write-back).")
+    s = cfg.nvme_buffer_size
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 4096:
+        raise ValueError(
+            f"nvme_buffer_size={s!r} must be an int of at least 4096 (bytes of optimizer state "
+            "per bucket; default 2**28).")
+
