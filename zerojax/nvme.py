@@ -676,7 +676,8 @@ class NvmeTrainStep:
             if not isinstance(r, tuple):
                 full[r] += 1
         pre_prog = _program(ops, pre, pre, full_readers=full)
-        progs = [_program(ops, [out_refs[k] for k in outs], outs, given, full)
+        cache: dict = {}
+        progs = [_program(ops, [out_refs[k] for k in outs], outs, given, full, cache)
                  for b, (_, outs) in enumerate(buckets)]
         rest_prog = _program(ops, [out_refs[k] for k in rest], rest, given, full)
         built = dict(buckets=buckets, progs=progs, rest=rest, rest_prog=rest_prog,
@@ -912,8 +913,33 @@ def _shape(ref, sub) -> tuple | None:
     return None
 
 
+def _canonical(sub, inputs: list, want: list, computed: list):
+    """A key equal for two programs that compute the same function of their inputs (in
+    ``inputs`` order): each equation's primitive and parameters, its inputs named by
+    position; None if a constant cannot be keyed."""
+    names = {r: ("in", i) for i, r in enumerate(inputs)}
+    parts = []
+    for k, (eqn, ins, o) in enumerate(sub):
+        args = []
+        for r in ins:
+            if isinstance(r, tuple):
+                v = np.asarray(r[1])
+                if v.size > 64:
+                    return None
+                args.append(("lit", str(v.dtype), v.shape, v.tobytes()))
+            else:
+                args.append(names[r])
+        for j, x in enumerate(o):
+            names[x] = ("eq", k, j)
+        params = tuple(sorted((n, repr(v)) for n, v in eqn.params.items()))
+        parts.append((eqn.primitive.name, params, tuple(args),
+                      tuple((str(v.aval)) for v in eqn.outvars)))
+    return (tuple(parts), tuple(names.get(r, ("lit", repr(r))) for r in want),
+            tuple(names[r] for r in computed))
+
+
 def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
-             full_readers: collections.Counter | None = None):
+             full_readers: collections.Counter | None = None, cache: dict | None = None):
     """``run(operands, read) -> {output key: value}``: the equations computing the refs
     ``want`` (keyed by ``outs``) from the operands and the refs ``given`` (computed
     before, passed in as inputs), compiled as one program."""
@@ -951,7 +977,13 @@ def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
         return ([rd(r) for r in want], [rd(r) for r in computed],
                 jax.lax.optimization_barrier(more))
 
-    jitted = jax.jit(body)
+    key = _canonical(sub, inputs, want, computed)
+    if cache is not None and key is not None and key in cache:
+        jitted = cache[key]  # a bucket of the same shapes and equations: compiled once
+    else:
+        jitted = jax.jit(body)
+        if cache is not None and key is not None:
+            cache[key] = jitted
 
     def run(operands: dict, read: dict) -> dict:
         if not outs and not want:
