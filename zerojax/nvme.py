@@ -45,14 +45,17 @@ equals ``offload_optimizer=True`` bitwise. An update that needs a norm of the wh
 update (``chain(adam, clip_by_global_norm)``) is refused: clip the gradients first
 (``max_grad_norm`` or ``chain(clip_by_global_norm, adam)``).
 
-Where the update runs: on the mesh's devices, each bucket sharded as the state is.
-On this CPU-only machine the devices are the host's CPU (8 simulated devices on 2
-cores), so "device" and "JAX's CPU backend" are one backend here; measured with
-``benchmarks/nvme.py`` (Adam over 2**26 fp32 elements a bucket): sharded over the 8
-devices against one CPU device (see benchmarks/README.md). On a GPU the bucket's
-host-to-device transfer (12 bytes a parameter each way) against the CPU's update
-time should be re-measured: ``offload.py`` measured the streamed device update 5.5x
-faster than a host update on an H100.
+Where the update runs: on the mesh's devices, each bucket placed as the state is
+(sharded over ``data``), then its new values copied back to host bytes for the writer.
+This machine has no accelerator: its "devices" are the host's CPU (8 simulated
+devices on 2 cores), so the device path and ZeRO-Offload's CPU update are one backend
+here. Measured (jax 0.10.2, loaded 2-core VM; Adam over a 2**24-element fp32 bucket,
+placed from host bytes, updated and copied back): 485 ms sharded over the 8 devices
+against 561 ms on one CPU device, so the bucket goes to the mesh. On a GPU the choice
+is the CPU tier's (see :mod:`zerojax.offload`: the streamed device update measured 5.5x
+faster than a host update on an H100); what to re-measure there is the bucket's
+PCIe transfer (12 bytes a parameter each way) against the disk's time, which it should
+hide behind.
 
 Memory: between steps the process holds the params (compute copy, as without
 offload) and the small leaves; during a step, the gradients (partitioned, as
