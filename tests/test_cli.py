@@ -477,8 +477,8 @@ def test_export_names_an_unreadable_checkpoint(tiny_checkpoint, tmp_path, capsys
     exit 2, one line naming the checkpoint, not 'could not write' the output."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
-    data = max((p for p in (ckpt / "0").rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
+    data = max((p for p in (ckpt / "0").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)  # an array's data file
     data.unlink()
     data.mkdir()
     code, _, err = _exit_code(["export", str(ckpt), str(tmp_path / "out.safetensors")],
@@ -498,6 +498,17 @@ def test_explicit_optimizer_bytes_win(capsys):
     out, sgd12 = k("--optimizer", "sgd", "--optimizer-bytes", "12")
     assert sgd12 == 12 and "wins over sgd's own state" in out
     assert k("--optimizer", "sgd")[1] != 12
+
+    def plan_k(*argv):  # plan --params: the same rule, K in the table's header
+        code, out, _ = _exit_code(["plan", "--memory", "80GB", "--devices", "8", "--params",
+                                   "7.5B", *argv], capsys)
+        assert code == 0, out
+        return out, float(re.search(r"bytes per parameter 2 \+ 2 \+ ([\d.]+);", out).group(1))
+
+    out, sgd12 = plan_k("--optimizer", "sgd", "--optimizer-bytes", "12")
+    assert sgd12 == 12 and "wins over sgd's own state" in out
+    assert plan_k("--optimizer", "sgd")[1] == 4  # fp32 master weights, no moments
+    assert plan_k()[1] == 12 and plan_k("--optimizer", "adamw")[1] == 12
 
 
 def test_params_mode_counts_no_activations(capsys):

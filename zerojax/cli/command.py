@@ -217,11 +217,17 @@ def _plan(args: argparse.Namespace) -> int:
                    "and step time between the links in a node and the network; the paper's "
                    "formula (--params) counts bytes per device only, which nodes do not "
                    "change: drop it, or use --model or --layers/--hidden/--heads with it")
+    k = args.optimizer_bytes
+    if k is not None and args.optimizer is not None:
+        print(f"--optimizer-bytes {k} given: it wins over {args.optimizer}'s own state")
+    elif args.optimizer is not None:
+        k = _optimizer_bytes(args, args.param_dtype)
+    elif k is None:
+        k = 12
     try:
         result = zerojax.plan(args.params, dp=dp, budget_bytes=memory.usable,
                               param_bytes=args.param_dtype, grad_bytes=args.grad_dtype,
-                              optimizer_bytes=12 if args.optimizer_bytes is None
-                              else args.optimizer_bytes, mp=args.mp,
+                              optimizer_bytes=k, mp=args.mp,
                               reserve_bytes=round(args.reserve),
                               activation_bytes=None if args.activations is None
                               else round(args.activations),
@@ -330,7 +336,8 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
         host = HOST_MEMORY_DEFAULT
     try:
         result = plan_model(model, devices=dp, budget_bytes=memory.usable,
-                            seq=args.seq, batch=args.batch, optimizer=args.optimizer,
+                            seq=args.seq, batch=args.batch,
+                            optimizer=args.optimizer or "adamw",
                             param_dtype=precision, devices_per_node=per_node,
                             largest=args.largest, reserve_bytes=round(args.reserve),
                             mp=args.mp, attention=args.attention,
@@ -408,6 +415,10 @@ def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
         stats = device.memory_stats() or {}
         if stats.get("bytes_limit"):
             keep = RUNTIME_RESERVE_BYTES if reserve is None else reserve
+            if keep >= int(stats["bytes_limit"]):
+                args.error(f"--runtime-reserve {gb(keep)} is at or above the "
+                           f"{gb(stats['bytes_limit'])} JAX's pool has on this "
+                           f"{device.platform}; lower --runtime-reserve")
             return (int(stats["bytes_limit"]) - keep,
                     f"{device.platform} memory: JAX's pool - {gb(keep)} runtime reserve")
     try:
@@ -681,8 +692,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "each stage and option set fits")
     g.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence")
     g.add_argument("--batch", type=positive_int, default=8, help="sequences per device")
-    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw",
-                   help="the optax optimizer whose state is planned")
+    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=None,
+                   help="the optax optimizer whose state is planned (default: adamw; with "
+                        "--params: --optimizer-bytes from its own state, eval_shape of its "
+                        "init, unless --optimizer-bytes is given, which wins; without "
+                        "either, 12: mixed-precision Adam)")
     g.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
                    help="devices per node (says which traffic crosses the network)")
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",

@@ -126,7 +126,8 @@ def format_plan(p: Plan) -> str:
     """A readable table of ``p`` (GB = 1e9 bytes, as the paper)."""
     head = (f"plan: budget {p.budget_bytes / GB:,.2f} GB per device, N = {p.dp} data-parallel"
             + (f", M = {p.mp} model-parallel" if p.mp > 1 else "")
-            + f"; bytes per parameter {p.param_bytes} + {p.grad_bytes} + {p.optimizer_bytes}"
+            + f"; bytes per parameter {p.param_bytes:.4g} + {p.grad_bytes:.4g} + "
+            f"{p.optimizer_bytes:.4g}"
             + (f"; Psi = {human(p.num_params)} ({p.num_params:,})"
                if p.num_params is not None else ""))
     header = ["stage", "params", "grads", "optim", "act+buf", "total (GB)", "fits",
