@@ -302,7 +302,10 @@ def _quantized_reduce_scatter(x: jax.Array, dim: int, axis, bits: int) -> jax.Ar
     if not axes:
         return x
     if len(axes) == 1:
-        return quant.quantized_reduce_scatter(_nan_to_inf(x), axes[0], bits=bits,
+        # bits: an int, or quant.GradQuant (block size and rounding too)
+        spec = bits if isinstance(bits, quant.GradQuant) else quant.GradQuant(bits)
+        return quant.quantized_reduce_scatter(_nan_to_inf(x), axes[0], bits=spec.bits,
+                                              block=spec.block, rounding=spec.rounding,
                                               scatter_dimension=dim)
     # (outer..., inner): reduce over inner first. Row block (o, i) of the moved tensor
     # goes to device (o, i); reorder to (i, o) so that the inner reduce-scatter hands
@@ -314,7 +317,7 @@ def _quantized_reduce_scatter(x: jax.Array, dim: int, axis, bits: int) -> jax.Ar
     rest = moved.shape[1:]
     c = moved.shape[0] // (n_out * n_in)
     y = moved.reshape(n_out, n_in, c, *rest).swapaxes(0, 1).reshape(n_in * n_out * c, *rest)
-    y = quant.quantized_reduce_scatter(_nan_to_inf(y), inner, bits=bits, scatter_dimension=0)
+    y = _quantized_reduce_scatter(y, 0, (inner,), bits)
     y = _quantized_reduce_scatter(y, 0, tuple(outer), bits)
     return jnp.moveaxis(y, 0, dim)
 

@@ -167,6 +167,17 @@ class ZeroConfig:
         new shards across ``replica``. Gradients are reduce-scattered over ``data``,
         then over ``replica``. Per step and device: 3 Psi inside ``data``, 2 Psi/D
         across ``replica``, at the cost of params held at 1/D instead of 1/(R D).
+      quantize_gradients_block, quantize_gradients_rounding: with ``quantize_gradients``
+        (qgZ): elements per quantization block (one float32 scale each; None: 2048,
+        :data:`zerojax.quant.DEFAULT_BLOCK`) and ``"nearest"`` (the default) or
+        ``"stochastic"`` rounding (:func:`zerojax.quant.quantized_reduce_scatter`). The
+        defaults keep qgZ as it was (int4: 0.1255 of fp32's reduce-scatter bytes). int4
+        at the defaults ends +0.07 nats above exact stage 3's held-out loss on the
+        demo's character-level task (3 seeds, 1,000 steps), 10x int8's gap;
+        ``quantize_gradients="int4", quantize_gradients_block=256,
+        quantize_gradients_rounding="stochastic"`` ends within int8's gap at 0.129 of
+        fp32's bytes (int8: 0.2505): the recommended int4 setting (benchmarks/README.md,
+        "ZeRO++ convergence").
     """
 
     stage: int = 1
@@ -197,6 +208,8 @@ class ZeroConfig:
     hpz: bool = False
     quantize_weights: str | None = None
     quantize_gradients: str | None = None
+    quantize_gradients_block: int | None = None
+    quantize_gradients_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -310,6 +323,7 @@ class ZeroConfig:
                 "qgZ quantizes the reduce-scatter of each gradient as it is produced, which "
                 "stages 0-1 replace by one reduction of the whole accumulated gradient. Use "
                 f"zero(tx, mesh, stage=2, quantize_gradients={qg!r}).")
+        self._check_gradient_options()
         given = [f"{name}={v!r}" for name, v in (("quantize_weights", qw),
                                                 ("quantize_gradients", qg)) if v is not None]
         if given and self.bucket_size is not None:
@@ -322,6 +336,27 @@ class ZeroConfig:
                 f"{' and '.join(given)} with offload_optimizer / offload_params is not "
                 "implemented: use ZeRO++ quantization or offloading, not both.")
 
+    def _check_gradient_options(self) -> None:
+        """``quantize_gradients_block`` / ``quantize_gradients_rounding``."""
+        from zerojax.quant import ROUNDINGS
+
+        block, rounding = self.quantize_gradients_block, self.quantize_gradients_rounding
+        if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+            raise ValueError(
+                f"quantize_gradients_rounding={rounding!r} is not supported: use 'nearest' "
+                "(the default) or 'stochastic' (unbiased rounding, for int4 gradients).")
+        if block is not None and (isinstance(block, bool) or not isinstance(
+                block, (int, np.integer)) or block < 2 or block % 2):
+            raise ValueError(
+                f"quantize_gradients_block={block!r} must be an even int >= 2 (elements per "
+                "quantization block, one float32 scale each), e.g. 256, or None for "
+                "zerojax.quant.DEFAULT_BLOCK (2048).")
+        if self.quantize_gradients is None and (block is not None or rounding != "nearest"):
+            raise ValueError(
+                f"quantize_gradients_block={block!r} / quantize_gradients_rounding="
+                f"{rounding!r} set without quantize_gradients: pass quantize_gradients="
+                "'int4' (or 'int8') too, or drop them.")
+
     @property
     def weight_bits(self) -> int | None:
         """Bits of qwZ's weight all-gathers (None: exact)."""
@@ -330,7 +365,16 @@ class ZeroConfig:
     @property
     def grad_bits(self) -> int | None:
         """Bits of qgZ's gradient reduce-scatters (None: exact)."""
-        return None if self.quantize_gradients is None else _BITS[self.quantize_gradients]
+        if self.quantize_gradients is None:
+            return None
+        bits = _BITS[self.quantize_gradients]
+        if self.quantize_gradients_block is None and self.quantize_gradients_rounding == "nearest":
+            return bits  # as before these options: the collectives' defaults
+        from zerojax.quant import DEFAULT_BLOCK, GradQuant
+
+        block = self.quantize_gradients_block
+        return GradQuant(bits, DEFAULT_BLOCK if block is None else int(block),
+                         self.quantize_gradients_rounding)
 
     def _check_hierarchical(self) -> None:
         """``replica_axis`` / ``hpz`` on their own; the mesh is checked by ``zero()``."""
