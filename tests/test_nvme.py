@@ -306,4 +306,4 @@ def test_host_memory_is_bounded_by_the_buffers_not_the_state(tmp_path):
     # doubling the state adds the doubled gradient and params, not the state
     added = large["growth"] - small["growth"]
     assert added <= 3 * (large["params"] - small["params"]) + 16 * 2**20, (small, large)
-    assert added < (large["disk"] - small["disk"]) / 2, (small, large)
+    assert added < 0.6 * (large["disk"] - small["disk"]), (small, large)  # state not held

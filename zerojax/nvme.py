@@ -682,7 +682,10 @@ class NvmeTrainStep:
         cache: dict = {}
         progs = [_program(ops, [out_refs[k] for k in outs], outs, given, full, cache)
                  for b, (_, outs) in enumerate(buckets)]
-        rest_prog = _program(ops, [out_refs[k] for k in rest], rest, given, full)
+        # the small leaves' updates (scalars throughout): compiled as they are, each
+        # scalar already read as often as in the one-program step
+        rest_prog = _program(ops, [out_refs[k] for k in rest], rest, given, full,
+                             extra_uses=False)
         built = dict(buckets=buckets, progs=progs, rest=rest, rest_prog=rest_prog,
                      pre_prog=pre_prog,
                      opt_index=opt_index, out_leaf=out_leaf, n_own=n_own, n_inner=n_inner,
@@ -942,7 +945,8 @@ def _canonical(sub, inputs: list, want: list, computed: list):
 
 
 def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
-             full_readers: collections.Counter | None = None, cache: dict | None = None):
+             full_readers: collections.Counter | None = None, cache: dict | None = None,
+             extra_uses: bool = True):
     """``run(operands, read) -> {output key: value}``: the equations computing the refs
     ``want`` (keyed by ``outs``) from the operands and the refs ``given`` (computed
     before, passed in as inputs), compiled as one program."""
@@ -964,7 +968,7 @@ def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
     # rewrites a division by a single-use scalar, A / b -> A * (1/b), 1 ulp apart.
     del full_readers
     computed = [x for _, _, o in sub for x in o
-                if x not in outputs and _shape(x, sub) == ()]
+                if x not in outputs and _shape(x, sub) == ()] if extra_uses else []
     def body(*vals):
         env = dict(zip(inputs, vals))
 
@@ -976,7 +980,7 @@ def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
                 if ref in outputs and not isinstance(val, tuple):
                     val = jax.lax.optimization_barrier(val)
                 env[ref] = val
-        more = [v for v in vals if getattr(v, "shape", None) == ()]
+        more = [v for v in vals if getattr(v, "shape", None) == ()] if extra_uses else []
         return ([rd(r) for r in want], [rd(r) for r in computed],
                 jax.lax.optimization_barrier(more))
 
