@@ -62,6 +62,7 @@ MODES = {
 }
 DEFAULT_MODES = [m for m in MODES if "sr b256" not in m]
 REFERENCE, FLOOR = "exact stage 3", "exact stage 0 (floor)"
+MIN_SHARD = 128  # ZeroConfig.min_shard_size: smaller leaves stay replicated
 
 
 # -- the task ----------------------------------------------------------------------------
@@ -286,9 +287,11 @@ def held_out(model, params, corpus, dargs, batches: int) -> float:
 
 def wire_fraction(like, bits: int | None, n: int = 8, block: int | None = None,
                   small: int = 0) -> float:
-    """Bytes one device sends in the gradient reduce-scatter over ``n`` devices against
-    fp32, from :func:`zerojax.quant.wire_bytes` on each leaf's ``n`` pieces (the leaves
-    the step splits; ``small``: leaves under this many elements sent as fp32)."""
+    """Bytes one device sends in the gradient reduce-scatter (or, the same pieces, the
+    weight all-gather) over ``n`` devices against fp32, from
+    :func:`zerojax.quant.wire_bytes` on each leaf's ``n`` pieces (the leaves the step
+    splits: those of ``MIN_SHARD`` elements or more; ``small``: leaves under this many
+    elements sent as fp32)."""
     import jax
 
     from zerojax import quant
@@ -298,6 +301,8 @@ def wire_fraction(like, bits: int | None, n: int = 8, block: int | None = None,
     block = quant.DEFAULT_BLOCK if block is None else block
     sent = fp32 = 0
     for x in jax.tree.leaves(like):
+        if x.size < MIN_SHARD:  # replicated by zero(): all-reduced, not reduce-scattered
+            continue
         piece = -(-x.size // n)
         fp32 += 4 * piece * n
         sent += 4 * piece * n if x.size < small else n * quant.wire_bytes(piece, bits=bits,
@@ -337,26 +342,26 @@ def summarize(results: list[dict]) -> dict:
 
 
 def print_table(summary: dict, wires: dict, args) -> None:
-    floor = summary.get((FLOOR, ""))
-    fl = max(abs(floor["min"]), abs(floor["max"])) if floor else None
+    import numpy as np
+
     print(f"\nGPT {args.layers} x {args.hidden} ({args.heads} heads), seq {args.seq}, batch "
           f"{args.batch}, adamw {args.lr:g} (warm-up + cosine, the demo's), {args.steps} "
           f"steps, 8 devices; held-out loss over {args.eval_batches} batches; paired gap = "
           "held-out minus exact stage 3's on the same seed\n")
     print("| run | variant | seeds | held-out (mean) | paired gap mean | sd | min .. max | "
-          "vs floor max | RS bytes / fp32 |")
+          "RS bytes / fp32 | AG bytes / fp32 |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
     for (mode, var), row in summary.items():
-        ratio = "-" if not fl or mode == REFERENCE else f"{row['mean'] / fl:+.1f}x"
         print(f"| {mode} | {var or '-'} | {len(row['gaps'])} | "
               f"{sum(row['held']) / len(row['held']):.4f} | {row['mean']:+.4f} | "
-              f"{row['sd']:.4f} | {row['min']:+.4f} .. {row['max']:+.4f} | {ratio} | "
-              f"{wires.get((mode, var), float('nan')):.4f} |", flush=True)
+              f"{row['sd']:.4f} | {row['min']:+.4f} .. {row['max']:+.4f} | "
+              + " | ".join(f"{w:.4f}" for w in wires.get((mode, var), (np.nan, np.nan)))
+              + " |", flush=True)
 
 
 def save_plot(path: str, results: list[dict], args) -> None:
-    """Training loss (moving average) and held-out loss of every mode on the first seed,
-    and each mode's held-out gap to exact stage 3 over training (mean over seeds)."""
+    """Each mode's training loss minus exact stage 3's (moving average) on the first
+    seed, and its held-out gap to exact stage 3 over training (mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -368,12 +373,21 @@ def save_plot(path: str, results: list[dict], args) -> None:
     w = max(1, args.steps // 40)
     ref = {(r["mode"], r["seed"]): r["evals"] for r in results
            if r["mode"] in (REFERENCE, EF_MODES[0]) and not r["variant"]}
+    curves = {(r["mode"], r["seed"]): r["losses"] for r in results
+              if r["mode"] in (REFERENCE, EF_MODES[0]) and not r["variant"]}
+
+    def base_run(r):
+        return next((q for q in results if q["mode"] == _ref_of(r["mode"])
+                     and q["seed"] == r["seed"] and not q["variant"]), None)
+
     gaps = {}
     for r in results:
         label = r["mode"] + (f" [{r['variant']}]" if r["variant"] else "")
-        if r["seed"] == seed0:
-            smooth = np.convolve(r["losses"], np.ones(w) / w, mode="valid")
-            a.plot(np.arange(w, len(r["losses"]) + 1), smooth, lw=1, label=label)
+        base = curves.get((_ref_of(r["mode"]), seed0))
+        if r["seed"] == seed0 and base is not None and r["losses"] and r is not base_run(r):
+            diff = np.asarray(r["losses"]) - np.asarray(base)
+            smooth = np.convolve(diff, np.ones(w) / w, mode="valid")
+            a.plot(np.arange(w, len(diff) + 1), smooth, lw=1, label=label)
         key = (_ref_of(r["mode"]), r["seed"])
         if key in ref and not (r["mode"] in (REFERENCE, EF_MODES[0]) and not r["variant"]):
             gaps.setdefault(label, []).append([r["evals"][k] - ref[key][k]
@@ -382,9 +396,9 @@ def save_plot(path: str, results: list[dict], args) -> None:
     for label, g in gaps.items():
         b.plot(steps, np.mean(g, axis=0), marker="o", ms=3, lw=1, label=label)
     a.set_xlabel("step")
-    a.set_ylabel(f"training loss (moving average of {w})")
-    a.set_title(f"seed {seed0}", fontsize=10)
-    a.set_ylim(None, np.percentile([x for r in results for x in r["losses"]], 99))
+    a.axhline(0, color="k", lw=0.8)
+    a.set_ylabel(f"training loss - exact stage 3's (moving average of {w})")
+    a.set_title(f"paired training-loss gap, seed {seed0}", fontsize=10)
     b.axhline(0, color="k", lw=0.8)
     b.set_xlabel("step")
     b.set_ylabel("held-out loss - exact stage 3's (nats)")
@@ -467,12 +481,14 @@ def main(argv=None) -> int:
         opts = dict(p.split("=") if "=" in p else (p, "1") for p in (v or "").split("+") if p)
         opts.setdefault("block", MODES[m][1].get("quantize_gradients_block")
                         or quant.DEFAULT_BLOCK)
-        wires[(m, v or "")] = wire_fraction(
-            like, bits, block=int(opts["block"]), small=int(opts.get("small", 0)))
+        wires[(m, v or "")] = (wire_fraction(
+            like, bits, block=int(opts["block"]), small=int(opts.get("small", 0))),
+            wire_fraction(like, 8 if MODES[m][1].get("quantize_weights") else None))
     if args.ef:
         jobs += [(m, None) for m in EF_MODES]
         wires.update({(m, ""): wire_fraction(like, None if m == EF_MODES[0] else 4)
                       for m in EF_MODES})
+        wires.update({k: (v, 1.0) for k, v in wires.items() if k[0] in EF_MODES})
     results = []
     for path in args.merge:
         with open(path) as f:

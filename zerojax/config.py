@@ -172,10 +172,10 @@ class ZeroConfig:
         :data:`zerojax.quant.DEFAULT_BLOCK`) and ``"nearest"`` (the default) or
         ``"stochastic"`` rounding (:func:`zerojax.quant.quantized_reduce_scatter`). The
         defaults keep qgZ as it was (int4: 0.1255 of fp32's reduce-scatter bytes). int4
-        at the defaults ends +0.07 nats above exact stage 3's held-out loss on the
-        demo's character-level task (3 seeds, 1,000 steps), 10x int8's gap;
+        at the defaults ends +0.063 nats above exact stage 3's held-out loss on the
+        demo's character-level task (3 seeds, 1,000 steps), 8x int8's +0.008;
         ``quantize_gradients="int4", quantize_gradients_block=256,
-        quantize_gradients_rounding="stochastic"`` ends within int8's gap at 0.129 of
+        quantize_gradients_rounding="stochastic"`` ends at int8's +0.008 with 0.129 of
         fp32's bytes (int8: 0.2505): the recommended int4 setting (benchmarks/README.md,
         "ZeRO++ convergence").
     """
