@@ -210,6 +210,23 @@ def test_short_interrupted_or_stale_files_are_refused(mesh, tmp_path):
     assert int(state.step) == 2
 
 
+def test_a_skipped_step_leaves_the_files_unchanged(mesh, tmp_path):
+    opt = zerojax.zero(optax.adam(1e-2), mesh, stage=2, min_shard_size=16, loss_scale=1.0,
+                       offload_optimizer="nvme", nvme_path=str(tmp_path))
+    step = opt.train_step(awkward_loss)
+    good = regression_batches(1)[0]
+    state, _ = step(opt.init_state(awkward_params()), good)
+    root = tmp_path / "zerojax-nvme-p0"
+    before = {p.name: p.read_bytes() for p in root.glob("leaf-*.bin")}
+    params = jax.tree.map(np.asarray, state.params)
+    bad = (good[0], good[1].copy())
+    bad[1][5, 0] = np.inf  # one device's gradient is not finite: every device skips
+    state, metrics = step(state, bad)
+    assert bool(metrics["skipped"]) and int(state.step) == 1
+    assert {p.name: p.read_bytes() for p in root.glob("leaf-*.bin")} == before
+    assert _same(params, state.params)
+
+
 # -- checkpoints ------------------------------------------------------------------------
 def test_checkpoints_go_between_nvme_host_and_device(mesh, tmp_path):
     options = dict(stage=3, param_dtype=jnp.bfloat16, max_grad_norm=0.5)
