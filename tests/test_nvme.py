@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -225,6 +226,56 @@ def test_a_skipped_step_leaves_the_files_unchanged(mesh, tmp_path):
     assert bool(metrics["skipped"]) and int(state.step) == 1
     assert {p.name: p.read_bytes() for p in root.glob("leaf-*.bin")} == before
     assert _same(params, state.params)
+
+
+MP_WORKER = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import zerojax.distributed as zd
+zd.initialize()
+import jax, jax.numpy as jnp, numpy as np, optax
+from helpers import awkward_loss, awkward_params, regression_batches
+import zerojax
+path = sys.argv[2]
+runs = {}
+for tier in (True, "nvme"):
+    extra = {"nvme_path": path, "nvme_buffer_size": 16384} if tier == "nvme" else {}
+    opt = zerojax.zero(optax.adamw(1e-2), zerojax.make_mesh(data=-1), stage=2,
+                       min_shard_size=16, param_dtype=jnp.bfloat16, max_grad_norm=0.5,
+                       offload_optimizer=tier, **extra)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    for b in regression_batches(2):
+        state, metrics = step(state, zd.split_batch(b))
+    runs[tier] = [np.asarray(x) for x in jax.tree.leaves(opt.full_params(state))]
+    if tier == "nvme":
+        mine = os.path.join(path, f"zerojax-nvme-p{jax.process_index()}")
+        files = sorted(os.listdir(mine))
+        print(f"process {jax.process_index()} files {len(files)} "
+              f"{sum(os.path.getsize(os.path.join(mine, f)) for f in files if 'leaf' in f)}",
+              flush=True)
+same = all(np.array_equal(a, b) for a, b in zip(runs[True], runs["nvme"]))
+print(f"process {jax.process_index()} equal {same}", flush=True)
+"""
+
+
+def test_two_processes_each_with_its_files_train_as_host_offload(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(MP_WORKER)
+    (tmp_path / "scratch").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices-per-proc", "4",
+         str(worker), os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "scratch")],
+        env=env, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for i in (0, 1):
+        assert f"process {i} equal True" in out, out[-4000:]
+    sizes = {m.group(1): int(m.group(2))
+             for m in re.finditer(r"process (\d) files \d+ (\d+)", out)}
+    # one set of files per process, each with its half of the partitioned state
+    assert set(sizes) == {"0", "1"} and sizes["0"] == sizes["1"] > 0, out[-2000:]
 
 
 # -- checkpoints ------------------------------------------------------------------------
