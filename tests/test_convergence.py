@@ -149,3 +149,31 @@ def test_stochastic_rounding_sends_the_same_bytes():
     assert by["nearest"] == by["stochastic"]
     assert [(op, t) for op, t, _, _ in by["stochastic"]] == [("all-to-all", {"u8"})]
     assert by["stochastic"][0][2] / (4 * g.size) == pytest.approx(1 / 8 + 1 / 256, abs=1e-12)
+
+
+def _mlp_step(**options):
+    """Params after one SGD step of the tests' MLP on replica 2 x data 4 (hierarchical
+    qgZ: the settings must reach both levels)."""
+    import optax
+    from helpers import mlp_problem
+
+    from zerojax.models import mse_loss
+
+    model, params, batch = mlp_problem(256, 2)
+    opt = zerojax.zero(optax.sgd(0.05), zerojax.make_mesh(replica=2, data=4), stage=3,
+                       hpz=True, quantize_gradients="int4", **options)
+    state, _ = opt.train_step(mse_loss(model))(opt.init_state(params), batch)
+    return [np.asarray(x) for x in jax.tree.leaves(opt.full_params(state))]
+
+
+def test_zero_passes_the_gradient_settings_through():
+    """zero()'s quantize_gradients_block / _rounding reach the reduce-scatters: block
+    2048 with 'nearest' given explicitly (the GradQuant path) is bitwise the default
+    int4 step; stochastic rounding at block 256 changes the update, and stays finite."""
+    default = _mlp_step()
+    explicit = _mlp_step(quantize_gradients_block=2048, quantize_gradients_rounding="nearest")
+    sr = _mlp_step(quantize_gradients_block=256, quantize_gradients_rounding="stochastic")
+    for a, b in zip(default, explicit):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(default, sr))
+    assert all(np.all(np.isfinite(x)) for x in sr)
