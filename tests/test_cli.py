@@ -535,13 +535,17 @@ def tiny_checkpoint(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("damage", ["meta", "truncated"])
+@pytest.mark.parametrize("damage", ["meta", "marker", "truncated"])
 def test_export_names_the_checkpoint_it_could_not_read(damage, tiny_checkpoint, tmp_path,
                                                        capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
     if damage == "meta":
         (ckpt / "0" / "meta.json").write_text("garbage")
+    elif damage == "marker":   # the step marker: no complete step left to export
+        markers = list((ckpt / "0").rglob("_zerojax_step.json"))
+        assert markers, sorted(p.name for p in (ckpt / "0").rglob("*"))
+        markers[0].write_text("garbage")
     else:
         data = max((p for p in (ckpt / "0").rglob("*") if p.is_file()),
                    key=lambda p: p.stat().st_size)
@@ -549,7 +553,9 @@ def test_export_names_the_checkpoint_it_could_not_read(damage, tiny_checkpoint, 
     code, _, err = _exit_code(["export", str(ckpt), str(tmp_path / "out.safetensors")],
                               capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"could not read the checkpoint {str(ckpt)!r}" in err and "damaged" in err, err
+    assert f"could not read the checkpoint {str(ckpt)!r}" in err, err
+    assert ("damaged" in err) if damage != "marker" else ("no complete checkpoint" in err or
+                                                          "damaged" in err), err
     assert "could not write" not in err and "Traceback" not in err
 
 

@@ -513,6 +513,11 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     try:
         step = CheckpointManager(args.ckpt_dir, max_to_keep=None)._step(args.step)
+    except (FileNotFoundError, CheckpointError) as e:  # no complete step, a damaged marker
+        print(f"zerojax export: could not read the checkpoint {args.ckpt_dir!r}: "
+              f"{_one_line(e)}", file=sys.stderr)
+        return 2
+    try:
         mapping = _export_mapping(args, step)
         out = export_params(args.ckpt_dir, args.out, step=step, format=args.format,
                             mapping=mapping, dtype=args.dtype,
