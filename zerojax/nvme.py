@@ -40,8 +40,15 @@ bucket; buckets packed to ``nvme_buffer_size`` bytes of state): a reader thread 
 bucket k+1 from the files while bucket k is updated on the mesh's devices and a
 writer thread writes bucket k-1's new values back in place. Each bucket's update is
 the in-memory update's equations for that bucket (the traced ``optax`` update
-replayed, :func:`zerojax.offload._inline`), compiled once per bucket, so a step
-equals ``offload_optimizer=True`` bitwise. An update that needs a norm of the whole
+replayed, :func:`zerojax.offload._inline`), compiled once per bucket shape (buckets
+of equal equations share one program), so a step equals ``offload_optimizer=True``
+bitwise: measured (``tests/test_nvme.py``, jax 0.10.2 and 0.12) at stages 1-3 with
+bf16 params, ``accum_steps``, ``max_grad_norm``, a model axis and in 2 processes.
+That took care (``docs/architecture.md``: XLA:CPU's FMA contraction and its rewrite
+of a division by a single-use scalar); fp16 with dynamic loss scaling was seen 1 ulp
+apart in Adam's ``nu`` at some bucket sizes and is not covered. The scratch files
+are updated in place: an older ``TrainState`` cannot be stepped (``donate=False``
+keeps no old state here). An update that needs a norm of the whole
 update (``chain(adam, clip_by_global_norm)``) is refused: clip the gradients first
 (``max_grad_norm`` or ``chain(clip_by_global_norm, adam)``).
 
