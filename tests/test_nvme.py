@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -154,6 +155,18 @@ def test_bad_options_and_paths_are_refused_before_training(mesh, tmp_path):
     step = opt.train_step(awkward_loss)
     with pytest.raises(NotImplementedError, match="norm of the whole update.*Clip the gradients"):
         step(opt.init_state(awkward_params()), regression_batches(1)[0])
+
+
+def test_a_disk_too_small_for_the_state_is_refused_at_init(mesh, tmp_path, monkeypatch):
+    opt = zerojax.zero(optax.adam(1e-2), mesh, stage=1, min_shard_size=16,
+                       offload_optimizer="nvme", nvme_path=str(tmp_path))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    root = tmp_path / "zerojax-nvme-p0"
+    with pytest.raises(nvme.NvmeError, match=f"nvme_path {root} has 0.00 GiB free, but this "
+                                             "process's optimizer state needs .* larger one"):
+        opt.init_state(awkward_params())
+    assert not list(root.glob("leaf-*.bin"))  # nothing written
 
 
 def test_one_path_one_owner_and_a_dead_runs_files_are_not_a_state(mesh, tmp_path):
