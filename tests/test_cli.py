@@ -164,7 +164,7 @@ def test_plan_a_model_on_a_model_axis_with_pa(capsys):
     assert code == 0 and "remat_policy" not in plain
     stage3 = lambda text: [ln for ln in text.splitlines()  # noqa: E731
                            if ln.strip().startswith("stage 3 ")][0].split()
-    assert float(stage3(out)[-5]) < float(stage3(plain)[-5])  # the peak column
+    assert float(stage3(out)[-6]) < float(stage3(plain)[-6])  # peak (disk/node last)
 
 
 def test_plan_says_what_the_code_does(capsys):
@@ -368,11 +368,44 @@ def test_offload_beyond_host_memory_does_not_fit(capsys):
     code, out, _ = _exit_code(argv + ["--host-memory", "1TB"], capsys)
     assert code == 0, out
     cells = row(out)
-    needed = float(cells[-1].replace(",", "")) * 1e9
+    assert cells[-1] == "-", out  # disk/node: the nvme rows' only
+    needed = float(cells[-2].replace(",", "")) * 1e9
     assert needed > 1e12 and "no: host" in " ".join(cells), out
     assert "host memory 1,000.00 GB per node, 8 devices per node" in out
     code, out, _ = _exit_code(argv + ["--host-memory", "4TB"], capsys)
     assert code == 0 and "yes" in row(out) and "no:" not in row(out), out
+
+
+def test_plan_nvme_rows_and_disk_bandwidth(capsys):
+    """llama2-70b on 8 x 80 GB, 512 GB host memory: the host-offload row is 'no: host',
+    the NVMe row fits with its buffers as host/node and 12 Psi on disk/node; the
+    --disk-bandwidth figure is the one printed and used; bad values exit 2, one line."""
+    argv = ["plan", "--model", "llama2-70b", "--devices", "8", "--gpus-per-node", "8",
+            "--memory", "80GB", "--seq", "4096", "--batch", "1", "--host-memory", "512GB"]
+
+    def cells(out, label):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(label + " "))
+        return line.strip()[len(label):].split()
+
+    code, out, _ = _exit_code(argv + ["--disk-bandwidth", "24,12"], capsys)
+    assert code == 0, out
+    assert "no: host" in " ".join(cells(out, "stage 3 + offload_optimizer"))
+    nv = cells(out, "stage 3 + offload_optimizer=nvme")
+    assert "yes" in nv and "no:" not in nv and nv[-2:] == ["8.59", "827.72"], out
+    assert "read once at 24.0 GB/s and written once at 12.0 GB/s" in out
+    step = float(nv[0].replace(",", "")) / 1e3
+    host_step = float(cells(out, "stage 3 + offload_optimizer")[0].replace(",", "")) / 1e3
+    assert step - host_step == pytest.approx(827.72 / 24 + 827.72 / 12 - 206.93 / 55,
+                                             abs=2e-3), out
+    code, out, _ = _exit_code(argv + ["--disk", "500GB"], capsys)
+    assert code == 0 and "no: disk" in " ".join(cells(out, "stage 3 + offload_optimizer=nvme"))
+    for bad in ("0", "-3", "fast", "6,3,1", "nan"):
+        code, _, err = _exit_code(argv + ["--disk-bandwidth", bad], capsys)
+        lines = [ln for ln in err.splitlines() if "--disk-bandwidth" in ln]
+        assert code == 2 and len(lines) == 1 and repr(bad) in lines[0], (bad, err)
+    code, _, err = _exit_code(["plan", "--memory", "80GB", "--params", "7B",
+                               "--disk-bandwidth", "6"], capsys)
+    assert code == 2 and "--disk-bandwidth checks the model planner's" in err
 
 
 @pytest.mark.parametrize("argv, value", [

@@ -943,6 +943,61 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
         plan_model("gpt2-1.5b", **kw)
 
 
+def test_nvme_rows_count_disk_buffers_and_the_disk_time():
+    """Issue 34's planner: llama2-70b on 8 x 80 GB with 512 GB of host memory per node.
+    Stage 3 + offload_optimizer needs the node's 12 Psi of Adam state + master weights
+    in host memory: 'no: host'. The NVMe row fits: the same device bytes, that state
+    on disk (12 Psi / 8 per device, 12 Psi per node), only the buffers (4 x 2**28 per
+    process, one per device) in host memory, and a step longer by the disk's read and
+    write at the stated bandwidth, overlapped with the PCIe transfers. No compile."""
+    from zerojax.analysis.cost import ACCELERATORS, step_time
+    from zerojax.analysis.memory import nvme_buffer_bytes
+    from zerojax.analysis.plan import plan_model
+
+    kw = dict(devices=8, devices_per_node=8, budget_bytes=59 * 10**9, seq=4096, batch=1,
+              host_memory_bytes=512 * 10**9)
+    p = plan_model("llama2-70b", **kw)
+    psi = p.num_params
+    off, nv = p.row("stage 3 + offload_optimizer"), p.row("stage 3 + offload_optimizer=nvme")
+    assert off.peak <= p.budget_bytes and not off.host_fits and not off.fits
+    assert "no: host" in [ln for ln in plan_text.format_model_plan(p).splitlines()
+                          if ln.strip().startswith(off.label + " ")][0]
+    assert nv.nvme and not off.nvme and nv.fits and nv.host_fits and nv.peak == off.peak
+    assert nv.states.host == 0 and nv.states.disk == off.states.host
+    assert 12 * psi / 8 <= nv.states.disk <= 12 * psi / 8 * 1.001
+    assert nv.disk_bytes == 8 * nv.states.disk and off.disk_bytes == 0
+    assert nv.buffer_bytes == nv.host_bytes == 8 * 4 * 2**28
+    assert nvme_buffer_bytes(offload_optimizer="nvme", nvme_buffer_count=2,
+                             nvme_buffer_size=2**20) == 2**21
+    assert nvme_buffer_bytes(offload_optimizer=True) == 0
+    assert nv.host_traffic_bytes == off.host_traffic_bytes == 2 * nv.states.disk
+    h100 = ACCELERATORS["h100"]
+    disk = nv.disk_bytes / h100.disk_read_bw + nv.disk_bytes / h100.disk_write_bw
+    assert nv.time.disk == pytest.approx(disk) and disk > 100  # one SSD: minutes
+    assert nv.step_time == pytest.approx(off.step_time - off.time.host + disk)
+    assert p.recommendation is nv
+    # a fast disk array hides under the PCIe transfers: the host row's time
+    fast = plan_model("llama2-70b", disk_bandwidth=1e13, **kw)
+    assert fast.row(nv.label).step_time == pytest.approx(off.step_time)
+    slow = step_time(psi, stage=3, tokens_per_device=4096, devices=8, disk_bytes=10**10,
+                     disk_bandwidth=(1e9, 2e9))
+    assert slow.disk == pytest.approx(15.0) and slow.io == slow.disk
+    # a disk per node below the state: 'no: disk'; the other rows unchanged
+    small = plan_model("llama2-70b", disk_bytes=500 * 10**9, **kw)
+    assert not small.row(nv.label).fits and not small.row(nv.label).disk_fits
+    assert [r.fits for r in small.rows if not r.nvme] == [r.fits for r in p.rows if not r.nvme]
+    assert "no: disk" in plan_text.format_model_plan(small)
+    assert small.recommendation is None  # nothing else fits this node
+    for bad in (0, -1.0, (1e9,), "fast", float("nan")):
+        with pytest.raises(ValueError, match="disk_bandwidth"):
+            plan_model("llama2-70b", disk_bandwidth=bad, **kw)
+    e = estimate_memory(gpt_param_shapes(GPTConfig(vocab=64, seq=8, layers=1, hidden=16,
+                                                   heads=2)), 4, 1, tx=optax.adam(1e-3),
+                        offload_optimizer="nvme")
+    assert e.disk > 0 and e.host == 0 and e.state == e.params + e.optimizer_state + e.disk
+    assert pickle.loads(pickle.dumps(e)).disk == e.disk
+
+
 # --- the time model (issue 32) ---------------------------------------------------------
 
 

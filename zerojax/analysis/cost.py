@@ -12,7 +12,10 @@ step of a configuration is predicted as::
                (+ Megatron's activation all-reduces when mp > 1, inside the node)
     exposed  = the part of comm the stage cannot hide under compute
     host     = offloaded state in and out over PCIe / pcie_bw (not hidden)
-    step     = compute + exposed + host
+    disk     = NVMe tier (offload_optimizer="nvme"): the node's state read once and
+               written once per step, read / disk_read_bw + write / disk_write_bw
+               (one disk serves both), overlapped with the buckets' PCIe transfers
+    step     = compute + exposed + max(host, disk)
 
 ``6 Psi`` per token is the forward (2 Psi) and backward (4 Psi) matmuls; ``12 L h s``
 the attention's two ``s x s`` matmuls (``QK^T`` and ``AV``: 4 s h per token and layer
@@ -32,6 +35,13 @@ all-reduces sit on the critical path (exposed). ``overlap=False`` exposes all (t
 planner passes it for stage 3 with ``prefetch=False``). Not modelled: bucket sizes,
 collective latency (bandwidth only), small-GEMM efficiency, the host's optimizer
 compute under offload (only its PCIe transfers).
+
+The disk bandwidths (per node, bytes/s) default to one local PCIe Gen4 NVMe SSD:
+the Samsung PM1733 datasheet's 7.0 GB/s sequential read and 3.8 GB/s sequential
+write (DGX A100's data drives), assumed 6 and 3.5 GB/s reachable, on every preset
+(a node's RAID-0 of several drives is faster: ``disk_bandwidth=`` / ``zerojax plan
+--disk-bandwidth``; not checked against a measured NVMe run: benchmarks/README.md's
+NVMe figures are this machine's page-cached disk).
 
 The ``achievable`` fraction of each preset is a measured model-FLOPs utilisation
 (MFU) of a dense transformer on that accelerator, from the source stated with it;
@@ -63,6 +73,8 @@ class Accelerator:
     per_node: int  # devices per node (a TPU slice's ICI domain)
     memory: float  # bytes per device (the card)
     source: str = ""
+    disk_read_bw: float = 6e9  # per node: local NVMe, bytes/s (the module's docstring)
+    disk_write_bw: float = 3.5e9
 
     @property
     def rate(self) -> float:
@@ -149,10 +161,16 @@ class StepTime:
     exposed: float  # collective seconds not hidden under compute (tensor included)
     host: float  # PCIe seconds (offload), exposed
     tokens: int  # tokens per step over the whole job
+    disk: float = 0.0  # NVMe tier: the node's reads and writes, overlapped with host
+
+    @property
+    def io(self) -> float:
+        """Seconds the offloaded update adds: PCIe and disk overlapped, max(host, disk)."""
+        return max(self.host, self.disk)
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed + self.host
+        return self.compute + self.exposed + self.io
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,7 +182,9 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
               seq: int = 0, mp: int = 1, per_node: int | None = None,
               inside_bytes: int | None = None, across_bytes: int | None = None,
               host_bytes: int = 0, remat: bool = True, remat_policy: str | None = None,
-              param_bytes: int = 2, overlap: bool = True, **link_options: Any) -> StepTime:
+              param_bytes: int = 2, overlap: bool = True, disk_bytes: int = 0,
+              disk_bandwidth: tuple[float, float] | None = None,
+              **link_options: Any) -> StepTime:
     """The predicted step of ``devices`` data-parallel devices (x ``mp`` model), each
     with ``tokens_per_device`` tokens (batch x seq per data shard), at ZeRO ``stage``.
 
@@ -173,7 +193,12 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
     (``hpz``, ``replica_axis``, ``quantize_weights``, ``quantize_gradients``) on
     ``devices // per_node`` nodes (``per_node``: data devices per node, default the
     preset's devices per node / mp). ``host_bytes``: offloaded state in and out over
-    PCIe per step."""
+    PCIe per step. ``disk_bytes``: with ``offload_optimizer="nvme"``, the NVMe tier's
+    state of the node (every device's shard), read once and written once per step at
+    ``disk_bandwidth`` = ``(read, write)`` bytes/s per node (default the preset's
+    ``disk_read_bw``, ``disk_write_bw``): ``disk = disk_bytes / read + disk_bytes /
+    write``, overlapped with the PCIe transfers (the tier reads bucket k+1 and writes
+    k-1 while k is updated), so the step adds ``max(host, disk)``."""
     acc = accelerator(accel)
     if per_node is None:
         per_node = max(1, acc.per_node // mp)
@@ -225,8 +250,11 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
             exposed = max(0.0, comm * share - backward) + comm * (1 - share)
     exposed += tensor
     host = host_bytes / acc.pcie_bw
+    read, write = (disk_bandwidth if disk_bandwidth is not None
+                   else (acc.disk_read_bw, acc.disk_write_bw))
+    disk = disk_bytes / read + disk_bytes / write if disk_bytes else 0.0
     return StepTime(flops, compute, inside, across, tensor, exposed, host,
-                    tokens_per_device * devices)
+                    tokens_per_device * devices, disk)
 
 
 def _gather_share(psi: int, param_bytes: int, devices: int) -> int:

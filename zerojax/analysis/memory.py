@@ -20,6 +20,7 @@ __all__ = [
     "estimate_activations",
     "estimate_buffers",
     "estimate_memory",
+    "nvme_buffer_bytes",
     "state_bytes",
 ]
 
@@ -32,7 +33,10 @@ class MemoryEstimate(int):
     are the three parts in the device's memory and ``.total`` their sum (``int(estimate)``).
     ``.host_params`` / ``.host_optimizer_state`` are what ``offload_params`` /
     ``offload_optimizer`` keep in host memory for this device (not in the total);
-    ``.state`` is what ``init_state`` places (params + optimizer state, device and host).
+    ``.disk_optimizer_state`` what ``offload_optimizer="nvme"`` keeps in files on disk
+    for it (the optimizer state and fp32 master weights; neither host nor device);
+    ``.state`` is what ``init_state`` places (params + optimizer state, device, host
+    and disk).
     """
 
     params: int
@@ -40,9 +44,11 @@ class MemoryEstimate(int):
     optimizer_state: int
     host_params: int
     host_optimizer_state: int
+    disk_optimizer_state: int
 
     def __new__(cls, params: int, grads: int, optimizer_state: int, host_params: int = 0,
-                host_optimizer_state: int = 0) -> MemoryEstimate:
+                host_optimizer_state: int = 0,
+                disk_optimizer_state: int = 0) -> MemoryEstimate:
         params, grads, optimizer_state = int(params), int(grads), int(optimizer_state)
         self = super().__new__(cls, params + grads + optimizer_state)
         object.__setattr__(self, "params", params)
@@ -50,6 +56,7 @@ class MemoryEstimate(int):
         object.__setattr__(self, "optimizer_state", optimizer_state)
         object.__setattr__(self, "host_params", int(host_params))
         object.__setattr__(self, "host_optimizer_state", int(host_optimizer_state))
+        object.__setattr__(self, "disk_optimizer_state", int(disk_optimizer_state))
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -65,18 +72,26 @@ class MemoryEstimate(int):
         return self.host_params + self.host_optimizer_state
 
     @property
+    def disk(self) -> int:
+        """Bytes kept in files on disk for this device (``offload_optimizer="nvme"``)."""
+        return self.disk_optimizer_state
+
+    @property
     def state(self) -> int:
         """What ``zero(...).init_state(params)`` places for this device: params and
-        optimizer state (step counter and loss scale included), device and host."""
-        return self.params + self.optimizer_state + self.host
+        optimizer state (step counter and loss scale included), device, host and disk."""
+        return self.params + self.optimizer_state + self.host + self.disk
 
     def __reduce__(self):
         return (MemoryEstimate, (self.params, self.grads, self.optimizer_state,
-                                 self.host_params, self.host_optimizer_state))
+                                 self.host_params, self.host_optimizer_state,
+                                 self.disk_optimizer_state))
 
     def __repr__(self) -> str:
         host = (f", host_params={self.host_params}, host_optimizer_state="
                 f"{self.host_optimizer_state}" if self.host else "")
+        if self.disk:
+            host += f", disk_optimizer_state={self.disk_optimizer_state}"
         return (f"MemoryEstimate(params={self.params}, grads={self.grads}, "
                 f"optimizer_state={self.optimizer_state}{host}, total={int(self)})")
 
@@ -209,6 +224,10 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
       stages 2-3.
     * ``offload_optimizer`` / ``offload_params``: those parts are counted in
       ``host_optimizer_state`` / ``host_params`` instead (0 on the device).
+      ``offload_optimizer="nvme"``: the optimizer state (master weights included) in
+      ``disk_optimizer_state`` (files under ``nvme_path``; 0 on the device and in host
+      memory, whose bucket buffers are per process: :func:`nvme_buffer_bytes`);
+      ``nvme_path`` may be left out here (nothing is written).
     * HSDP (``replica_axis=``): the stage's bytes with ``dp`` = the data axis D.
       hpZ (``hpz=True, replicas=R``): optimizer state, master weights and gradients
       over R x D devices, the params (the secondary copy) over D.
@@ -228,6 +247,8 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     dp = _count("dp", dp, minimum=1, hint="the data-parallel degree (devices on 'data')")
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
     _check_stage(stage)
+    if _is_nvme(options) and options.get("nvme_path") is None:
+        options = dict(options, nvme_path="<planned>")  # validated, never opened
     cfg = ZeroConfig.from_kwargs(stage=stage, param_dtype=param_dtype, **options)
     is_box = lambda x: isinstance(x, flax_meta.AxisMetadata)  # noqa: E731
     if any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
@@ -280,8 +301,30 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay), n_opt)
                   for lay in jax.tree.leaves(opt_lays_of, is_leaf=is_lay))
     host_p = p_bytes if cfg.offload_params else 0
-    host_o = opt if cfg.offload_optimizer else 0
-    return MemoryEstimate(p_bytes - host_p, g_bytes, opt - host_o + bookkeeping, host_p, host_o)
+    off = opt if cfg.offload_optimizer else 0
+    disk_o = off if _is_nvme(options) else 0
+    return MemoryEstimate(p_bytes - host_p, g_bytes, opt - off + bookkeeping, host_p,
+                          off - disk_o, disk_o)
+
+
+def _is_nvme(options: dict) -> bool:
+    value = options.get("offload_optimizer")
+    return isinstance(value, str) and value == "nvme"
+
+
+def nvme_buffer_bytes(**options: Any) -> int:
+    """Host memory one process's NVMe tier holds during a step: ``nvme_buffer_count x
+    nvme_buffer_size`` bytes of buckets (defaults 4 x 2**28 = 1 GiB), 0 without
+    ``offload_optimizer="nvme"``. (A bucket larger than the size, one leaf's group, is
+    not counted; :mod:`zerojax.nvme` measured up to about twice the buckets on the CPU
+    backend, where the placed "device" arrays are host memory too.)"""
+    if not _is_nvme(options):
+        return 0
+    from zerojax.config import ZeroConfig
+
+    count = options.get("nvme_buffer_count", ZeroConfig.nvme_buffer_count)
+    size = options.get("nvme_buffer_size", ZeroConfig.nvme_buffer_size)
+    return int(count) * int(size)
 
 
 def estimate_activations(hidden: int, batch: int, seq: int, layers: int, *,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ from zerojax.analysis.memory import (
     _per_param,
     estimate_activations,
     estimate_memory,
+    nvme_buffer_bytes,
 )
 from zerojax.analysis.report import comm_elements
 
@@ -552,6 +554,10 @@ OPTION_SETS = (
     ("stage 3 + offload_optimizer", 3, {"offload_optimizer": True}),
     ("stage 3 + offload_optimizer + offload_params", 3,
      {"offload_optimizer": True, "offload_params": True}),
+    # ZeRO-Infinity's NVMe tier: the optimizer state on the node's disk, host buffers
+    ("stage 1 + offload_optimizer=nvme", 1, {"offload_optimizer": "nvme"}),
+    ("stage 2 + offload_optimizer=nvme", 2, {"offload_optimizer": "nvme"}),
+    ("stage 3 + offload_optimizer=nvme", 3, {"offload_optimizer": "nvme"}),
 )
 
 @dataclasses.dataclass(frozen=True)
@@ -570,6 +576,14 @@ class PlanRow:
     host_bytes: int = 0  # pinned host memory per node: offloaded state of its devices
     host_fits: bool = True  # host_bytes within the node's host memory (or none given)
     time: StepTime | None = None  # the predicted step (zerojax.analysis.cost.step_time)
+    disk_bytes: int = 0  # NVMe tier: the node's state files (its devices' shards)
+    buffer_bytes: int = 0  # NVMe tier: the node's host buffers (in host_bytes)
+    disk_fits: bool = True  # disk_bytes within the node's disk (or none given)
+
+    @property
+    def nvme(self) -> bool:
+        """The row keeps the optimizer state on disk (``offload_optimizer="nvme"``)."""
+        return self.options.get("offload_optimizer") == "nvme"
 
     @property
     def step_time(self) -> float | None:
@@ -617,6 +631,8 @@ class ModelPlan:
     options: dict = dataclasses.field(default_factory=dict)  # zero() options of every row
     note: str = ""  # a preset asked for by its old name
     host_memory_bytes: int | None = None  # pinned host memory per node (None: unchecked)
+    disk_bytes: int | None = None  # disk per node for the NVMe tier (None: unchecked)
+    disk_bandwidth: tuple | None = None  # (read, write) bytes/s per node (None: preset's)
     node_devices: int = 1  # devices whose offloaded state shares one node's host memory
     accelerator: Any = None  # the cost.Accelerator the step times are predicted for
     leanest: PlanRow | None = None  # the fitting row of the lowest peak
@@ -656,7 +672,7 @@ def _dtype(param_dtype: Any):
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
          budget, reserve, remat=True, extra=None, mp=1, attention="xla",
          replicas=1, host_budget=None, host_devices=1, accel="h100",
-         per_node=None) -> PlanRow:
+         per_node=None, disk_budget=None, disk_bandwidth=None) -> PlanRow:
     import jax.numpy as jnp
 
     from zerojax.analysis.report import gpt_state_estimate, gpt_step_prediction
@@ -672,11 +688,17 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     compute = jnp.dtype(param_dtype or jnp.float32).itemsize
     psi = shape.num_params(seq)
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
-    host = 2 * states.host
+    # offloaded state (host memory or disk) crosses PCIe in and out once per step
+    host = 2 * (states.host + states.disk)
     peak = step.peak + reserve
-    # offloaded state stays in pinned host memory, one shard per device of the node
-    host_bytes = states.host * host_devices
+    # offloaded state stays in pinned host memory, one shard per device of the node;
+    # the NVMe tier's on the node's disk, its buffers in host memory (one process per
+    # device counted: a process per node holds one set)
+    buffers = nvme_buffer_bytes(**opts) * host_devices
+    host_bytes = states.host * host_devices + buffers
+    disk_bytes = states.disk * host_devices
     host_fits = host_budget is None or host_bytes <= host_budget
+    disk_fits = disk_budget is None or disk_bytes <= disk_budget
     links = {k: opts[k] for k in ("hpz", "replica_axis", "quantize_weights",
                                   "quantize_gradients") if opts.get(k)}
     time = step_time(psi, stage=stage, tokens_per_device=batch * seq,
@@ -686,9 +708,11 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
                      remat=remat, remat_policy=opts.get("remat_policy"),
                      param_bytes=compute,
                      # stage 3 without prefetch: each gather waits for its layer
-                     overlap=stage != 3 or opts.get("prefetch", True), **links)
+                     overlap=stage != 3 or opts.get("prefetch", True),
+                     disk_bytes=disk_bytes, disk_bandwidth=disk_bandwidth, **links)
     return PlanRow(label, stage, options, states, step, reserve,
-                   peak <= budget and host_fits, traffic, host, host_bytes, host_fits, time)
+                   peak <= budget and host_fits and disk_fits, traffic, host, host_bytes,
+                   host_fits, time, disk_bytes, buffers, disk_fits)
 
 
 def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_bytes: int,
@@ -698,7 +722,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                width_per_layer: int = 128, head_dim: int = 128, vocab: int = 50304,
                option_sets: Sequence = OPTION_SETS, mp: int = 1, attention: str = "auto",
                host_memory_bytes: int | None = None,
-               accelerator: Any = "h100", **options: Any) -> ModelPlan:
+               accelerator: Any = "h100", disk_bytes: int | None = None,
+               disk_bandwidth: Any = None, **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
     device, ``optimizer`` (or any optax ``tx``), ``param_dtype`` (compute precision; the
@@ -730,6 +755,17 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     memory per node; an offload row whose offloaded state (the shards of the node's
     ``devices_per_node x mp`` devices, else ``min(devices x mp, 8)``) exceeds it does not
     fit (``PlanRow.host_bytes``, ``.host_fits``).
+
+    The ``offload_optimizer=nvme`` rows (ZeRO-Infinity's NVMe tier) keep the optimizer
+    state and fp32 master weights in files: ``PlanRow.disk_bytes`` per node (the
+    node's devices' shards, 0 on the device and in host memory), whose host memory
+    holds only the buffers, ``nvme_buffer_count x nvme_buffer_size`` per process (one
+    process per device counted; ``PlanRow.buffer_bytes``, in ``host_bytes``).
+    ``disk_bytes``: the disk per node (None: unchecked); a row whose state exceeds it
+    does not fit (``PlanRow.disk_fits``). Their step reads and writes that state once
+    at ``disk_bandwidth`` (``(read, write)`` bytes/s per node, or one figure for both;
+    default the accelerator preset's local NVMe), overlapped with its PCIe transfers
+    (:func:`zerojax.analysis.cost.step_time`).
 
     ``accelerator``: a preset of :data:`zerojax.analysis.cost.ACCELERATORS` (h100,
     h200, a100, v100, tpu-v5e) or an ``Accelerator``: each row gets a predicted step
@@ -767,6 +803,9 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     if host_memory_bytes is not None:
         host_memory_bytes = _count("host_memory_bytes", host_memory_bytes, minimum=1,
                                    hint="pinned host memory per node")
+    if disk_bytes is not None:
+        disk_bytes = _count("disk_bytes", disk_bytes, minimum=1, hint="disk per node")
+    disk_bandwidth = _disk_bandwidth(disk_bandwidth)
     if model is None and not largest:
         raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
     pd = _dtype(param_dtype)
@@ -783,7 +822,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     kw = dict(accel=accel, per_node=devices_per_node, devices=devices, seq=seq, batch=batch,
               tx=tx, param_dtype=pd,
               budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
-              attention=attention, host_budget=host_memory_bytes, host_devices=node_devices)
+              attention=attention, host_budget=host_memory_bytes, host_devices=node_devices,
+              disk_budget=disk_bytes, disk_bandwidth=disk_bandwidth)
 
     found = []
     if largest:
@@ -843,7 +883,22 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                      options=dict(options), attention=attention, link_rows=link_rows,
                      note=note, host_memory_bytes=host_memory_bytes,
                      node_devices=node_devices,
-                     accelerator=accel, leanest=leanest)
+                     accelerator=accel, leanest=leanest, disk_bytes=disk_bytes,
+                     disk_bandwidth=disk_bandwidth)
+
+
+def _disk_bandwidth(value: Any) -> tuple[float, float] | None:
+    """``(read, write)`` bytes/s from one figure (both) or a pair; None stays None."""
+    if value is None:
+        return None
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    ok = len(pair) == 2 and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        and v > 0 for v in pair)
+    if not ok:
+        raise ValueError(f"disk_bandwidth {value!r} must be bytes/s per node, one positive "
+                         "number or a (read, write) pair, e.g. (6e9, 3.5e9)")
+    return float(pair[0]), float(pair[1])
 
 
 def _check_model_axis(model: ModelShape, mp: int) -> None:

@@ -138,6 +138,23 @@ def mem_fraction(text: str) -> float:
     return value
 
 
+def disk_bandwidth(text: str) -> tuple[float, float]:
+    """'6', '6,3.5', '25GB/s' -> (read, write) bytes/s per node from GB/s (1e9 bytes/s):
+    one figure for both, or READ,WRITE."""
+    example = "6 (GB/s, read and write) or 6,3.5 (read,write)"
+    _negative(text, "a disk bandwidth", example)
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(re.sub(r"(?i)\s*gb/s$", "", p)) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a disk bandwidth; write GB/s per node, e.g. {example}")
+    read, write = values if len(values) == 2 else values * 2
+    return read * GB, write * GB
+
+
 def split_negative_values(argv: list[str]) -> list[str]:
     """``--opt -1GB`` -> ``--opt=-1GB``: argparse reads a value starting with '-' that
     is not a plain negative number as a missing argument ("expected one argument");

@@ -25,6 +25,7 @@ from zerojax.cli.args import (
     HelpFormatter,
     byte_size,
     bytes_per_param,
+    disk_bandwidth,
     dtype_bytes,
     gb,
     human_count,
@@ -173,7 +174,8 @@ Two questions:
   --memory, the traffic per step, the predicted step time and tokens/s on
   --accelerator (zerojax.analysis.cost: FLOPs at the preset's achievable rate, the
   collectives over NVLink/ICI and the network with the stage's overlap, offload's
-  PCIe), and the recommendation: the fastest option set that fits, with the
+  PCIe, the NVMe tier's disk reads and writes at --disk-bandwidth), and the
+  recommendation: the fastest option set that fits, with the
   memory-leanest beside it. --largest searches layers L with hidden = 128 L and
   128-wide heads (GPT-3's ratio) for the largest model each option set fits.
   The model is zerojax's reference GPT (scanned, rematerialised blocks); the llama2-*
@@ -208,10 +210,12 @@ def _plan(args: argparse.Namespace) -> int:
                    "with it")
     memory = _plan_memory(args)
     dp = _data_parallel(args)
-    if args.host_memory is not None:
-        args.error("--host-memory checks the model planner's offload rows; the paper's "
-                   "formula (--params) plans no offload: use --model or --layers/--hidden/"
-                   "--heads with it")
+    for flag, value in (("--host-memory", args.host_memory), ("--disk", args.disk),
+                        ("--disk-bandwidth", args.disk_bandwidth)):
+        if value is not None:
+            args.error(f"{flag} checks the model planner's offload rows; the paper's "
+                       "formula (--params) plans no offload: use --model or --layers/"
+                       "--hidden/--heads with it")
     if args.gpus_per_node is not None:
         args.error(f"--gpus-per-node {args.gpus_per_node} splits the model planner's traffic "
                    "and step time between the links in a node and the network; the paper's "
@@ -342,6 +346,8 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                             largest=args.largest, reserve_bytes=round(args.reserve),
                             mp=args.mp, attention=args.attention,
                             host_memory_bytes=round(host), accelerator=args.accelerator,
+                            disk_bytes=None if args.disk is None else round(args.disk),
+                            disk_bandwidth=args.disk_bandwidth,
                             **({"remat_policy": args.remat_policy}
                                if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
@@ -349,7 +355,8 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     print(format_model_plan(result, memory_note=format_memory(memory) + (
         "\nhost memory per node: " + gb(host)
         + (" (--host-memory)" if args.host_memory is not None else
-           " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: pass --host-memory)"))))
+           " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: pass --host-memory)")
+        + ("" if args.disk is None else "\ndisk per node: " + gb(args.disk) + " (--disk)"))))
     return 0
 
 
@@ -719,6 +726,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", type=byte_size, default=None, metavar="SIZE",
                       help="host memory per node for offloaded state (pinned); offload "
                            "rows that need more do not fit (default 1TB: a DGX A100's)")
+    plan.add_argument("--disk", type=byte_size, default=None, metavar="SIZE",
+                      help="local NVMe disk per node for the offload_optimizer=nvme rows' "
+                           "state files; rows that need more do not fit (default: "
+                           "unchecked)")
+    plan.add_argument("--disk-bandwidth", type=disk_bandwidth, default=None,
+                      metavar="GBPS[,GBPS]",
+                      help="the nvme rows' disk bandwidth per node in GB/s, read and "
+                           "write, or READ,WRITE (default: the accelerator preset's, one "
+                           "local PCIe Gen4 NVMe SSD, 6,3.5; a RAID-0 of k drives: about "
+                           "k times)")
     plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
                       help="--params only: activation memory per device, e.g. from "
                            "'zerojax estimate --layers ... --hidden ...' (default: 0)")

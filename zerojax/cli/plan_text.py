@@ -195,6 +195,8 @@ def recommendation(p: ModelPlan) -> str:
                 "the data axis"
                 + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
                    if best.host_traffic_bytes else "")
+                + (f", its {_gb(best.disk_bytes)} GB per node read and written on disk"
+                   if best.nvme else "")
                 + f"), peak {_gb(best.peak)} of {_gb(budget)} GB per device, "
                 f"{_gb(budget - best.peak)} GB ({(budget - best.peak) / budget:.0%}) headroom"
                 + (f"; the memory-leanest: {leanest.label}, peak {_gb(leanest.peak)} GB, "
@@ -206,6 +208,8 @@ def recommendation(p: ModelPlan) -> str:
             f"per device of {_gb(budget)}"
             + (f" and {_gb(least.host_bytes)} GB of host memory per node of "
                f"{_gb(p.host_memory_bytes)}" if not least.host_fits else "")
+            + (f" and {_gb(least.disk_bytes)} GB of disk per node of "
+               f"{_gb(p.disk_bytes)}" if not least.disk_fits else "")
             + f"; add devices, shorten --seq or --batch (activations "
             f"{_gb(least.activations)} GB), or use a smaller model")
 
@@ -244,27 +248,49 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
         head.append(memory_note)
     header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
               "other", "peak (GB)", "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
+    nvme = any(r.nvme for r in p.rows)
+    if nvme:
+        header.append("disk/node (GB)")
     rows = []
     for r in p.rows:
         s = r.states
         other = r.peak - s.params - s.optimizer_state - r.activations
-        fits = "yes" if r.fits else ("no: host" if r.peak <= p.budget_bytes else "no")
+        fits = "yes" if r.fits else ("no" if r.peak > p.budget_bytes else
+                                     "no: host" if not r.host_fits else "no: disk")
         rows.append([r.label, f"{r.step_time * 1e3:,.0f}" if r.time else "-",
                      f"{r.tokens_per_s:,.0f}" if r.time else "-",
                      _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
                      _gb(r.activations), _gb(other), _gb(r.peak), fits,
-                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)])
+                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)]
+                    + ([_gb(r.disk_bytes) if r.nvme else "-"] if nvme else []))
     out = "\n".join(head) + "\n" + _table(header, rows)
     host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
                  f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
                  else "host memory not checked")
+    disk_note = ""
+    if nvme:
+        read, write = p.disk_bandwidth or (
+            (p.accelerator.disk_read_bw, p.accelerator.disk_write_bw)
+            if p.accelerator is not None else (float("nan"),) * 2)
+        disk_note = (
+            "; =nvme rows (ZeRO-Infinity's NVMe tier): the optimizer state and fp32 master "
+            "weights in files on the node's disk, disk/node (the node's "
+            f"{p.node_devices} devices' shards; "
+            + (f"disk {_gb(p.disk_bytes)} GB per node, 'no: disk' beyond it"
+               if p.disk_bytes is not None else "disk not checked: --disk") + "), "
+            "host/node only their buffers, nvme_buffer_count x nvme_buffer_size per "
+            "process (one process per device counted); their step adds the state read "
+            f"once at {read / GB:.1f} GB/s and written once at {write / GB:.1f} GB/s per "
+            "node" + (" (--disk-bandwidth)" if p.disk_bandwidth else
+                      " (one local NVMe SSD; a RAID of k drives: --disk-bandwidth)")
+            + ", overlapped with the PCIe transfers: max(PCIe, disk)")
     out += ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
             "bytes at the peak are inside other. params/optim: what init_state places on "
             "the device; grads: the gradient handed to the update; other: gradients in "
             "flight, working copies, the batch and --reserve at the step's peak; host: "
             "offloaded state moved in and out per step; host/node: the pinned host memory "
             f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
-            "not the host)")
+            f"not the host{disk_note})")
     if p.accelerator is not None:
         a = p.accelerator
         out += (f"\n(step, tokens/s: predicted for {a.name} by zerojax.analysis.cost: "
