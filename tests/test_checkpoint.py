@@ -352,7 +352,7 @@ def test_cli_export(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x.safetensors")]) == 2
     assert "not a directory" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "x.safetensors"),
-                 "--step", "9"]) == 1
+                 "--step", "9"]) == 2   # bad input: a step the checkpoint does not have
     assert "complete steps: [1, 2]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["export", "--help"])

@@ -403,12 +403,12 @@ def _finish_at_exit(manager: CheckpointManager) -> None:
     def finish():
         if manager._closed or manager._commit is None:
             return
-        if preemption._state["exiting"]:
-            say("SIGTERM")
         # SIGTERM and SIGINT again (timeout, systemd, a second Ctrl-C) are noted, not
         # obeyed: the process is exiting anyway, and they would interrupt the write
         with preemption.held_signals(note=lambda name: say(f"{name} while exiting"),
                                      redeliver=False):
+            if preemption._state["exiting"]:  # said once they are held: one after it is
+                say("SIGTERM")                # noted as "while exiting"
             while True:
                 try:
                     manager.wait()
