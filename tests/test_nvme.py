@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -189,7 +190,9 @@ def test_one_path_one_owner_and_a_dead_runs_files_are_not_a_state(mesh, tmp_path
     (root / "LOCK").write_text(json.dumps({**lock, "pid": int(dead.stdout), "token": "dead"}))
     opt.__dict__.pop("_nvme").__dict__["token"] = "gone"  # forget it without cleaning up
     nvme._LIVE_TOKENS.discard(lock["token"])
-    new = zerojax.zero(tx, mesh, **kw)
+    with pytest.warns(UserWarning, match=f"process {dead.stdout.strip()} .* manifest 'clean' "
+                                         "generation 1 .* not a state: 13 files deleted"):
+        new = zerojax.zero(tx, mesh, **kw)
     assert new._nvme.stale_removed and not list(root.glob("leaf-*.bin"))
     with pytest.raises(nvme.NvmeError, match="another optimizer"):  # never read as a state
         new.train_step(awkward_loss)(state, regression_batches(1)[0])
@@ -316,6 +319,89 @@ def test_checkpoints_go_between_nvme_host_and_device(mesh, tmp_path):
         assert isinstance(state.opt_state, nvme.NvmeState) == (restoring == "nvme")
         state, _ = steps[restoring](state, batches[1])
         assert _same(want, opts[restoring].full_params(state)), (saving, restoring)
+
+
+KILLED_SCRIPT = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, optax
+from helpers import awkward_loss, awkward_params, regression_batches
+import zerojax
+path, ckpt, k = sys.argv[2], sys.argv[3], int(sys.argv[4])
+opt = zerojax.zero(optax.adamw(1e-2), zerojax.make_mesh(data=8), stage=2, min_shard_size=16,
+                   param_dtype=jnp.bfloat16, max_grad_norm=0.5, offload_optimizer="nvme",
+                   nvme_path=path, nvme_buffer_size=16384)
+step = opt.train_step(awkward_loss)
+state = opt.init_state(awkward_params())
+batches = regression_batches(k + 1)
+for b in batches[:k]:
+    state, _ = step(state, b)
+with zerojax.CheckpointManager(ckpt) as mgr:
+    mgr.save(k, state)
+print("saved", k, flush=True)
+store, write = opt._nvme, opt._nvme.write
+def stuck(e, x):  # the next step: its first bucket written, then the process waits
+    write(e, x)
+    print("mid-update", store.generation, flush=True)
+    time.sleep(120)
+store.write = stuck
+step(state, batches[k])
+print("not killed", flush=True)
+"""
+
+
+def test_a_process_killed_mid_step_resumes_from_its_checkpoint_exactly(mesh, tmp_path):
+    k, steps = 2, 4
+    scratch, ckpt = tmp_path / "scratch", tmp_path / "ckpt"
+    scratch.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SCRIPT, os.path.dirname(os.path.abspath(__file__)),
+         str(scratch), str(ckpt), str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # until the step is stopped inside its bucketed update
+            lines.append(line)
+            if line.startswith("mid-update"):
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and lines[-1].startswith("mid-update"), (
+        lines, err[-3000:])
+    assert lines[0] == f"saved {k}\n"
+    # what the killed run left: a manifest of an interrupted update (init, k steps, the
+    # one killed: generation k + 2), some of its buckets written, a lock of a dead pid
+    root = scratch / "zerojax-nvme-p0"
+    man = json.loads((root / "MANIFEST.json").read_text())
+    lock = json.loads((root / "LOCK").read_text())
+    assert man["status"] == "updating" and man["generation"] == k + 2 == int(lines[-1].split()[1])
+    assert lock["pid"] == proc.pid and lock["token"] == man["token"]
+    # a fresh optimizer on the same path: the dead run's files are deleted, not read
+    kw = dict(stage=2, min_shard_size=16, param_dtype=jnp.bfloat16, max_grad_norm=0.5)
+    with pytest.warns(UserWarning, match=rf"{root}: .*process {proc.pid} .* (died|killed).*"
+                                         r"'updating' generation 4.*not a state.*restore"):
+        opt = zerojax.zero(optax.adamw(1e-2), mesh, offload_optimizer="nvme",
+                           nvme_path=str(scratch), nvme_buffer_size=16384, **kw)
+    assert sorted(opt._nvme.stale_removed) == sorted(
+        ["MANIFEST.json"] + [e["file"] for e in man["leaves"]])
+    with zerojax.CheckpointManager(ckpt) as mgr:
+        assert mgr.latest_step() == k
+        state = mgr.restore(opt, like=awkward_params())
+    assert int(state.step) == k and isinstance(state.opt_state, nvme.NvmeState)
+    step = opt.train_step(awkward_loss)
+    batches = regression_batches(steps)
+    for b in batches[k:]:
+        state, _ = step(state, b)
+    # as a run never interrupted (in memory: NVMe equals it bitwise)
+    ref = zerojax.zero(optax.adamw(1e-2), mesh, offload_optimizer=True, **kw)
+    want, ref_step = ref.init_state(awkward_params()), ref.train_step(awkward_loss)
+    for b in batches:
+        want, _ = ref_step(want, b)
+    assert int(state.step) == int(want.step) == steps
+    assert _same(want.params, state.params)
+    assert _same(want.opt_state, nvme.read_state(state))
 
 
 # -- host memory ------------------------------------------------------------------------

@@ -82,6 +82,7 @@ import shutil
 import socket
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -185,11 +186,28 @@ class NvmeStore:
                     "or processes given one nvme_path would overwrite each other's optimizer "
                     "state. Give each run its own nvme_path; if no run uses it any more, "
                     f"delete {lock}.")
-            # a dead run's scratch: never a state; removed
+            # a dead run's scratch: never a state; removed, and the user told
+            try:
+                with open(os.path.join(self.dir, MANIFEST)) as f:
+                    man = json.load(f)
+            except (OSError, ValueError):
+                man = {}
             for name in sorted(os.listdir(self.dir)):
                 if name == MANIFEST or (name.startswith("leaf-") and name.endswith(".bin")):
                     os.remove(os.path.join(self.dir, name))
                     self.stale_removed.append(name)
+            if self.stale_removed:
+                status = man.get("status")
+                what = ("an update interrupted mid-step: the files mix two steps"
+                        if status == "updating" else "a state between steps, whose durable "
+                        "copy is a checkpoint")
+                warnings.warn(
+                    f"{self.dir}: the optimizer state's files of process {pid} on {host}, "
+                    f"which died (killed, or exited without cleaning up), manifest "
+                    f"{status!r} generation {man.get('generation')} ({what}), are not a "
+                    f"state: {len(self.stale_removed)} files deleted. Resume from the last "
+                    "checkpoint: CheckpointManager.restore(opt, like=params).",
+                    stacklevel=6)  # zero(...)'s caller
         with open(lock + ".tmp", "w") as f:
             json.dump({"pid": os.getpid(), "host": here, "token": self.token}, f)
         os.replace(lock + ".tmp", lock)
