@@ -1163,6 +1163,7 @@ class CheckpointManager:
         hostmem.release_freed_memory()
         if nvme.is_nvme(cfg):  # the NVMe tier: the restored state written to its files
             opt_state = nvme.to_disk(opt, opt_state)
+            params = nvme.params_to_disk(opt, params, opt_state)  # offload_params="nvme"
         return TrainState(saved_step, params, opt_state, loss_scale)
 
 

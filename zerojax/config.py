@@ -148,6 +148,17 @@ class ZeroConfig:
         device at its start and writes the new ones back at its end (ZeRO-Infinity's
         per-layer fetch is not implemented). Combine with ``offload_optimizer=True``
         to keep the whole model state off the device between steps.
+        ``"nvme"`` (stage 3, needs ``offload_optimizer="nvme"``; anything else is
+        refused naming the fix): the param shards (the compute copy: ``param_dtype``,
+        else the fp32 params themselves) live in files beside the optimizer state's
+        under ``nvme_path`` between steps, in neither device nor host memory.
+        ``TrainState.params`` is then a :class:`zerojax.nvme.NvmeParams` handle (no
+        array leaves); read the params with ``zerojax.nvme.read_params(state)`` or
+        ``opt.full_params(state)``. The step reads the shards into device memory (a
+        reader thread reading the next leaves while one is placed), computes the
+        gradient, and its bucketed update writes the new params to their files; the
+        training equals ``offload_optimizer=True, offload_params=True`` bitwise. See
+        :mod:`zerojax.nvme`.
       replica_axis: hierarchical sharding, HSDP / MiCS (stages 1-3): the name of the
         mesh's outer (node) axis, e.g. ``"replica"`` of ``make_mesh(replica=2,
         data=4)``. The model states are then partitioned over ``data_axis`` only
@@ -200,7 +211,7 @@ class ZeroConfig:
     donate: bool = True
     has_aux: bool = False
     offload_optimizer: bool | str = False
-    offload_params: bool = False
+    offload_params: bool | str = False
     nvme_path: str | None = None
     nvme_buffer_count: int = 4
     nvme_buffer_size: int = 2**28
@@ -260,11 +271,13 @@ class ZeroConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("offload_optimizer", "offload_params"):
             value = getattr(self, name)
-            if name == "offload_optimizer" and isinstance(value, str) and value == "nvme":
-                continue
+            if isinstance(value, str) and value == "nvme":
+                continue  # the NVMe tier: checked by nvme.check_config
             if not isinstance(value, bool):
                 alt = (" or 'nvme' (files under nvme_path: DeepSpeed's {'device': 'nvme'})"
-                        if name == "offload_optimizer" else "")
+                        if name == "offload_optimizer" else
+                        " or 'nvme' (stage 3, with offload_optimizer='nvme': files under "
+                        "nvme_path)")
                 raise ValueError(
                     f"{name}={value!r} must be True or False{alt}: True keeps it in host "
                     "memory (pinned_host; DeepSpeed's "

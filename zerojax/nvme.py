@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's NVMe tier: the optimizer state and master weights in files on disk.
+"""ZeRO-Infinity's NVMe tier: the optimizer state, master weights (and stage-3 params) on disk.
 
 ``zero(tx, mesh, stage=s, offload_optimizer="nvme", nvme_path=DIR)`` (s = 1, 2, 3)
 keeps each process's partitioned optimizer state, and with ``param_dtype`` its fp32
@@ -13,7 +13,8 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   process exits. A second optimizer or process given the same directory is refused
   while the owner lives; a LOCK left by a killed process (its pid gone) marks the files
   beside it as a dead run's scratch: they are deleted, never read as a state.
-* ``MANIFEST.json``: ``{"token", "generation", "status", "leaves"}``: the owner's token,
+* ``MANIFEST.json``: ``{"token", "generation", "status", "leaves", "params"}``: the
+  owner's token,
   the number of updates written, ``"clean"`` between steps and ``"updating"`` while
   one runs (a run killed mid-step leaves ``"updating"``: the files then mix two
   steps and are refused), and per file the leaf's path in ``TrainState.opt_state``
@@ -25,12 +26,36 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   single process that holds every shard of a leaf split over ``data`` only, the
   shards in order are the whole (padded) leaf. Smaller leaves (Adam's step count, a
   scalar's master weight and moments) stay in memory, in the :class:`NvmeState`.
+* ``leaf-params-<j>.bin`` (``offload_params="nvme"`` only; the manifest's ``"params"``
+  entries, each with ``"tree": "params"`` and its path in ``TrainState.params``): the
+  j-th leaf of the stage-3 params as the state stores it (the compute copy: in
+  ``param_dtype`` when set, else the fp32 params themselves; padded for the split),
+  laid out as the optimizer state's files; smaller leaves stay in the
+  :class:`NvmeParams`.
 
 The files are scratch: a checkpoint (:class:`zerojax.CheckpointManager`) is the
 durable copy. ``save`` reads the state back from the files (whole, for the time of
 the save) and writes an ordinary checkpoint; ``restore`` into an NVMe optimizer
 writes the restored state to its files. States move between the NVMe tier,
 ``offload_optimizer=True`` and the device bitwise through a checkpoint.
+
+``offload_params="nvme"`` (stage 3, with ``offload_optimizer="nvme"``): the param
+shards live in the files too, in neither device nor host memory between steps.
+``TrainState.params`` is then an :class:`NvmeParams` handle with no array leaves (as
+:class:`NvmeState`: ``jax.tree`` operations on the state pass over it), carrying the
+params' ``ShapeDtypeStruct`` s; read them with :func:`read_params` (or
+``opt.full_params`` / ``iter_full_params``, which read them). The step reads them into
+their device sharding first, one leaf at a time, a reader thread reading the next
+leaves (up to ``nvme_buffer_count`` in host buffers) while one is placed; then the
+gradient program runs on them, and the bucketed update writes each bucket's new params
+to their files with the bucket's state (the params are whole in device memory during
+the step, as with ``offload_params=True``; never whole in host memory). ZeRO-Infinity's
+per-layer fetch, overlapping the reads with the forward pass, is not implemented:
+the read is before the gradient, in the step's time (``timings``' ``params_read_s``).
+Training equals ``offload_optimizer=True, offload_params=True`` bitwise (measured,
+``tests/test_nvme_params.py``: fp32, and bf16 with ``accum_steps`` and
+``max_grad_norm``, 3 steps); checkpoints carry the params as any other state's. An
+in-memory step given an NVMe state (or the converse) is refused, naming the fix.
 
 The step (:class:`NvmeTrainStep`): one compiled program computes the loss, the
 reduced gradients and their norm (as the in-memory step does); then the wrapped
@@ -65,7 +90,8 @@ PCIe transfer (12 bytes a parameter each way) against the disk's time, which it 
 hide behind.
 
 Memory: between steps the process holds the params (compute copy, as without
-offload) and the small leaves; during a step, the gradients (partitioned, as
+offload; with ``offload_params="nvme"`` only the leaves below the disk threshold)
+and the small leaves; during a step, the gradients (partitioned, as
 without offload), and at most ``nvme_buffer_count`` buckets of state on their way
 through (read, being updated, being written), each up to about twice its size (the
 read bytes and the placed arrays, then the new values and their host copy).
@@ -155,6 +181,7 @@ class NvmeStore:
         self.token = secrets.token_hex(8)
         self.generation = 0
         self.leaves: list[dict] = []  # manifest entries of the disk leaves
+        self.param_leaves: list[dict] = []  # offload_params="nvme": the params' entries
         self.shardings: dict = {}  # leaf index -> where it is placed when read
         self.stale_removed: list[str] = []  # files of a dead run deleted at start
         os.makedirs(self.dir, exist_ok=True)
@@ -222,15 +249,16 @@ class NvmeStore:
         tmp = os.path.join(self.dir, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump({"token": self.token, "generation": self.generation, "status": status,
-                       "leaves": self.leaves}, f)
+                       "leaves": self.leaves, "params": self.param_leaves}, f)
         os.replace(tmp, os.path.join(self.dir, MANIFEST))
 
-    def check(self, state: NvmeState) -> None:
-        """Raise unless the files hold ``state``: this store's, its generation, clean,
-        every file its full size."""
+    def check(self, state: NvmeState | NvmeParams) -> None:
+        """Raise unless the files hold ``state`` (the optimizer state's or the params'
+        handle): this store's, its generation, clean, every file its full size."""
+        what = "params" if isinstance(state, NvmeParams) else "optimizer state"
         if state.store is not self:
             raise NvmeError(
-                f"this TrainState's optimizer state is in the files of another optimizer "
+                f"this TrainState's {what} is in the files of another optimizer "
                 f"({state.store.dir}), not this one's ({self.dir}): step it with the "
                 "optimizer that made it, or move it through a checkpoint "
                 "(CheckpointManager.save, then restore with this optimizer).")
@@ -255,7 +283,7 @@ class NvmeStore:
                 f"run {man.get('token')}, not this state (clean generation {self.generation} "
                 f"of run {self.token}): an update was interrupted or another run wrote "
                 "there. The files are not a state; restore the last checkpoint.")
-        for e in self.leaves:
+        for e in self.leaves + self.param_leaves:
             self._check_size(e)
 
     def _check_size(self, e: dict) -> None:
@@ -264,11 +292,11 @@ class NvmeStore:
             size = os.path.getsize(path)
         except OSError as err:
             raise NvmeError(
-                f"{path} (opt_state{e['path']}) is missing ({err}): the optimizer state's file "
-                "was removed; restore the last checkpoint.") from err
+                f"{path} ({_where(e)}) is missing ({err}): the optimizer state's file was "
+                "removed; restore the last checkpoint.") from err
         if size != e["nbytes"]:
             raise NvmeError(
-                f"{path} (opt_state{e['path']}) holds {size} bytes, {e['nbytes']} expected: "
+                f"{path} ({_where(e)}) holds {size} bytes, {e['nbytes']} expected: "
                 "the file was truncated or replaced (a full disk, another run); it is not "
                 "read. Restore the last checkpoint.")
 
@@ -290,11 +318,13 @@ class NvmeStore:
                 "dtype": np.dtype(x.dtype).name, "shape": list(shape), "shards": entries,
                 "nbytes": offset}
 
-    def allocate(self) -> None:
-        """Create every leaf's file at its full size (space reserved: a full disk fails
-        here, before training, naming the path)."""
-        need = sum(e["nbytes"] for e in self.leaves)
-        have = sum(os.path.getsize(os.path.join(self.dir, e["file"])) for e in self.leaves
+    def allocate(self, entries: list[dict] | None = None) -> None:
+        """Create every leaf's file (of ``entries``, default the optimizer state's) at its
+        full size (space reserved: a full disk fails here, before training, naming the
+        path)."""
+        entries = self.leaves if entries is None else entries
+        need = sum(e["nbytes"] for e in entries)
+        have = sum(os.path.getsize(os.path.join(self.dir, e["file"])) for e in entries
                    if os.path.exists(os.path.join(self.dir, e["file"])))
         free = shutil.disk_usage(self.dir).free
         if need - have > free:
@@ -302,7 +332,7 @@ class NvmeStore:
                 f"nvme_path {self.dir} has {free / 2**30:.2f} GiB free, but this process's "
                 f"optimizer state needs {need / 2**30:.2f} GiB there: free space on that disk "
                 "or pass an nvme_path on a larger one.")
-        for e in self.leaves:
+        for e in entries:
             path = os.path.join(self.dir, e["file"])
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -332,7 +362,18 @@ class NvmeStore:
     def read(self, e: dict, sharding: NamedSharding) -> jax.Array:
         """Leaf ``e`` read from its file and placed with ``sharding``; a short read is an
         error, never zeros."""
-        shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+        return self.place(e, self.read_host(e), sharding)
+
+    @staticmethod
+    def place(e: dict, host: dict, sharding: NamedSharding) -> jax.Array:
+        """Leaf ``e``'s shards (:meth:`read_host`) placed with ``sharding``."""
+        shape = tuple(e["shape"])
+        return jax.make_array_from_callback(shape, sharding,
+                                             lambda idx: host[_key(idx, shape)])
+
+    def read_host(self, e: dict) -> dict:
+        """Leaf ``e``'s shards read from its file into host buffers, by shard index."""
+        dtype = np.dtype(e["dtype"])
         path = os.path.join(self.dir, e["file"])
         self._check_size(e)
         host: dict = {}
@@ -346,8 +387,7 @@ class NvmeStore:
                 host[key] = buf
         finally:
             os.close(fd)
-        return jax.make_array_from_callback(shape, sharding,
-                                             lambda idx: host[_key(idx, shape)])
+        return host
 
 
 def _cleanup(directory: str, token: str) -> None:
@@ -370,6 +410,11 @@ def _cleanup(directory: str, token: str) -> None:
         os.rmdir(directory)
     except OSError:
         pass
+
+
+def _where(e: dict) -> str:
+    """The leaf a manifest entry holds, as the state names it."""
+    return f"{e.get('tree', 'opt_state')}{e['path']}"
 
 
 def _key(idx, shape) -> tuple:
@@ -408,7 +453,7 @@ def _pread_all(fd: int, buf: np.ndarray, off: int, path: str, e: dict) -> None:
         n = os.preadv(fd, [view[done:]], off + done)
         if n <= 0:
             raise NvmeError(
-                f"{path} (opt_state{e['path']}) ended at byte {off + done}, {off + len(view)} "
+                f"{path} ({_where(e)}) ended at byte {off + done}, {off + len(view)} "
                 "expected: the file was truncated; it is not read as zeros. Restore the last "
                 "checkpoint.")
         done += n
@@ -437,8 +482,47 @@ class NvmeState:
                 f"{len(self.store.leaves)} leaves on disk, {len(self.small)} in memory)")
 
 
+@jax.tree_util.register_pytree_node_class
+class NvmeParams:
+    """``TrainState.params`` with ``offload_params="nvme"``: a handle on the param files
+    (no array leaves of its own: ``jax.tree`` operations on the state pass over it, as
+    over :class:`NvmeState`), plus the small leaves kept in memory.
+
+    ``structs``: the params tree as ``jax.ShapeDtypeStruct`` s (stored shapes, padded
+    for the stage-3 split, with their shardings), what the state holds on disk. Read
+    the params with :func:`read_params` (or ``opt.full_params(state)``); ``generation``
+    as :class:`NvmeState`'s (the files hold one state, updated in place)."""
+
+    def __init__(self, store: NvmeStore, generation: int, treedef, small: dict, structs):
+        self.store, self.generation, self.treedef = store, generation, treedef
+        self.small, self.structs = small, structs
+
+    def tree_flatten(self):
+        return (), self
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return aux
+
+    def __getitem__(self, key):
+        raise TypeError(
+            f"state.params is on disk (offload_params='nvme': {self!r}), not a tree of "
+            f"arrays, so state.params[{key!r}] has nothing to index: read the params with "
+            "zerojax.nvme.read_params(state) (stored layout, device memory) or "
+            "opt.full_params(state) (whole, own shapes).")
+
+    def __repr__(self) -> str:
+        return (f"NvmeParams({self.store.dir}, generation {self.generation}, "
+                f"{len(self.store.param_leaves)} leaves on disk, {len(self.small)} in memory)")
+
+
 def is_nvme(cfg) -> bool:
     return isinstance(cfg.offload_optimizer, str) and cfg.offload_optimizer == "nvme"
+
+
+def is_nvme_params(cfg) -> bool:
+    """``offload_params="nvme"``: the stage-3 params in files too."""
+    return isinstance(cfg.offload_params, str) and cfg.offload_params == "nvme"
 
 
 def store_for(opt) -> NvmeStore:
@@ -494,12 +578,88 @@ def read_state(state: TrainState, which: str | None = None) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def params_to_disk(opt, params: Any, handle: Any) -> Any:
+    """With ``offload_params="nvme"``: write ``params`` (placed arrays, the stage-3
+    stored layout) to ``opt``'s files beside the optimizer state whose handle
+    (:class:`NvmeState`, just written by :func:`to_disk`) is ``handle``, in its
+    generation; returns the :class:`NvmeParams` handle. Leaves written are deleted from
+    memory. Without ``offload_params="nvme"``: ``params`` unchanged."""
+    if not is_nvme_params(opt.config):
+        return params
+    store: NvmeStore = opt._nvme
+    if not isinstance(handle, NvmeState) or handle.store is not store or (
+            handle.generation != store.generation):
+        raise NvmeError(
+            f"the params go beside the optimizer state of this optimizer's files "
+            f"({store.dir}, generation {store.generation}), but the state given is "
+            f"{handle!r}: write the optimizer state first (nvme.to_disk), then the params.")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    small: dict = {}
+    entries = []
+    for j, (path, x) in enumerate(flat):
+        if x.size >= disk_threshold(opt.config):
+            e = store.layout(j, jax.tree_util.keystr(path), x, x.sharding)
+            e.update(tree="params", file=f"leaf-params-{j:05d}.bin")
+            entries.append(e)
+        else:
+            small[j] = x
+    structs = jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=x.sharding) for _, x in flat])
+    store.param_leaves = entries
+    store._write_manifest("updating")
+    store.allocate(entries)
+    with cf.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda e: store.write(e, flat[e["leaf"]][1]), entries))
+    store._write_manifest("clean")
+    for e in entries:
+        x = flat[e["leaf"]][1]
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+    return NvmeParams(store, store.generation, treedef, small, structs)
+
+
+def read_params(state: Any) -> Any:
+    """The params of a state with ``offload_params="nvme"`` (the :class:`TrainState`, or
+    its :class:`NvmeParams`) read from the files into placed arrays (device memory), as
+    ``TrainState.params`` holds them with ``offload_params=False``: the stage-3 shards,
+    padded, in ``param_dtype``. A state whose params are arrays is returned as it is.
+
+    One leaf at a time: a reader thread reads the next leaves (up to
+    ``nvme_buffer_count`` in host buffers) while this one is placed."""
+    handle = state.params if isinstance(state, TrainState) else state
+    if not isinstance(handle, NvmeParams):
+        return handle
+    store = handle.store
+    store.check(handle)
+    structs = jax.tree.leaves(handle.structs)
+    leaves: list = [handle.small.get(j) for j in range(len(structs))]
+    entries = list(store.param_leaves)
+    pending: collections.deque = collections.deque()
+    with cf.ThreadPoolExecutor(1) as reader:
+        todo = iter(entries)
+        for e in todo:
+            pending.append((e, reader.submit(store.read_host, e)))
+            if len(pending) >= store.buffer_count:
+                break
+        while pending:  # the leaves after this one are read while it is placed
+            e, fut = pending.popleft()
+            host = fut.result()
+            leaves[e["leaf"]] = store.place(e, host, structs[e["leaf"]].sharding)
+            del host
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append((nxt, reader.submit(store.read_host, nxt)))
+    return jax.tree.unflatten(handle.treedef, leaves)
+
+
 def materialized(state: TrainState) -> TrainState:
-    """``state`` with its optimizer state read from the files (whole, in memory): what
-    ``CheckpointManager.save`` writes."""
+    """``state`` with its optimizer state (and with ``offload_params="nvme"`` its params)
+    read from the files (whole, in memory): what ``CheckpointManager.save`` writes."""
+    if isinstance(state.params, NvmeParams):
+        state = state.replace(params=read_params(state))
     if not isinstance(state.opt_state, NvmeState):
         return state
-    return state.replace(opt_state=read_state(state))
+    return state.replace(opt_state=read_state_on_host(state))  # host memory, not device
 
 
 # -- the step ---------------------------------------------------------------------------
@@ -573,7 +733,7 @@ class NvmeTrainStep:
         new_step = step + finite.astype(jnp.int32)
         return grads, owned, finite, grad_norm, scale, metrics, new_ls, new_step
 
-    def _plan(self, state: TrainState, owned, grads, finite, grad_norm, scale):
+    def _plan(self, state: TrainState, params, owned, grads, finite, grad_norm, scale):
         """Per params structure: the traced update, its buckets and their programs."""
         from zerojax import step as S
         from zerojax.mesh import constrain
@@ -581,12 +741,11 @@ class NvmeTrainStep:
 
         opt, cfg = self._opt, self._cfg
         handle: NvmeState = state.opt_state
-        key = (jax.tree.structure(state.params),
-               tuple(tuple(x.shape) for x in jax.tree.leaves(state.params)))
+        key = (jax.tree.structure(params), tuple(tuple(x.shape) for x in jax.tree.leaves(params)))
         if key in self._plans:
             return self._plans[key]
         mixed, stage, mesh = cfg.param_dtype is not None, cfg.stage, opt.mesh
-        logical = opt.logical_params(state.params)
+        logical = opt.logical_params(params)
         lay_tree = opt.layouts(logical)
         opt_lays = opt.opt_state_layouts(logical)
         specs = opt.specs(logical)
@@ -711,7 +870,17 @@ class NvmeTrainStep:
         # scalar already read as often as in the one-program step
         rest_prog = _program(ops, [out_refs[k] for k in rest], rest, given, full,
                              extra_uses=False)
+        # offload_params="nvme": output position -> params leaf written to its file (the
+        # new params: the compute copy with param_dtype, else the new owned params)
+        param_out, param_sh = {}, {}
+        if isinstance(state.params, NvmeParams):
+            first = n_own + n_inner if mixed else 0
+            sts = jax.tree.leaves(state.params.structs)
+            for e in state.params.store.param_leaves:
+                param_out[first + e["leaf"]] = e["leaf"]
+                param_sh[first + e["leaf"]] = sts[e["leaf"]].sharding
         built = dict(buckets=buckets, progs=progs, rest=rest, rest_prog=rest_prog,
+                     param_out=param_out, param_sh=param_sh,
                      pre_prog=pre_prog,
                      opt_index=opt_index, out_leaf=out_leaf, n_own=n_own, n_inner=n_inner,
                      n_grad=n_grad, own_def=own_def, inner_def=inner_def, shs=shs,
@@ -738,53 +907,72 @@ class NvmeTrainStep:
                 "(offload_optimizer='nvme'), but state.opt_state is "
                 f"{type(handle).__name__}: make the state with this optimizer's init_state, or "
                 "move it through a checkpoint (CheckpointManager.save / restore(opt, ...)).")
+        cfg = self._cfg
+        on_disk = is_nvme_params(cfg)
+        if on_disk != isinstance(state.params, NvmeParams):
+            have = ("on disk (made with offload_params='nvme')" if not on_disk else
+                    f"{type(state.params).__name__} (made without offload_params='nvme')")
+            raise TypeError(
+                f"this step's optimizer has offload_params={cfg.offload_params!r}, but "
+                f"state.params is {have}: make the state with this optimizer's init_state, "
+                "or move it through a checkpoint (CheckpointManager.save / restore(opt, ...)).")
         store = self._opt._nvme
         store.check(handle)  # this optimizer's files, this generation, whole
+        if on_disk:
+            store.check(state.params)
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
             raise ValueError(
                 "this TrainState was donated to an earlier step call and its buffers are "
                 "deleted: use the state that call returned.")
-        cfg = self._cfg
         mixed = cfg.param_dtype is not None
         t0 = time.perf_counter()
         batch = self.place_batch(batch)
+        # offload_params="nvme": the param shards read into device memory, read ahead
+        params = read_params(state.params) if on_disk else state.params
+        t_params = time.perf_counter() - t0
         master_dtypes = None
         if mixed:
             by_leaf = {e["leaf"]: e for e in store.leaves}
             master_dtypes = tuple(
                 handle.small[i].dtype if i in handle.small else np.dtype(by_leaf[i]["dtype"])
-                for i in range(len(jax.tree.leaves(state.params))))
+                for i in range(len(jax.tree.leaves(params))))
         grads, owned, finite, grad_norm, scale, metrics, new_ls, new_step = self._grad_jit(
-            state.params, master_dtypes, state.loss_scale, state.step, batch,
+            params, master_dtypes, state.loss_scale, state.step, batch,
             S._check_key(rng))
-        plan = self._plan(state, owned, grads, finite, grad_norm, scale)
+        plan = self._plan(state, params, owned, grads, finite, grad_norm, scale)
         jax.block_until_ready(grads)
-        if cfg.donate and (mixed or cfg.stage in (1, 2)):
+        if (cfg.donate or on_disk) and (mixed or cfg.stage in (1, 2)):
             # the old params are read by the gradient only (donate=True, as the in-memory
-            # step donates them): freed before the new ones are made
-            for x in jax.tree.leaves(state.params):
+            # step donates them; read from disk, the step's own): freed before the new
+            # ones are made
+            for x in jax.tree.leaves(params):
                 x.delete()
+        del params
         grad_leaves = jax.tree.leaves(grads)
         del grads  # each bucket's gradients are freed once it is updated
         t1 = time.perf_counter()
         out, nread, nwritten = self._update(plan, handle, owned, grad_leaves, finite, grad_norm,
                                             scale)
+        del owned
         t2 = time.perf_counter()
         n_own, n_inner = plan["n_own"], plan["n_inner"]
         small = {}
         for k, leaf in plan["out_leaf"].items():
             if leaf in handle.small:
                 small[leaf] = out[k]
-        if mixed:
-            compute = jax.tree.unflatten(plan["own_def"], [out[n_own + n_inner + j]
-                                                           for j in range(n_own)])
+        first = n_own + n_inner if mixed else 0  # the new params' outputs
+        if on_disk:  # written to their files by the update; the small ones kept
+            old = state.params
+            new_params = NvmeParams(store, store.generation, old.treedef,
+                                    {j: out[first + j] for j in old.small}, old.structs)
         else:
-            compute = jax.tree.unflatten(plan["own_def"], [out[j] for j in range(n_own)])
-        new_params = plan["gather"](compute) if "gather" in plan else compute
+            compute = jax.tree.unflatten(plan["own_def"], [out[first + j]
+                                                           for j in range(n_own)])
+            new_params = plan["gather"](compute) if "gather" in plan else compute
         new_handle = NvmeState(store, store.generation, handle.treedef, small)
         new_state = TrainState(new_step, new_params, new_handle, new_ls)
         self.timings.append({"grad_s": t1 - t0, "update_s": t2 - t1, "read_bytes": nread,
-                             "written_bytes": nwritten})
+                             "written_bytes": nwritten, "params_read_s": t_params})
         distributed.step_dispatched((new_state, metrics))
         return new_state, metrics
 
@@ -829,9 +1017,17 @@ class NvmeTrainStep:
                         counts["read"] += e["nbytes"]
             return got
 
+        param_out = plan["param_out"]
+        param_by = {e["leaf"]: e for e in store.param_leaves}
+
         def write(b, results):
             for k, x in results.items():
-                e = by_leaf[plan["out_leaf"][k]]
+                if k in param_out:  # a new param: its file (laid out as stored)
+                    e = param_by[param_out[k]]
+                    if x.sharding != plan["param_sh"][k]:
+                        x = jax.device_put(x, plan["param_sh"][k])
+                else:
+                    e = by_leaf[plan["out_leaf"][k]]
                 store.write(e, x)
                 with lock:
                     counts["written"] += e["nbytes"]
@@ -874,7 +1070,10 @@ class NvmeTrainStep:
                     w.result()
         rest = plan["rest_prog"](operands, {})
         for k, x in rest.items():
-            out[k] = x
+            if k in param_out:  # a param whose update reads no disk leaf (plain SGD)
+                write(-1, {k: x})
+            else:
+                out[k] = x
         store._write_manifest("clean")
         return out, counts["read"], counts["written"]
 
@@ -891,7 +1090,7 @@ class NvmeTrainStep:
         to_disk = {}
         for k, x in res.items():
             leaf = plan["out_leaf"].get(k)
-            if leaf is not None and leaf not in handle.small:
+            if (leaf is not None and leaf not in handle.small) or k in plan["param_out"]:
                 to_disk[k] = x
             else:
                 out[k] = x
@@ -1030,6 +1229,18 @@ def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
 def check_config(cfg) -> None:
     """Validate the NVMe options of ``cfg`` (called by ``ZeroConfig``)."""
     nvme = is_nvme(cfg)
+    if isinstance(cfg.offload_params, str) and not is_nvme_params(cfg):
+        raise ValueError(
+            f"offload_params={cfg.offload_params!r} is not a tier: use True (host memory, "
+            "pinned_host), 'nvme' (files under nvme_path, with offload_optimizer='nvme') or "
+            "False.")
+    if is_nvme_params(cfg) and not nvme:
+        raise ValueError(
+            f"offload_params='nvme' needs offload_optimizer='nvme' (got offload_optimizer="
+            f"{cfg.offload_optimizer!r}): the params' files go beside the optimizer state's, "
+            "under nvme_path, and the step writes them in its bucketed update. Use zero(tx, "
+            "mesh, stage=3, offload_optimizer='nvme', offload_params='nvme', nvme_path=DIR), "
+            "or offload_params=True (host memory).")
     if isinstance(cfg.offload_optimizer, str) and not nvme:
         raise ValueError(
             f"offload_optimizer={cfg.offload_optimizer!r} is not a tier: use True (host "
@@ -1052,11 +1263,19 @@ def check_config(cfg) -> None:
             "writable directory on a local disk where each process keeps its optimizer "
             "state's files, e.g. zero(tx, mesh, stage=1, offload_optimizer='nvme', "
             "nvme_path='/local_nvme/zerojax').")
-    if cfg.offload_params:
+    if cfg.offload_params is True:
         raise ValueError(
-            "offload_params=True with offload_optimizer='nvme' is not implemented: keep the "
-            "params on the device (offload_optimizer='nvme' alone), or use "
-            "offload_optimizer=True with offload_params=True.")
+            "offload_params=True with offload_optimizer='nvme' is not implemented (the params "
+            "in host memory, the optimizer state on disk): use offload_params='nvme' (stage "
+            "3: the params on disk too), keep the params on the device (offload_params="
+            "False), or use offload_optimizer=True with offload_params=True.")
+    if is_nvme_params(cfg) and cfg.stage != 3:
+        raise ValueError(
+            f"offload_params='nvme' needs stage=3 (got stage={cfg.stage}): only stage 3 "
+            "partitions the parameters, so only there does each process hold a 1/N shard "
+            "of them to keep on its disk. Use zero(tx, mesh, stage=3, offload_optimizer="
+            "'nvme', offload_params='nvme', nvme_path=DIR), or offload_optimizer='nvme' "
+            f"alone at stage {cfg.stage}.")
     n = cfg.nvme_buffer_count
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
         raise ValueError(
@@ -1069,3 +1288,151 @@ def check_config(cfg) -> None:
             f"nvme_buffer_size={s!r} must be an int of at least 4096 (bytes of optimizer state "
             "per bucket; default 2**28).")
 
+
+
+# -- streamed init and restore ----------------------------------------------------------
+# ``init_state`` and ``CheckpointManager.restore`` of an NVMe optimizer make (or read) the
+# optimizer state a group of leaves at a time and write each group to the files while
+# the next one is made: the state is never whole in memory. A group is about
+# ``nvme_buffer_size`` bytes of leaves (one leaf when a leaf is larger); at most
+# ``nvme_buffer_count`` groups are held at once (the one being made, the others waiting
+# for the writer thread), each deleted from memory once written.
+
+def _groups(nbytes: list[int], capacity: int) -> list[list[int]]:
+    """Positions packed in order into groups of at most ``capacity`` bytes (a larger
+    item alone)."""
+    groups: list[list[int]] = []
+    filled = 0
+    for k, n in enumerate(nbytes):
+        if groups and filled + n <= capacity:
+            groups[-1].append(k)
+            filled += n
+        else:
+            groups.append([k])
+            filled = n
+    return groups
+
+
+class _StreamWriter:
+    """Writes groups of ``(entry, array)`` in a background thread, at most
+    ``buffer_count - 1`` groups waiting (the caller makes the next meanwhile); each array
+    is deleted once written, unless it is one of ``keep`` (an input passed through)."""
+
+    def __init__(self, store: NvmeStore, keep: tuple = ()):
+        self.store = store
+        self.keep = {id(x) for x in keep}
+        self.limit = max(1, store.buffer_count - 1)
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="zerojax-nvme-init")
+        self.pending: collections.deque = collections.deque()
+
+    def put(self, pairs: list) -> None:
+        while len(self.pending) >= self.limit:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(self._write, pairs))
+
+    def _write(self, pairs: list) -> None:
+        for e, x in pairs:
+            self.store.write(e, x)
+            if id(x) not in self.keep and isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+
+    def finish(self) -> None:
+        try:
+            while self.pending:
+                self.pending.popleft().result()
+        finally:
+            self.pool.shutdown(wait=True)
+
+
+def _placed(x: jax.Array, sharding) -> jax.Array:
+    """``x`` laid out as ``sharding`` (the files hold that layout's shards)."""
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return jax.device_put(x, sharding)
+
+
+def stream_to_disk(opt, abstract: Any, make, keep: tuple = ()) -> NvmeState:
+    """Write an optimizer state to ``opt``'s files group by group, never whole.
+
+    ``abstract``: the state's tree (as the in-memory optimizer lays it out) of
+    ``jax.ShapeDtypeStruct`` with their shardings. ``make(indices) -> {index: array}``
+    makes (computes, reads) the leaves at those positions of ``jax.tree.leaves``: called
+    once for the small leaves (kept in memory, in the :class:`NvmeState`), then once a
+    group of disk leaves, each group written before the next but ``nvme_buffer_count - 1``
+    is made. ``keep``: arrays ``make`` may hand back that must not be deleted (inputs)."""
+    store: NvmeStore = opt._nvme
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    threshold = disk_threshold(opt.config)
+    entries = [store.layout(i, jax.tree_util.keystr(path), x, x.sharding)
+               for i, (path, x) in enumerate(flat)
+               if int(np.prod(x.shape, dtype=np.int64)) >= threshold]
+    disk = {e["leaf"] for e in entries}
+    store.leaves = entries
+    store.shardings = {e["leaf"]: flat[e["leaf"]][1].sharding for e in entries}
+    store.generation += 1
+    store._write_manifest("updating")
+    store.allocate()
+    small_idx = [i for i in range(len(flat)) if i not in disk]
+    small = dict(make(small_idx)) if small_idx else {}
+    writer = _StreamWriter(store, keep)
+    try:
+        for group in _groups([e["nbytes"] for e in entries], store.buffer_size):
+            es = [entries[k] for k in group]
+            got = make([e["leaf"] for e in es])
+            pairs = [(e, _placed(got.pop(e["leaf"]), store.shardings[e["leaf"]])) for e in es]
+            del got
+            writer.put(pairs)
+            del pairs
+    finally:
+        writer.finish()
+    store._write_manifest("clean")
+    return NvmeState(store, store.generation, treedef, small)
+
+
+def init_streamed(opt, fn, operands: list, out_shardings: Any) -> NvmeState:
+    """``fn(*operands)`` (the optimizer state's init, e.g. ``tx.init`` of the params, padded)
+    written to ``opt``'s files group by group (:func:`stream_to_disk`), each group its own
+    compiled program: ``fn`` traced once, and each group's leaves computed by the
+    equations they need alone (:func:`_program`; groups of equal equations share one
+    compilation). Bitwise what ``jax.jit(fn, out_shardings=out_shardings)`` gives: the
+    same equations, each leaf constrained to its sharding."""
+    sh_leaves = jax.tree.leaves(out_shardings)
+
+    def constrained(*xs):
+        out = jax.tree.leaves(fn(*xs))
+        return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(out, sh_leaves)]
+
+    abstract_out = jax.eval_shape(fn, *operands)
+    treedef = jax.tree.structure(abstract_out)
+    abstract = jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(jax.tree.leaves(abstract_out), sh_leaves)])
+    closed = jax.make_jaxpr(constrained)(*operands)
+    ops: list = []
+    n = len(operands)
+    out_refs = offload._inline(closed.jaxpr, closed.consts, list(range(n)), ops, [n])
+    inputs = dict(enumerate(operands))
+    cache: dict = {}
+
+    def make(indices):
+        run = _program(ops, [out_refs[i] for i in indices], list(indices), cache=cache,
+                       extra_uses=False)
+        return run(inputs, {})
+
+    return stream_to_disk(opt, abstract, make, keep=tuple(operands))
+
+
+def read_state_on_host(state: TrainState) -> Any:
+    """The optimizer state read from the files into host memory (``pinned_host``
+    arrays, laid out as ``offload_optimizer=True`` keeps it), one leaf at a time: what
+    ``CheckpointManager.save`` writes. Never in device memory; whole in host memory for
+    the time of the save (orbax writes a PyTree from arrays in memory: no bounded
+    streaming within its format)."""
+    handle: NvmeState = state.opt_state
+    store = handle.store
+    store.check(handle)
+    by_leaf = {e["leaf"]: e for e in store.leaves}
+    leaves = [handle.small[i] if i in handle.small else
+              store.read(by_leaf[i], store.shardings[i].with_memory_kind(offload.HOST))
+              for i in range(handle.treedef.num_leaves)]
+    return jax.tree.unflatten(handle.treedef, leaves)

@@ -365,6 +365,8 @@ class ZeroOptimizer:
         when no leaf can be a padded one. Never a padded shape silently: where the
         stored shapes could be padded and nothing says, it raises naming the leaf and
         ``like=``."""
+        if isinstance(params, nvme.NvmeParams):  # offload_params="nvme": what is on disk
+            params = params.structs
         params = self._split_model_specs(params)[0]
         treedef = jax.tree.structure(params)
         if like is not None:
@@ -470,7 +472,8 @@ class ZeroOptimizer:
         cfg = self.config
         return part.StageSpecs(
             params=offload.with_memory_kind(part.shardings(self.mesh, specs.params),
-                                            offload.HOST if cfg.offload_params else None),
+                                            offload.HOST if cfg.offload_params is True
+                                            else None),
             grads=part.shardings(self.mesh, specs.grads),
             opt_state=offload.with_memory_kind(part.shardings(self.mesh, specs.opt_state),
                                                offload.HOST if cfg.offload_optimizer is True
@@ -629,6 +632,8 @@ class ZeroOptimizer:
         part.register_logical(placed, params)
         if self._nvme is not None:  # the state written to the files, dropped from memory
             opt_state = nvme.to_disk(self, opt_state)
+        if self._nvme is not None:  # offload_params="nvme": the params to their files too
+            placed = nvme.params_to_disk(self, placed, opt_state)
         return TrainState(step, placed, opt_state, self.init_state_loss_scale())
 
     def input_shardings(self, like: Any, model_specs: Any = None) -> Any:
@@ -715,7 +720,7 @@ class ZeroOptimizer:
             if isinstance(state.opt_state, nvme.NvmeState):  # read from the files
                 return nvme.read_state(state, "master"), cfg.stage > 0
             return state.opt_state.master, cfg.stage > 0
-        return state.params, cfg.stage == 3
+        return nvme.read_params(state), cfg.stage == 3  # (offload_params="nvme": read)
 
     def full_params(self, state: TrainState, sharding: Any = None, *, like: Any = None
                     ) -> Any:

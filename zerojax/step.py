@@ -537,6 +537,14 @@ class TrainStep:
             raise TypeError(
                 f"step(state, batch): state must be the zerojax.TrainState made by "
                 f"opt.init_state(params), got {type(state).__name__}.")
+        if isinstance(state.opt_state, nvme.NvmeState) or isinstance(state.params,
+                                                                      nvme.NvmeParams):
+            raise TypeError(
+                "this TrainState keeps its optimizer state (and params) in the NVMe tier's "
+                "files (offload_optimizer='nvme'), but this step's optimizer keeps them in "
+                "memory: step it with the train_step of the optimizer that made it, or move "
+                "it through a checkpoint (CheckpointManager.save, then restore(opt, ...) "
+                "with this optimizer).")
         leaves = jax.tree.leaves(state)
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
             raise ValueError(
