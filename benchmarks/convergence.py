@@ -12,12 +12,14 @@ reported as mean and spread over the seeds beside the floor, with the bytes its
 collectives send against fp32 (:func:`zerojax.quant.wire_bytes` over the leaves).
 
 Modes: exact stage 3 (the reference), exact stage 0 (the floor), qwZ int8, qgZ int8,
-qgZ int4, hpZ (replica 2 x data 4), hpZ + qwZ int8 + qgZ int4 (ZeRO++), qwZ int8 + qgZ
-int4 and hpZ + qgZ int4; ``--modes`` picks some. Candidate remedies for int4 gradients
-(``--variants``) patch :func:`zerojax.quant.quantized_reduce_scatter` while a run is
-traced: ``block=B`` (int4 block size), ``sr`` (stochastic rounding), ``small=T``
-(leaves under T elements reduced exactly) and ``ef`` (error feedback, see
-:func:`run`).
+hpZ (replica 2 x data 4), and int4 gradients alone, with hpZ, with qwZ int8 and with
+both (ZeRO++), each with its block and rounding named: ``rtn b2048`` (round-to-nearest
+at block 2048, zero()'s int4 default before issue 35) and ``sr b256`` (stochastic
+rounding at block 256, the default since); ``--modes`` picks some. Candidate remedies
+for int4 gradients (``--variants``, run on the ``rtn b2048`` modes) patch
+:func:`zerojax.quant.quantized_reduce_scatter` while a run is traced: ``block=B``
+(int4 block size), ``sr`` (stochastic rounding), ``small=T`` (leaves under T elements
+reduced exactly) and ``ef`` (error feedback, see :func:`run`).
 
 ``nice -n 15 python benchmarks/convergence.py`` (the figures in benchmarks/README.md,
 "ZeRO++ convergence"); ``--quick`` for a short check.
@@ -38,29 +40,32 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import use_simulated_devices  # noqa: E402
 
+# int4 gradients' settings, given explicitly so that each mode runs what its name says
+# whatever zero()'s default: zero()'s int4 default since issue 35 (the same as the
+# variant "sr+block=256") and the one before it
 SR256 = dict(quantize_gradients_block=256, quantize_gradients_rounding="stochastic")
+RTN2048 = dict(quantize_gradients_block=2048, quantize_gradients_rounding="nearest")
+QG4 = {"rtn b2048": dict(quantize_gradients="int4", **RTN2048),
+       "sr b256": dict(quantize_gradients="int4", **SR256)}
 # name -> (mesh, zero() options); "exact stage 3" is the reference of every pair
 MODES = {
     "exact stage 3": ("8", dict(stage=3)),
     "exact stage 0 (floor)": ("8", dict(stage=0)),
     "qwZ int8": ("8", dict(stage=3, quantize_weights="int8")),
     "qgZ int8": ("8", dict(stage=3, quantize_gradients="int8")),
-    "qgZ int4": ("8", dict(stage=3, quantize_gradients="int4")),
     "hpZ": ("2x4", dict(stage=3, hpz=True)),
-    "hpZ + qwZ int8 + qgZ int4": ("2x4", dict(stage=3, hpz=True, quantize_weights="int8",
-                                              quantize_gradients="int4")),
-    "qwZ int8 + qgZ int4": ("8", dict(stage=3, quantize_weights="int8",
-                                      quantize_gradients="int4")),
-    "hpZ + qgZ int4": ("2x4", dict(stage=3, hpz=True, quantize_gradients="int4")),
     "hpZ + qwZ int8 + qgZ int8": ("2x4", dict(stage=3, hpz=True, quantize_weights="int8",
                                               quantize_gradients="int8")),
-    # the adopted int4 setting (zero()'s options; same as the variant "sr+block=256")
-    "qgZ int4 sr b256": ("8", dict(stage=3, quantize_gradients="int4", **SR256)),
-    "hpZ + qwZ int8 + qgZ int4 sr b256": ("2x4", dict(stage=3, hpz=True,
-                                                      quantize_weights="int8",
-                                                      quantize_gradients="int4", **SR256)),
 }
-DEFAULT_MODES = [m for m in MODES if "sr b256" not in m]
+for _q, _opts in QG4.items():
+    MODES.update({
+        f"qgZ int4 {_q}": ("8", dict(stage=3, **_opts)),
+        f"hpZ + qwZ int8 + qgZ int4 {_q}": ("2x4", dict(stage=3, hpz=True,
+                                                        quantize_weights="int8", **_opts)),
+        f"qwZ int8 + qgZ int4 {_q}": ("8", dict(stage=3, quantize_weights="int8", **_opts)),
+        f"hpZ + qgZ int4 {_q}": ("2x4", dict(stage=3, hpz=True, **_opts)),
+    })
+DEFAULT_MODES = list(MODES)
 REFERENCE, FLOOR = "exact stage 3", "exact stage 0 (floor)"
 MIN_SHARD = 128  # ZeroConfig.min_shard_size: smaller leaves stay replicated
 
@@ -186,8 +191,9 @@ def run_ef(args, name: str, seed: int, parts) -> dict:
     zero-padded to a multiple of 8 and split over ``data``; the step all-gathers the
     leaves exactly, reduce-scatters each leaf's gradient (``psum_scatter``, or
     :func:`zerojax.quant.quantized_reduce_scatter` int4 at the default block: the
-    pieces zero() sends, cut along the flat leaf), and applies the demo's adamw to the
-    shards. With error feedback each device adds last step's residual to its gradient
+    pieces zero() sends, cut along the flat leaf; block 2048, round-to-nearest: the
+    function's own defaults, zero()'s int4 before issue 35), and applies the demo's
+    adamw to the shards. With error feedback each device adds last step's residual to its gradient
     before quantizing and keeps what the quantization dropped:
     ``e = (g + e) - deq(q(g + e))``, piece by piece, as 1-bit Adam does."""
     import jax
@@ -453,7 +459,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = min(args.steps, 60), args.seeds[:2]
-        args.modes = args.modes or [REFERENCE, FLOOR, "qgZ int4"]
+        args.modes = args.modes or [REFERENCE, FLOOR, "qgZ int4 rtn b2048",
+                                    "qgZ int4 sr b256"]
     modes = DEFAULT_MODES if args.modes is None else args.modes
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -474,13 +481,14 @@ def main(argv=None) -> int:
     jobs = [] if args.variants_only else [(m, None) for m in modes]
     jobs += [(m, v) for v in args.variants for m in modes
              if MODES[m][1].get("quantize_gradients") == "int4"
-             and "quantize_gradients_rounding" not in MODES[m][1]]
+             and MODES[m][1].get("quantize_gradients_rounding") == "nearest"]
     wires = {}
     for m, v in jobs + [(m, None) for m in MODES]:
         bits = {"int8": 8, "int4": 4}.get(MODES[m][1].get("quantize_gradients"))
         opts = dict(p.split("=") if "=" in p else (p, "1") for p in (v or "").split("+") if p)
-        opts.setdefault("block", MODES[m][1].get("quantize_gradients_block")
-                        or quant.DEFAULT_BLOCK)
+        opts.setdefault("block", quant.grad_quant(
+            bits, MODES[m][1].get("quantize_gradients_block")).block if bits
+            else quant.DEFAULT_BLOCK)
         wires[(m, v or "")] = (wire_fraction(
             like, bits, block=int(opts["block"]), small=int(opts.get("small", 0))),
             wire_fraction(like, 8 if MODES[m][1].get("quantize_weights") else None))

@@ -20,12 +20,29 @@ CASES = {
                             max_grad_norm=0.5),
 }
 HOST = dict(offload_optimizer=True, offload_params=True)
+# fp32 without param_dtype, jax >= 0.11: the NVMe tier's bucket programs are 1 ulp apart
+# from the one-program step in Adam's moments from the second step on (with the params
+# on disk or on the device alike: the tier's update, not the params' files). XLA:CPU
+# there reads a kernel's gradient in the dot's column-major layout through a copy
+# inside the update's fusion, where the bucket program reads it row-major, and the two
+# loops round differently. Measured (jax 0.12, 3 steps): |a - b| <= 1.7 (1e-9 + 1e-7
+# |b|); jax 0.10.2: bitwise. param_dtype=bf16 is bitwise on both.
+OLD_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11)
 
 
 def _batches(options, steps):
     k = options.get("accum_steps", 1)
     return [tuple(x.reshape(k, x.shape[0] // k, *x.shape[1:]) if k > 1 else x for x in b)
             for b in regression_batches(steps)]
+
+
+def _close(a, b, exact: bool) -> bool:
+    """Bitwise, or (``exact=False``) within 10x the tolerance measured above."""
+    if exact:
+        return _same(a, b)
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8) for x, y in zip(la, lb))
 
 
 def _same(a, b) -> bool:
@@ -69,14 +86,15 @@ def test_trains_bitwise_as_host_offload(case, runs):
     out, _ = runs(case)
     opt_h, want, _, want_losses = out["host"]
     opt_n, got, step, losses = out["nvme"]
-    assert losses == want_losses and int(got.step) == STEPS
+    exact = OLD_JAX or "param_dtype" in CASES[case]
+    assert _close(losses, want_losses, exact) and int(got.step) == STEPS
     assert isinstance(got.params, nvme.NvmeParams) and not jax.tree.leaves(got.params)
     assert got.params.store.param_leaves  # on disk, not in memory
-    assert _same(want.params, nvme.read_params(got))  # every leaf, bitwise
-    assert _same(want.opt_state, nvme.read_state(got))
-    assert _same(opt_h.full_params(want), opt_n.full_params(got))
-    assert all(np.array_equal(x, np.asarray(y)) for (_, x), y in zip(
-        opt_n.iter_full_params(got), jax.tree.leaves(opt_h.full_params(want))))
+    assert _close(want.params, nvme.read_params(got), exact)  # every leaf
+    assert _close(want.opt_state, nvme.read_state(got), exact)
+    assert _close(opt_h.full_params(want), opt_n.full_params(got), exact)
+    assert _close([x for _, x in opt_n.iter_full_params(got)],
+                  [np.asarray(y) for y in jax.tree.leaves(opt_n.full_params(got))], True)
     t = step.timings[-1]
     params_disk = sum(e["nbytes"] for e in got.params.store.param_leaves)
     opt_disk = sum(e["nbytes"] for e in got.opt_state.store.leaves)

@@ -344,11 +344,20 @@ def test_plan_splits_stage_3_traffic_by_link_on_nodes():
     assert links["HSDP (replica_axis)"] == (3 * psi * 2, 2 * shard * 2)
     assert links["hpZ"] == (3 * psi * 2, shard * 2 + shard * 2)
     inside, across = links["ZeRO++: hpZ + qwZ int8 + qgZ int4"]
-    # int8 weights (1 byte + a 4-byte scale per 2048), int4 gradients (half a byte +)
-    assert inside == pytest.approx(2 * psi * (1 + 4 / 2048) + psi * (0.5 + 4 / 2048), rel=1e-4)
-    assert across == pytest.approx(shard * (0.5 + 4 / 2048) + shard * 2, rel=1e-4)
+    # int8 weights (1 byte + a 4-byte scale per 2048), int4 gradients (half a byte + a
+    # 4-byte scale per 256: zero()'s default block; per 2048 given explicitly)
+    assert inside == pytest.approx(2 * psi * (1 + 4 / 2048) + psi * (0.5 + 4 / 256), rel=1e-4)
+    assert across == pytest.approx(shard * (0.5 + 4 / 256) + shard * 2, rel=1e-4)
+    full = {"hpz": True, "quantize_weights": "int8", "quantize_gradients": "int4"}
+    assert link_traffic(psi, 3, per_node=8, nodes=64, **full) == (inside, across)
+    inside_2048, across_2048 = link_traffic(psi, 3, per_node=8, nodes=64,
+                                            quantize_gradients_block=2048, **full)
+    assert inside - inside_2048 == pytest.approx(psi * (4 / 256 - 4 / 2048), rel=1e-4)
+    assert across - across_2048 == pytest.approx(shard * (4 / 256 - 4 / 2048), rel=1e-4)
     text = plan_text.format_model_plan(p)
     assert "the step's peak and the traffic by link" in text and "64 nodes x 8" in text
+    # the quantized rows' bytes and measured loss cost are stated beside them
+    assert "block 256 + stochastic rounding" in text and "+0.008 nats" in text
     # and each mode's peak: HSDP holds stage 3's states over a node's 8 devices, hpZ its
     # optimizer state over all 512 and a secondary param copy over 8; the batch is 8
     # sequences per device in every mode

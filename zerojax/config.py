@@ -157,8 +157,8 @@ class ZeroConfig:
         ``opt.full_params(state)``. The step reads the shards into device memory (a
         reader thread reading the next leaves while one is placed), computes the
         gradient, and its bucketed update writes the new params to their files; the
-        training equals ``offload_optimizer=True, offload_params=True`` bitwise. See
-        :mod:`zerojax.nvme`.
+        training equals ``offload_optimizer=True, offload_params=True`` (bitwise with
+        ``param_dtype=bf16``; see :mod:`zerojax.nvme` for what was measured).
       replica_axis: hierarchical sharding, HSDP / MiCS (stages 1-3): the name of the
         mesh's outer (node) axis, e.g. ``"replica"`` of ``make_mesh(replica=2,
         data=4)``. The model states are then partitioned over ``data_axis`` only
@@ -179,16 +179,17 @@ class ZeroConfig:
         then over ``replica``. Per step and device: 3 Psi inside ``data``, 2 Psi/D
         across ``replica``, at the cost of params held at 1/D instead of 1/(R D).
       quantize_gradients_block, quantize_gradients_rounding: with ``quantize_gradients``
-        (qgZ): elements per quantization block (one float32 scale each; None: 2048,
-        :data:`zerojax.quant.DEFAULT_BLOCK`) and ``"nearest"`` (the default) or
-        ``"stochastic"`` rounding (:func:`zerojax.quant.quantized_reduce_scatter`). The
-        defaults keep qgZ as it was (int4: 0.1255 of fp32's reduce-scatter bytes). int4
-        at the defaults ends +0.063 nats above exact stage 3's held-out loss on the
-        demo's character-level task (3 seeds, 1,000 steps), 8x int8's +0.008;
-        ``quantize_gradients="int4", quantize_gradients_block=256,
-        quantize_gradients_rounding="stochastic"`` ends at int8's +0.008 with 0.129 of
-        fp32's bytes (int8: 0.2505): the recommended int4 setting (benchmarks/README.md,
-        "ZeRO++ convergence").
+        (qgZ): elements per quantization block (one float32 scale each) and
+        ``"nearest"`` or ``"stochastic"`` rounding
+        (:func:`zerojax.quant.quantized_reduce_scatter`). None (the defaults):
+        :data:`zerojax.quant.GRAD_DEFAULTS`, block 256 with stochastic rounding for
+        int4, block 2048 with round-to-nearest for int8. Measured on the demo's
+        character-level task (3 seeds, 1,000 steps; benchmarks/README.md, "ZeRO++
+        convergence"): int4 at block 256 + stochastic rounding ends +0.008 nats above
+        exact stage 3's held-out loss, int8's level, with 0.1289 of fp32's
+        reduce-scatter bytes (int8: 0.2505); int4 at block 2048 + round-to-nearest
+        (the default before, ``quantize_gradients_block=2048,
+        quantize_gradients_rounding="nearest"``) sends 0.1255 and ends +0.063 above.
     """
 
     stage: int = 1
@@ -220,7 +221,7 @@ class ZeroConfig:
     quantize_weights: str | None = None
     quantize_gradients: str | None = None
     quantize_gradients_block: int | None = None
-    quantize_gradients_rounding: str = "nearest"
+    quantize_gradients_rounding: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -354,17 +355,18 @@ class ZeroConfig:
         from zerojax.quant import ROUNDINGS
 
         block, rounding = self.quantize_gradients_block, self.quantize_gradients_rounding
-        if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+        if rounding is not None and (not isinstance(rounding, str) or rounding not in ROUNDINGS):
             raise ValueError(
                 f"quantize_gradients_rounding={rounding!r} is not supported: use 'nearest' "
-                "(the default) or 'stochastic' (unbiased rounding, for int4 gradients).")
+                "(round to nearest), 'stochastic' (unbiased rounding) or None (int4: "
+                "'stochastic', int8: 'nearest').")
         if block is not None and (isinstance(block, bool) or not isinstance(
                 block, (int, np.integer)) or block < 2 or block % 2):
             raise ValueError(
                 f"quantize_gradients_block={block!r} must be an even int >= 2 (elements per "
-                "quantization block, one float32 scale each), e.g. 256, or None for "
-                "zerojax.quant.DEFAULT_BLOCK (2048).")
-        if self.quantize_gradients is None and (block is not None or rounding != "nearest"):
+                "quantization block, one float32 scale each), e.g. 256, or None (int4: 256, "
+                "int8: 2048; zerojax.quant.GRAD_DEFAULTS).")
+        if self.quantize_gradients is None and (block is not None or rounding is not None):
             raise ValueError(
                 f"quantize_gradients_block={block!r} / quantize_gradients_rounding="
                 f"{rounding!r} set without quantize_gradients: pass quantize_gradients="
@@ -376,18 +378,16 @@ class ZeroConfig:
         return None if self.quantize_weights is None else _BITS[self.quantize_weights]
 
     @property
-    def grad_bits(self) -> int | None:
-        """Bits of qgZ's gradient reduce-scatters (None: exact)."""
+    def grad_bits(self) -> Any:
+        """qgZ's gradient reduce-scatters (None: exact): a
+        :class:`zerojax.quant.GradQuant` (bits, block, rounding), the options left None
+        filled in from :data:`zerojax.quant.GRAD_DEFAULTS`."""
         if self.quantize_gradients is None:
             return None
-        bits = _BITS[self.quantize_gradients]
-        if self.quantize_gradients_block is None and self.quantize_gradients_rounding == "nearest":
-            return bits  # as before these options: the collectives' defaults
-        from zerojax.quant import DEFAULT_BLOCK, GradQuant
+        from zerojax.quant import grad_quant
 
-        block = self.quantize_gradients_block
-        return GradQuant(bits, DEFAULT_BLOCK if block is None else int(block),
-                         self.quantize_gradients_rounding)
+        return grad_quant(_BITS[self.quantize_gradients], self.quantize_gradients_block,
+                          self.quantize_gradients_rounding)
 
     def _check_hierarchical(self) -> None:
         """``replica_axis`` / ``hpz`` on their own; the mesh is checked by ``zero()``."""

@@ -34,10 +34,35 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   :class:`NvmeParams`.
 
 The files are scratch: a checkpoint (:class:`zerojax.CheckpointManager`) is the
-durable copy. ``save`` reads the state back from the files (whole, for the time of
-the save) and writes an ordinary checkpoint; ``restore`` into an NVMe optimizer
-writes the restored state to its files. States move between the NVMe tier,
-``offload_optimizer=True`` and the device bitwise through a checkpoint.
+durable copy. States move between the NVMe tier, ``offload_optimizer=True`` and the
+device bitwise through a checkpoint. The state is never whole in device memory, and
+whole in host memory only during a save:
+
+* ``init_state`` (:func:`init_streamed`): the wrapped ``tx.init`` (with the padding and
+  the master weights) is traced once on the params and its output leaves computed a
+  group at a time, each group (about ``nvme_buffer_size`` bytes of leaves, a larger
+  leaf alone) a compiled program of the equations it needs (groups of equal equations
+  share one compilation) and written to the files while the next group is computed;
+  at most ``nvme_buffer_count`` groups are held at once (measured in
+  ``tests/test_nvme_stream.py``: the live jax arrays beyond the params at each file
+  write are at most 2 groups with ``nvme_buffer_count=2``, against the whole state with
+  :func:`to_disk`). Bitwise the one-program init: the files equal :func:`to_disk`'s
+  byte for byte. ``init_sharded`` makes the params in one program (its numerics, split
+  as ``input_shardings`` says), then takes this path;
+  bitwise its one-program state (measured: a GPT's init at stage 3, stage 1 bf16, and
+  stage 3 bf16 with a model axis).
+* ``restore`` into an NVMe optimizer (:func:`stream_to_disk`): orbax reads the
+  optimizer state's leaves a group at a time (the other leaves ``ocp.PLACEHOLDER``),
+  each group written to the files while the next is read; same bound, bitwise the
+  whole restore (a checkpoint of zerojax's first format is still restored whole).
+* ``save``: orbax writes a PyTree from arrays in memory, all of them in one call (a
+  checkpoint is one tensorstore OCDBT item; writing its leaves in several calls would
+  make a format other configurations could not restore). So ``save`` reads the state
+  from the files into host memory (``pinned_host`` arrays, as ``offload_optimizer=True``
+  keeps it: :func:`read_state_on_host`), whole for the time of the save, never into
+  device memory: a save needs host memory for the state (12 bytes a parameter with
+  fp32 Adam and master weights, per process: its partition), plus what orbax stages
+  while it writes.
 
 ``offload_params="nvme"`` (stage 3, with ``offload_optimizer="nvme"``): the param
 shards live in the files too, in neither device nor host memory between steps.
@@ -52,10 +77,14 @@ to their files with the bucket's state (the params are whole in device memory du
 the step, as with ``offload_params=True``; never whole in host memory). ZeRO-Infinity's
 per-layer fetch, overlapping the reads with the forward pass, is not implemented:
 the read is before the gradient, in the step's time (``timings``' ``params_read_s``).
-Training equals ``offload_optimizer=True, offload_params=True`` bitwise (measured,
-``tests/test_nvme_params.py``: fp32, and bf16 with ``accum_steps`` and
-``max_grad_norm``, 3 steps); checkpoints carry the params as any other state's. An
-in-memory step given an NVMe state (or the converse) is refused, naming the fix.
+Training equals ``offload_optimizer=True, offload_params=True`` as the NVMe optimizer
+alone equals ``offload_optimizer=True`` (the params' files change no arithmetic):
+measured (``tests/test_nvme_params.py``, 3 steps) bitwise with bf16 params,
+``accum_steps`` and ``max_grad_norm`` on jax 0.10.2 and 0.12, and fp32 without
+``param_dtype`` bitwise on jax 0.10.2; on jax 0.12 fp32 Adam's moments are 1 ulp apart
+from the second step (the tier's update, see below). Checkpoints carry the params as
+any other state's, bitwise. An in-memory step given an NVMe state (or the converse)
+is refused, naming the fix.
 
 The step (:class:`NvmeTrainStep`): one compiled program computes the loss, the
 reduced gradients and their norm (as the in-memory step does); then the wrapped
@@ -71,7 +100,11 @@ bitwise: measured (``tests/test_nvme.py``, jax 0.10.2 and 0.12) at stages 1-3 wi
 bf16 params, ``accum_steps``, ``max_grad_norm``, a model axis and in 2 processes.
 That took care (``docs/architecture.md``: XLA:CPU's FMA contraction and its rewrite
 of a division by a single-use scalar); fp16 with dynamic loss scaling was seen 1 ulp
-apart in Adam's ``nu`` at some bucket sizes and is not covered. The scratch files
+apart in Adam's ``nu`` at some bucket sizes and is not covered; on jax 0.12, fp32
+params without ``param_dtype`` at stage 3 are 1 ulp apart in Adam's moments from the
+second step (XLA:CPU reads a kernel's gradient column-major, as its dot made it,
+through a copy inside the one-program step's update fusion, and row-major in a
+bucket program; the two loops round differently). The scratch files
 are updated in place: an older ``TrainState`` cannot be stepped (``donate=False``
 keeps no old state here). An update that needs a norm of the whole
 update (``chain(adam, clip_by_global_norm)``) is refused: clip the gradients first

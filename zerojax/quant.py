@@ -43,18 +43,30 @@ Wire bytes per device (payload + float32 scales) for ``P`` elements: ``P`` int8 
 (:func:`wire_bytes`). Scales travel bit-cast after their block's bytes, so each
 all-gather (or each level's all-to-all) is one integer collective.
 
+The building blocks default to ``block=2048`` (:data:`DEFAULT_BLOCK`) and round-to-nearest;
+``zero(quantize_gradients="int4")`` uses block 256 with stochastic rounding instead
+(:data:`GRAD_DEFAULTS`, issue 35): 0.1289 of fp32's reduce-scatter bytes (1/8 + 1/256)
+against 0.1255 (1/8 + 1/2048), for a held-out loss +0.008 nats above exact stage 3's
+instead of +0.063 (the demo's character-level task, GPT 2 x 64, 1,000 steps, 3 seeds;
+benchmarks/README.md, "ZeRO++ convergence"). int8 gradients stay at block 2048 with
+round-to-nearest (+0.008 there already, 0.2505 of the bytes).
+
 Measured (2026-11-23, jax 0.10.2, 2-core CPU, 8 simulated devices; details in
 benchmarks/README.md, "ZeRO++ quantization block size"):
 
 * compiled HLO, 2048 x 512 fp32: the quantized all-gather moves 0.2505 of fp32's bytes
   (1/4 + 1/2048), the quantized reduce-scatter 0.2505 (int8) / 0.1255 (int4) of the
-  fp32 reduce-scatter's; hierarchical qgZ on (replica=2, data=4) sends 1/4 of the
+  fp32 reduce-scatter's at block 2048, 0.1289 at block 256 (int4 through ``zero()``,
+  ``tests/test_zeropp.py``); hierarchical qgZ on (replica=2, data=4) sends 1/4 of the
   ``data`` level's bytes across ``replica`` (``tests/test_quant.py``);
 * relative RMS error on a small GPT's weights / gradients at block 2048: int8 8.3e-3 /
   9.8e-3, int4 0.15 / 0.17; from block 32 to 4096 the int8 error goes from 5.3e-3 to
   8.7e-3 while the scale overhead falls from 12.5% to 0.1% of the int8 payload.
   :data:`DEFAULT_BLOCK` = 2048 is the smallest block whose scales cost under 0.5% of
-  the int4 payload (DeepSpeed's qwZ uses groups of about 4k-8k elements);
+  the int4 payload (DeepSpeed's qwZ uses groups of about 4k-8k elements); that error
+  measure missed what int4 gradients lose in training (round-to-nearest at 2048 sends
+  58% of a block's nonzero values as 0), hence int4 gradients' block 256 + stochastic
+  rounding (scales 3.1% of the int4 payload);
 * 200 Adam steps of a small GPT with a hand-written ZeRO-3 step: final loss (mean of
   the last 20 steps) within 0.01% (int8 gradients) and 0.06% (int4 gradients) of
   exact collectives, every step within 0.8%.
@@ -74,24 +86,56 @@ import numpy as np
 __all__ = [
     "DEFAULT_BLOCK", "quantize_blocks", "dequantize_blocks", "quantized_all_gather",
     "quantized_reduce_scatter", "wire_bytes", "ROUNDINGS",
-    "GradQuant",
+    "GradQuant", "GRAD_DEFAULTS", "INT4_GRAD_BLOCK", "grad_quant",
 ]
 
-#: Elements per quantization block (one float32 scale each); chosen from the measured
-#: table in benchmarks/README.md ("ZeRO++ quantization block size").
+#: Elements per quantization block (one float32 scale each) of the building blocks
+#: below and of qwZ / int8 qgZ; chosen from the measured table in benchmarks/README.md
+#: ("ZeRO++ quantization block size"). ``zero()``'s int4 gradients use
+#: :data:`GRAD_DEFAULTS` instead (block 256, stochastic rounding).
 DEFAULT_BLOCK = 2048
+
+#: Elements per block of ``zero(quantize_gradients="int4")`` (see :data:`GRAD_DEFAULTS`).
+INT4_GRAD_BLOCK = 256
+
+#: ``zero()``'s qgZ settings per bit width, ``(block, rounding)``, where
+#: ``quantize_gradients_block`` / ``quantize_gradients_rounding`` are left None. int4:
+#: block 256 with stochastic rounding, which ends +0.008 nats above exact stage 3's
+#: held-out loss (int8's level; round-to-nearest at block 2048: +0.063) on the demo's
+#: character-level task (3 seeds, 1,000 steps), at 0.1289 of fp32's reduce-scatter
+#: bytes (1/8 + 1/256) against 0.1255 (1/8 + 1/2048); benchmarks/README.md, "ZeRO++
+#: convergence". int8 is at that level already at block 2048 with round-to-nearest.
+GRAD_DEFAULTS = {8: (DEFAULT_BLOCK, "nearest"), 4: (INT4_GRAD_BLOCK, "stochastic")}
 
 _QMAX = {8: 127, 4: 7}
 
 
 class GradQuant(NamedTuple):
     """qgZ's settings beyond the bit width, as ``zero()``'s config hands them to the
-    gradient reduce-scatters (``ZeroConfig.grad_bits`` when ``quantize_gradients_block``
-    or ``quantize_gradients_rounding`` is set): see :func:`quantized_reduce_scatter`."""
+    gradient reduce-scatters (``ZeroConfig.grad_bits``; :func:`grad_quant` fills in
+    :data:`GRAD_DEFAULTS`): see :func:`quantized_reduce_scatter`. The field defaults
+    are the building block's own (block 2048, round-to-nearest), as for a plain
+    ``bits`` int."""
 
     bits: int
     block: int = DEFAULT_BLOCK
     rounding: str = "nearest"
+
+    def wire_fraction(self) -> float:
+        """Bytes on the wire per fp32 byte of a long reduce-scatter: ``bits / 32 + 1 /
+        block`` (the payload, then one 4-byte scale per ``block`` elements of 4 bytes):
+        int4 at block 256 0.1289, at block 2048 0.1255; int8 at block 2048 0.2505."""
+        return self.bits / 32 + 1 / self.block
+
+
+def grad_quant(bits: int, block: int | None = None, rounding: str | None = None) -> GradQuant:
+    """qgZ's settings for ``bits`` with ``block`` / ``rounding`` where given, else
+    :data:`GRAD_DEFAULTS` (int4: 256, ``"stochastic"``; int8: 2048, ``"nearest"``)."""
+    bits = _check_bits(bits)
+    default_block, default_rounding = GRAD_DEFAULTS[bits]
+    block = _check_block(default_block if block is None else block, bits)
+    rounding = _check_rounding(default_rounding if rounding is None else rounding)
+    return GradQuant(bits, block, rounding)
 
 
 # -- argument checks ---------------------------------------------------------------
@@ -386,7 +430,9 @@ def quantized_reduce_scatter(g: jax.Array, axis_name, *, bits: int = 8,
     axis, see :func:`_stochastic`). Same bytes either way. Measured on the demo's
     character-level task (benchmarks/README.md, "ZeRO++ convergence", 3 seeds): int4
     gradients at block 2048 end +0.063 nats above exact stage 3's held-out loss,
-    stochastic rounding at block 256 +0.008, as int8 gradients do.
+    stochastic rounding at block 256 +0.008, as int8 gradients do; the latter is what
+    ``zero(quantize_gradients="int4")`` passes (:data:`GRAD_DEFAULTS`), this function's
+    own defaults stay block 2048, round-to-nearest.
     """
     bits = _check_bits(bits)
     block = _check_block(block, bits)

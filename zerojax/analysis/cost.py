@@ -190,7 +190,8 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
 
     The collective bytes per device are ``inside_bytes``/``across_bytes`` when given,
     else :func:`link_traffic` of the stage with ``link_options``
-    (``hpz``, ``replica_axis``, ``quantize_weights``, ``quantize_gradients``) on
+    (``hpz``, ``replica_axis``, ``quantize_weights``, ``quantize_gradients``,
+    ``quantize_gradients_block``) on
     ``devices // per_node`` nodes (``per_node``: data devices per node, default the
     preset's devices per node / mp). ``host_bytes``: offloaded state in and out over
     PCIe per step. ``disk_bytes``: with ``offload_optimizer="nvme"``, the NVMe tier's
@@ -268,7 +269,8 @@ _BITS = {None: None, "int8": 8, "int4": 4}
 def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
                  param_bytes: int = 2, grad_bytes: int = 2, replica_axis: str | None = None,
                  hpz: bool = False, quantize_weights: str | None = None,
-                 quantize_gradients: str | None = None) -> tuple[int, int]:
+                 quantize_gradients: str | None = None,
+                 quantize_gradients_block: int | None = None) -> tuple[int, int]:
     """``(inside, across)``: the bytes one device moves per step over the links inside
     its node and over the network between nodes, on ``nodes`` x ``per_node`` devices
     (a mesh ``make_mesh(replica=nodes, data=per_node)``), as zerojax's step moves them
@@ -279,33 +281,40 @@ def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
     stage's traffic inside the node, plus an all-reduce of the Psi/D gradient shard
     across. hpZ (stage 3): the gathers and the first reduce-scatter inside, then the
     second reduce-scatter level (Psi/D) and the secondary copy's refresh (Psi/D,
-    exact) across. ``quantize_weights`` (qwZ, stage 3's gathers) and
+    exact) across. ``quantize_weights`` (qwZ, stage 3's gathers: int8 blocks plus a
+    float32 scale per ``zerojax.quant.DEFAULT_BLOCK`` = 2048 elements) and
     ``quantize_gradients`` (qgZ: int8/int4 blocks plus a float32 scale per
-    ``zerojax.quant.DEFAULT_BLOCK`` elements; hierarchical, inside first, where the
-    mesh has both axes; HSDP's across all-reduce becomes a quantized reduce-scatter
-    plus an exact all-gather) change the bytes per element on the wire."""
+    ``quantize_gradients_block`` elements, None: zero()'s default,
+    ``zerojax.quant.GRAD_DEFAULTS``, 256 for int4 (1/8 + 1/256 = 0.1289 of fp32's
+    bytes) and 2048 for int8 (0.2505); hierarchical, inside first, where the mesh has
+    both axes; HSDP's across all-reduce becomes a quantized reduce-scatter plus an
+    exact all-gather) change the bytes per element on the wire."""
     from zerojax import quant
 
     psi, d = int(num_params), int(per_node)
     qw, qg = _BITS[quantize_weights], _BITS[quantize_gradients]
+    g_block = quant.grad_quant(qg, quantize_gradients_block).block if qg else None
 
-    def wire(n, bits, exact_bytes):
+    def wire(n, bits, exact_bytes, block=quant.DEFAULT_BLOCK):
         n = int(n)
-        return quant.wire_bytes(n, bits=bits) if bits and n else n * exact_bytes
+        return quant.wire_bytes(n, bits=bits, block=block) if bits and n else n * exact_bytes
+
+    def gwire(n, bits, exact_bytes):  # the gradients' reduce-scatters (qgZ)
+        return wire(n, bits, exact_bytes, g_block)
 
     shard = -(-psi // d)
     if stage == 0:
         return (0, 2 * psi * grad_bytes) if nodes > 1 else (2 * psi * grad_bytes, 0)
     gathers = wire(psi, qw, param_bytes) * 2 if stage == 3 else psi * param_bytes
     if nodes == 1:
-        return gathers + wire(psi, qg, grad_bytes), 0
+        return gathers + gwire(psi, qg, grad_bytes), 0
     if hpz:
-        return (gathers + wire(psi, qg, grad_bytes),
-                wire(shard, qg, grad_bytes) + shard * param_bytes)
+        return (gathers + gwire(psi, qg, grad_bytes),
+                gwire(shard, qg, grad_bytes) + shard * param_bytes)
     if replica_axis is not None:
-        across = (wire(shard, qg, grad_bytes) + shard * grad_bytes if qg
+        across = (gwire(shard, qg, grad_bytes) + shard * grad_bytes if qg
                   else 2 * shard * grad_bytes)
-        return gathers + wire(psi, qg, grad_bytes), across
+        return gathers + gwire(psi, qg, grad_bytes), across
     if qg:  # plain, quantized: the reduce-scatter goes hierarchically, inside first
-        return wire(psi, qg, grad_bytes), gathers + wire(shard, qg, grad_bytes)
+        return gwire(psi, qg, grad_bytes), gathers + gwire(shard, qg, grad_bytes)
     return 0, gathers + psi * grad_bytes

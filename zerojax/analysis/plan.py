@@ -700,7 +700,8 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     host_fits = host_budget is None or host_bytes <= host_budget
     disk_fits = disk_budget is None or disk_bytes <= disk_budget
     links = {k: opts[k] for k in ("hpz", "replica_axis", "quantize_weights",
-                                  "quantize_gradients") if opts.get(k)}
+                                  "quantize_gradients", "quantize_gradients_block")
+             if opts.get(k)}
     time = step_time(psi, stage=stage, tokens_per_device=batch * seq,
                      devices=devices * replicas, accel=accel, layers=shape.layers,
                      hidden=shape.hidden, seq=seq, mp=mp,
