@@ -43,6 +43,14 @@ strict=False)``); the padding is always zeros, so nothing real is cut or invente
 The fp32 truth is the master weights when they were saved, else the params; the
 target's params (and master, with ``param_dtype``) are made from it.
 
+The NVMe tier (``offload_optimizer="nvme"``, :mod:`zerojax.nvme`): ``save`` reads the
+optimizer state from its scratch files into host memory (``pinned_host``), whole for
+the time of the save (orbax writes a PyTree from arrays in memory, in one call), never
+into device memory; ``restore`` reads the optimizer state a group of leaves at a time
+(about ``nvme_buffer_size`` bytes; orbax skips the others, ``ocp.PLACEHOLDER``) and
+writes each group to the files while the next is read: never whole in memory, bitwise
+the whole restore.
+
 Multi-process: ``save`` and ``restore`` are collective (every process calls them with
 the same step); the constructor, ``all_steps``, ``latest_step``, ``meta``, ``extra``
 and :func:`zerojax.export_params` read files only and work from any one process. The
@@ -1114,21 +1122,30 @@ class CheckpointManager:
         largest = max((math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(abstract)), default=0)
         limit_gb = max(1, math.ceil(2 * largest / 1e9))
-        try:
-            got = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-                restore_concurrent_gb=limit_gb)).restore(
-                os.path.join(root, "state"), args=ocp.args.PyTreeRestore(
-                    item=abstract, restore_args=args, partial_restore=True))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"checkpoint step {step} in {self.directory} does not restore into "
-                f"{opt!r} with {type(opt.inner).__name__}'s state: {e}. The optimizer must "
-                f"be the same optax transformation as the one saved.") from e
-        except Exception as e:  # tensorstore's bare errors name neither step nor file
-            raise CheckpointError(
-                f"reading checkpoint step {step} in {self.directory} failed: "
-                f"{type(e).__name__}: {e}. Check it with CheckpointManager.verify({step}) "
-                "or restore an earlier step.") from e
+
+        def read(abstract, args, partial=True):
+            try:
+                return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+                    restore_concurrent_gb=limit_gb)).restore(
+                    os.path.join(root, "state"), args=ocp.args.PyTreeRestore(
+                        item=abstract, restore_args=args, partial_restore=partial))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.directory} does not restore into "
+                    f"{opt!r} with {type(opt.inner).__name__}'s state: {e}. The optimizer "
+                    f"must be the same optax transformation as the one saved.") from e
+            except Exception as e:  # tensorstore's bare errors name neither step nor file
+                raise CheckpointError(
+                    f"reading checkpoint step {step} in {self.directory} failed: "
+                    f"{type(e).__name__}: {e}. Check it with CheckpointManager.verify("
+                    f"{step}) or restore an earlier step.") from e
+
+        if nvme.is_nvme(cfg) and meta.get("format", 1) >= 2:
+            # the NVMe tier: the optimizer state read a group of leaves at a time, each
+            # group written to the files before the next is read (never whole in memory)
+            return _restore_nvme(opt, meta, structs, item, is_pair, read, lays, w_lays,
+                                 w_split, restore_loss_scale)
+        got = read(abstract, args)
         weights = got["master" if meta["has_master"] else "params"]
         inner_state = _like_structure(got["inner"], jax.tree.map(lambda t: t[0], inner,
                                                                 is_leaf=is_pair))
@@ -1165,6 +1182,118 @@ class CheckpointManager:
             opt_state = nvme.to_disk(opt, opt_state)
             params = nvme.params_to_disk(opt, params, opt_state)  # offload_params="nvme"
         return TrainState(saved_step, params, opt_state, loss_scale)
+
+
+def _restore_nvme(opt, meta: dict, structs, item: dict, is_pair, read, lays, w_lays,
+                  w_split: bool, restore_loss_scale: bool) -> TrainState:
+    """``restore`` into an NVMe-tier optimizer, streamed: the step, the loss scale, the
+    params (without ``param_dtype``) and the optimizer state's small leaves first, then
+    the optimizer state's disk leaves a group of about ``nvme_buffer_size`` bytes at a
+    time (orbax reads only the leaves asked for: the others are ``ocp.PLACEHOLDER``),
+    each group written to the files while the next is read
+    (:func:`zerojax.nvme.stream_to_disk`). With ``param_dtype`` the master weights are
+    optimizer state leaves, and each group's compute copy is made from them as it
+    passes. The leaves are the ones the whole restore reads, unchanged: bitwise."""
+    cfg = opt.config
+    mixed = cfg.param_dtype is not None
+    wkey = "master" if meta["has_master"] else "params"
+    shs = opt.shardings(structs)
+    # the saved tree's structure: the keys the checkpoint holds but no leaf is read of
+    full = dict(item)
+    for key, present in (("params", True), ("master", meta["has_master"])):
+        if present and key not in full:
+            full[key] = jax.tree.map(lambda _: None, structs)
+    if meta["has_loss_scale"] and "loss_scale" not in full:
+        full["loss_scale"] = {"scale": None, "good_steps": None, "hysteresis": None}
+    is_slot = lambda x: x is None or is_pair(x)  # noqa: E731
+    slots, full_def = jax.tree_util.tree_flatten_with_path(full, is_leaf=is_slot)
+    where: dict = {}  # top-level key -> positions of its leaves in ``slots``
+    for k, (path, _) in enumerate(slots):
+        where.setdefault(path[0].key, []).append(k)
+
+    def fetch(positions) -> dict:
+        wanted = set(positions)
+        pick = lambda j: [t[j] if k in wanted and t is not None else ocp.PLACEHOLDER  # noqa: E731
+                          for k, (_, t) in enumerate(slots)]
+        got = read(jax.tree.unflatten(full_def, pick(0)), jax.tree.unflatten(full_def, pick(1)),
+                   partial=False)
+        leaves = jax.tree.leaves(got)
+        if len(leaves) != len(slots):
+            raise ValueError(f"restored {len(leaves)} leaves, {len(slots)} expected.")
+        return {k: leaves[k] for k in positions}
+
+    # the optimizer state as the in-memory optimizer lays it out: its leaf i is read
+    # from slot opt_slot[i]
+    w_abs = jax.tree.map(lambda t: t[0], item[wkey], is_leaf=is_pair)
+    inner_abs = jax.tree.map(lambda t: t[0], item["inner"], is_leaf=is_pair)
+    if mixed:
+        opt_abs = MasterState(w_abs, inner_abs)
+        opt_slot = where[wkey] + where["inner"]
+    else:
+        opt_abs = inner_abs
+        opt_slot = where["inner"]
+    params_sh = jax.tree.leaves(shs.params)
+    lay_list = jax.tree.leaves(lays, is_leaf=part.is_layout)
+    w_lay_list = jax.tree.leaves(w_lays, is_leaf=part.is_layout)
+    n_w = len(where[wkey])
+    rest = where["step"] + (where["loss_scale"] if restore_loss_scale else [])
+    if not mixed:  # the params are not optimizer state: read with the small leaves
+        rest = rest + where[wkey]
+    first: dict = {}  # slot -> the step, the loss scale's leaves (and the params)
+    computed: dict = {}  # params leaf -> its compute copy (with param_dtype)
+    compute_fns: dict = {}
+
+    def compute_copy(j, w):  # as restore's build: unpad, cast, pad at stage 3
+        lay, wlay = lay_list[j], w_lay_list[j]
+        key = (repr(lay), repr(wlay), params_sh[j], w.sharding)
+        fn = compute_fns.get(key)
+        if fn is None:
+            def one(x):
+                x = offload.to_device(x)
+                x = wlay.unpad(x) if w_split else x
+                x = x.astype(cfg.param_dtype)
+                return lay.pad_to_split(x) if cfg.stage == 3 else x
+
+            fn = compute_fns[key] = jax.jit(one, out_shardings=params_sh[j])
+        return fn(w)
+
+    def make(indices) -> dict:
+        positions = [opt_slot[i] for i in indices]
+        got = fetch(positions + ([] if first else rest))
+        if not first:
+            first.update({k: got[k] for k in rest})
+        out = {}
+        for i in indices:
+            out[i] = got[opt_slot[i]]
+            if mixed and i < n_w:
+                computed[i] = compute_copy(i, out[i])
+        # the compute copies made before the writer frees their master leaves
+        jax.block_until_ready([computed[i] for i in indices if i in computed])
+        return out
+
+    opt_state = nvme.stream_to_disk(opt, opt_abs, make)
+    if not first:  # every optimizer state leaf was on disk and read in groups
+        first.update(fetch(rest))
+    if mixed:
+        params = jax.tree.unflatten(jax.tree.structure(structs),
+                                    [computed[j] for j in range(n_w)])
+    else:
+        params = jax.device_put(
+            jax.tree.unflatten(jax.tree.structure(structs), [first[k] for k in where[wkey]]),
+            shs.params)
+    part.register_logical(params, structs)
+    loss_scale = None
+    if cfg.loss_scale is not None:
+        if restore_loss_scale:
+            ls = where["loss_scale"]
+            names = [p[1].key for p, _ in (slots[k] for k in ls)]
+            loss_scale = LossScaleState(**{n: first[k] for n, k in zip(names, ls)})
+        else:
+            loss_scale = opt.init_state_loss_scale()
+    jax.block_until_ready(params)
+    hostmem.release_freed_memory()
+    params = nvme.params_to_disk(opt, params, opt_state)  # offload_params="nvme"
+    return TrainState(first[where["step"][0]], params, opt_state, loss_scale)
 
 
 def _like_structure(restored, abstract):

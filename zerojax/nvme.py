@@ -1408,8 +1408,12 @@ def stream_to_disk(opt, abstract: Any, make, keep: tuple = ()) -> NvmeState:
     small_idx = [i for i in range(len(flat)) if i not in disk]
     small = dict(make(small_idx)) if small_idx else {}
     writer = _StreamWriter(store, keep)
+    # grouped by the leaves' global sizes: every process makes the same groups in the
+    # same order (the programs and orbax's reads are collective)
+    sizes = [int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(e["dtype"]).itemsize
+             for e in entries]
     try:
-        for group in _groups([e["nbytes"] for e in entries], store.buffer_size):
+        for group in _groups(sizes, store.buffer_size):
             es = [entries[k] for k in group]
             got = make([e["leaf"] for e in es])
             pairs = [(e, _placed(got.pop(e["leaf"]), store.shardings[e["leaf"]])) for e in es]

@@ -517,6 +517,15 @@ class ZeroOptimizer:
         placed_in = jax.tree.map(place, params, lays)
         on_host = any(k not in (None, offload.DEVICE) for k in offload.memory_kinds(placed_in))
         build = self._init_body(params, shardings, to_device=on_host)
+        if self._nvme is not None:
+            # offload_optimizer="nvme": the params placed, then the optimizer state made
+            # and written to the files group by group, never whole (nvme.init_streamed)
+            placed = jax.jit(lambda p: build(p)[0], out_shardings=shardings.params)(placed_in)
+            flat_in, in_def = jax.tree.flatten(placed_in)
+            opt_state = nvme.init_streamed(
+                self, lambda *xs: build(jax.tree.unflatten(in_def, xs))[1], flat_in,
+                shardings.opt_state)
+            return self._train_state(placed, opt_state, params)
         placed, opt_state = jax.jit(
             build, out_shardings=(shardings.params, shardings.opt_state))(placed_in)
         return self._train_state(placed, opt_state, params)
@@ -546,6 +555,13 @@ class ZeroOptimizer:
         :meth:`lower_init_sharded` with the same ``init_fn`` and arguments shows its
         memory (``.compile().memory_analysis()``) before anything is allocated.
         """
+        if self._nvme is not None:
+            # offload_optimizer="nvme": the params made as below (the same equations,
+            # split as input_shardings says), then init_state's streamed optimizer
+            # state (never whole in memory)
+            jitted, placed_args, params = self._sharded_init_jit(init_fn, args, model_specs,
+                                                                 params_only=True)
+            return self.init_state(jitted(*placed_args), model_specs)  # (specs remembered)
         jitted, placed_args, params = self._sharded_init_jit(init_fn, args, model_specs)
         stored, opt_state = jitted(*placed_args)
         return self._train_state(stored, opt_state, params)
@@ -558,7 +574,8 @@ class ZeroOptimizer:
         jitted, placed_args, _ = self._sharded_init_jit(init_fn, args, model_specs)
         return jitted.lower(*placed_args)
 
-    def _sharded_init_jit(self, init_fn: Callable, args: tuple, model_specs: Any):
+    def _sharded_init_jit(self, init_fn: Callable, args: tuple, model_specs: Any,
+                          params_only: bool = False):
         if not callable(init_fn):
             raise TypeError(
                 f"init_sharded(init_fn, *args) needs a function returning the params, got "
@@ -575,7 +592,7 @@ class ZeroOptimizer:
         self._remember(params, specs)
         key = (init_fn, jax.tree.structure(placed_args), tuple(
             (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
-            for x in jax.tree.leaves(placed_args)))
+            for x in jax.tree.leaves(placed_args)), params_only)
         jitted = self._init_jits.get(key)
         if jitted is None:
             shardings = self.shardings(params)
@@ -590,10 +607,13 @@ class ZeroOptimizer:
 
             def build(zero, *flat):
                 out = _eager_eval(closed.jaxpr, closed.consts, list(flat), zero, out_specs)
+                if params_only:  # the params at their own shapes, as init_fn made them
+                    return _unbox(jax.tree.unflatten(out_tree, out))
                 return body(_unbox(jax.tree.unflatten(out_tree, out)))
 
             jitted = self._init_jits[key] = jax.jit(
-                build, out_shardings=(shardings.params, shardings.opt_state))
+                build, out_shardings=self.input_shardings(params, specs) if params_only
+                else (shardings.params, shardings.opt_state))
         zero = jax.device_put(jnp.zeros((), jnp.float32), replicated)
         placed_args = (zero, *jax.tree.leaves(placed_args))
         return jitted, placed_args, params
@@ -630,8 +650,8 @@ class ZeroOptimizer:
         """The TrainState of freshly placed params (their own shapes registered)."""
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         part.register_logical(placed, params)
-        if self._nvme is not None:  # the state written to the files, dropped from memory
-            opt_state = nvme.to_disk(self, opt_state)
+        if self._nvme is not None and not isinstance(opt_state, nvme.NvmeState):
+            opt_state = nvme.to_disk(self, opt_state)  # written to the files, dropped
         if self._nvme is not None:  # offload_params="nvme": the params to their files too
             placed = nvme.params_to_disk(self, placed, opt_state)
         return TrainState(step, placed, opt_state, self.init_state_loss_scale())
