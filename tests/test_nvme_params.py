@@ -170,6 +170,11 @@ def test_bad_configs_are_refused_naming_the_fix(runs, tmp_path):
     host_step, got = out["host"][2], out["nvme"][1]
     with pytest.raises(TypeError, match="NVMe tier's files.*checkpoint"):
         host_step(got, _batches(CASES["fp32"], 1)[0])
+    # and to an NVMe step whose params are in memory
+    opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=3, min_shard_size=16,
+                       offload_optimizer="nvme", nvme_path=p)
+    with pytest.raises(TypeError, match="offload_params=False, but state.params is on disk"):
+        opt.train_step(awkward_loss)(got, _batches(CASES["fp32"], 1)[0])
 
 
 def test_checkpoints_go_between_nvme_params_and_host_offload(runs, tmp_path):

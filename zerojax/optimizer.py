@@ -465,9 +465,10 @@ class ZeroOptimizer:
         """``NamedSharding`` trees of the params, gradients and optimizer state of this
         stage (:meth:`specs` on this mesh), in the memory they live in between steps:
         ``memory_kind="pinned_host"`` for the optimizer state (master weights included)
-        with ``offload_optimizer`` and for the params with ``offload_params``, the
-        device's memory otherwise. Place or restore a state with these and the step
-        finds it where it expects it."""
+        with ``offload_optimizer=True`` and for the params with ``offload_params=True``,
+        the device's memory otherwise (the NVMe tier's ``"nvme"`` included: its state is
+        made there, then written to its files). Place or restore a state with these and
+        the step finds it where it expects it."""
         specs = self.specs(params, pad)
         cfg = self.config
         return part.StageSpecs(
