@@ -20,13 +20,11 @@ CASES = {
                             max_grad_norm=0.5),
 }
 HOST = dict(offload_optimizer=True, offload_params=True)
-# fp32 without param_dtype, jax >= 0.11: the NVMe tier's bucket programs are 1 ulp apart
-# from the one-program step in Adam's moments from the second step on (with the params
-# on disk or on the device alike: the tier's update, not the params' files). XLA:CPU
-# there reads a kernel's gradient in the dot's column-major layout through a copy
-# inside the update's fusion, where the bucket program reads it row-major, and the two
-# loops round differently. Measured (jax 0.12, 3 steps): |a - b| <= 1.7 (1e-9 + 1e-7
-# |b|); jax 0.10.2: bitwise. param_dtype=bf16 is bitwise on both.
+# fp32 without param_dtype, jax >= 0.11: the NVMe tier is 1 ulp apart from the
+# one-program step in one kernel's Adam moments from the second step on (with the params
+# on disk or on the device alike: the tier's update, not the params' files; see
+# zerojax/nvme.py). Measured (jax 0.12, 3 steps): |a - b| <= 1.7 (1e-9 + 1e-7 |b|);
+# jax 0.10.2: bitwise. param_dtype=bf16 is bitwise on both.
 OLD_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11)
 
 

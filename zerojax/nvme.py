@@ -100,11 +100,18 @@ bitwise: measured (``tests/test_nvme.py``, jax 0.10.2 and 0.12) at stages 1-3 wi
 bf16 params, ``accum_steps``, ``max_grad_norm``, a model axis and in 2 processes.
 That took care (``docs/architecture.md``: XLA:CPU's FMA contraction and its rewrite
 of a division by a single-use scalar); fp16 with dynamic loss scaling was seen 1 ulp
-apart in Adam's ``nu`` at some bucket sizes and is not covered; on jax 0.12, fp32
-params without ``param_dtype`` at stage 3 are 1 ulp apart in Adam's moments from the
-second step (XLA:CPU reads a kernel's gradient column-major, as its dot made it,
-through a copy inside the one-program step's update fusion, and row-major in a
-bucket program; the two loops round differently). The scratch files
+apart in Adam's ``nu`` at some bucket sizes and is not covered. Nor is the tier bitwise
+everywhere (measured, params on disk or on the device alike): on jax 0.12, fp32
+params without ``param_dtype`` at stage 3 (data=8, ``tests/test_nvme_params.py``) are 1
+ulp apart in one kernel's Adam moments at the second step (the other leaves follow at
+the third: within 1.7 (1e-9 + 1e-7 |x|)); with a model axis
+(data=4, model=2, bf16, ``max_grad_norm``) that kernel's ``mu`` differs at the third
+step on jax 0.10.2 and 0.12 alike (``tests/test_nvme.py`` runs 2 steps). The update
+fusions' HLO are the same operations in both; the one-program step reads that
+kernel's gradient column-major (as its dot and reduce-scatter made it) through a copy
+inside the fusion, the bucket program row-major, but an isolated fusion rounded alike
+with either layout: the cause (the gradient program, compiled alone, may lay out and
+so sum the kernel's dot differently) is not pinned down. The scratch files
 are updated in place: an older ``TrainState`` cannot be stepped (``donate=False``
 keeps no old state here). An update that needs a norm of the whole
 update (``chain(adam, clip_by_global_norm)``) is refused: clip the gradients first
