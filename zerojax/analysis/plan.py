@@ -761,10 +761,13 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     state and fp32 master weights in files: ``PlanRow.disk_bytes`` per node (the
     node's devices' shards, 0 on the device and in host memory), whose host memory
     holds only the buffers, ``nvme_buffer_count x nvme_buffer_size`` per process (one
-    process per device counted; ``PlanRow.buffer_bytes``, in ``host_bytes``).
-    ``disk_bytes``: the disk per node (None: unchecked); a row whose state exceeds it
-    does not fit (``PlanRow.disk_fits``). Their step reads and writes that state once
-    at ``disk_bandwidth`` (``(read, write)`` bytes/s per node, or one figure for both;
+    process per device counted; ``PlanRow.buffer_bytes``, in ``host_bytes``); their
+    update's device working memory is those buckets too (``nvme_buffer_count + 1`` of
+    ``nvme_buffer_size`` bytes of state with their new params, in the peak;
+    ``bucket_size``'s for the host offload rows). ``disk_bytes``: the disk per node
+    (None: unchecked); a row whose state exceeds it does not fit
+    (``PlanRow.disk_fits``). Their step reads and writes that state once at
+    ``disk_bandwidth`` (``(read, write)`` bytes/s per node, or one figure for both;
     default the accelerator preset's local NVMe), overlapped with its PCIe transfers
     (:func:`zerojax.analysis.cost.step_time`).
 

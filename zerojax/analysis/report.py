@@ -24,6 +24,7 @@ from zerojax.analysis.comm import comm_volume
 from zerojax.analysis.memory import (
     CompiledMemory,
     _count,
+    _is_nvme,
     compiled_memory,
     estimate_activations,
     estimate_memory,
@@ -859,7 +860,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     planner says ``"gpu"``): on ``"cpu"`` with jax 0.10, bf16/fp16 gradients in flight
     and a layer's internal activations count 4 bytes, as that XLA:CPU holds them (its
     float normalization; its collectives run in float32); newer XLA:CPU keeps them in
-    bf16, as GPUs do.
+    bf16, as GPUs do. Offloaded state adds the update's working memory on the device
+    (in ``batch``): two buckets of ``bucket_size`` elements (host offload), or the NVMe
+    tier's own buckets of ``nvme_buffer_size`` bytes (:func:`_nvme_working`).
 
     Hierarchical sharding (``replica_axis=...``, HSDP / MiCS, or ``hpz=True``, ZeRO++
     hpZ): ``dp`` is the data axis D inside a replica and ``replicas`` = R the replica
@@ -906,7 +909,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
     accum = options.get("accum_steps", 1)
     working = 0
-    if options.get("offload_optimizer") or options.get("offload_params"):
+    if _is_nvme(options):
+        working = _nvme_working(e.disk, math.ceil(psi / dp), compute, options)
+    elif options.get("offload_optimizer") or options.get("offload_params"):
         # the update brings bucket_size elements of offloaded state per leaf at once
         # (default 2**24), two buckets in flight: master, moments and new values
         bucket = options.get("bucket_size") or 2**24
@@ -941,6 +946,28 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     quant = 2 * 4 * split(h * f) if options.get("quantize_gradients") and grad < 4 else 0
     return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
                              widened=inter is not None, prefetch=prefetch, quantized=quant)
+
+
+def _nvme_working(disk: int, elements: int, compute: int, options: dict) -> int:
+    """Device bytes of the NVMe tier's update (``offload_optimizer="nvme"``,
+    :mod:`zerojax.nvme`): its buckets, not ``bucket_size``'s. Each bucket is about
+    ``nvme_buffer_size`` bytes of the state on disk, read onto the device; at most
+    ``nvme_buffer_count`` buckets are between their read and the end of their write
+    (read ahead, updated, written back), and the bucket being updated holds its input
+    and its output (the new state, the same bytes, and its new params in the compute
+    dtype) at once: ``min(count + 1, buckets + 1)`` buckets of ``min(size, disk)``
+    bytes, each with ``compute`` bytes more per ``disk / elements`` of state. ``disk``:
+    the device's state bytes on disk, ``elements``: its parameter elements."""
+    from zerojax.config import ZeroConfig
+
+    count = int(options.get("nvme_buffer_count", ZeroConfig.nvme_buffer_count))
+    size = int(options.get("nvme_buffer_size", ZeroConfig.nvme_buffer_size))
+    if not disk or not elements:
+        return 0
+    bucket = min(size, disk)
+    buckets = -(-disk // bucket)
+    per_element = disk / elements  # state bytes per parameter element (Adam: 12)
+    return int(min(count + 1, buckets + 1) * bucket * (1 + compute / per_element))
 
 
 def _at_largest_phase(step: StepPrediction, ph: GPTPhases, scan: bool, stage: int,
