@@ -618,6 +618,22 @@ def _bytes_arguments(p: argparse.ArgumentParser) -> None:
                         "wins over --optimizer's own state (default: 12)")
 
 
+def _pool_arguments(p: argparse.ArgumentParser, *, whole_card: bool = False) -> None:
+    """--mem-fraction and --runtime-reserve, as plan and train both read them
+    (:func:`zerojax.analysis.plan.usable_memory`); ``whole_card``: plan's help says
+    how to get the paper's whole-card figures."""
+    p.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
+                   help="the share of --memory JAX's allocator takes (default: "
+                        "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
+                        "set, else JAX's default 0.75" + ("; 1 on a TPU or for the paper's "
+                                                          "whole-card figures)" if whole_card
+                                                          else ")"))
+    p.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
+                   help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
+                        "workspaces, NCCL buffers, the CUDA context's growth; default "
+                        "1GB, an assumption from those figures, not a measurement)")
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors as one line (the value and the fix), exit status 2; --help has the usage."""
 
@@ -714,15 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
                       help="memory kept back for anything else (fragmentation, another "
                            "program), below what JAX gets")
-    plan.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
-                      help="the share of --memory JAX's allocator takes (default: "
-                           "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
-                           "set, else JAX's default 0.75; 1 on a TPU or for the paper's "
-                           "whole-card figures)")
-    plan.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
-                      help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
-                           "workspaces, NCCL buffers, the CUDA context's growth; default "
-                           "1GB, an assumption from those figures, not a measurement)")
+    _pool_arguments(plan, whole_card=True)
     plan.add_argument("--host-memory", type=byte_size, default=None, metavar="SIZE",
                       help="host memory per node for offloaded state (pinned); offload "
                            "rows that need more do not fit (default 1TB: a DGX A100's)")
@@ -780,13 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "zerojax plan prints as 'planned' (default: JAX's pool on the "
                             "accelerator - --runtime-reserve; on CPU, host memory / "
                             "devices)")
-    train.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
-                       help="the share of --memory JAX's allocator takes (default: "
-                            "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
-                            "set, else JAX's default 0.75)")
-    train.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
-                       help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
-                            "workspaces, NCCL buffers; default 1GB, as zerojax plan)")
+    _pool_arguments(train)
     train.set_defaults(func=_train)
 
     bench = command(
