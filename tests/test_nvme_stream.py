@@ -71,21 +71,23 @@ def mesh():
     return zerojax.make_mesh(data=8)
 
 
-def _opt(mesh, tmp_path=None, name="scratch", **options):
+def _opt(mesh, tmp_path=None, name="scratch", tx=None, **options):
     kw = dict(min_shard_size=16, **options)
     if tmp_path is not None:
         (tmp_path / name).mkdir()
         kw.update(offload_optimizer="nvme", nvme_path=str(tmp_path / name),
                   nvme_buffer_size=BUF, nvme_buffer_count=COUNT)
-    return zerojax.zero(optax.adam(1e-2), mesh, **kw)
+    return zerojax.zero(tx or optax.adam(1e-2), mesh, **kw)
 
 
 def _files(store) -> dict:
     return {e["file"]: (store.dir + "/" + e["file"]) for e in store.leaves}
 
 
-@pytest.mark.parametrize("options", [dict(stage=1, param_dtype=jnp.bfloat16), dict(stage=3)],
-                         ids=["stage1_bf16", "stage3"])
+# adafactor: an init other than zeros of the params' shapes (factored rows and columns)
+@pytest.mark.parametrize("options", [dict(stage=1, param_dtype=jnp.bfloat16), dict(stage=3),
+                                     dict(stage=2, tx=optax.adafactor(1e-2))],
+                         ids=["stage1_bf16", "stage3", "stage2_adafactor"])
 def test_init_state_streams_bitwise_and_bounded(mesh, tmp_path, peaks, options):
     # the params already on the mesh: init_state takes them as they are (no copy), so the
     # live bytes beyond those after init_state are the optimizer state on its way out
@@ -96,7 +98,7 @@ def test_init_state_streams_bitwise_and_bounded(mesh, tmp_path, peaks, options):
     after = _live()
     store = got.opt_state.store
     state_bytes = sum(e["nbytes"] for e in store.leaves)
-    assert len(peaks) == len(store.leaves) and state_bytes >= 6 * BUF  # several groups
+    assert len(peaks) == len(store.leaves) and state_bytes >= 4 * BUF  # several groups
     excess = max(peaks) - after
     # at most COUNT groups held: the one written and the next one made
     assert 0 < excess <= COUNT * BUF < state_bytes / 2, (excess, state_bytes)
