@@ -138,10 +138,12 @@ class ZeroConfig:
         (checked, and locked against a second optimizer or process, when ``zero()``
         builds the optimizer). Refused without ``offload_optimizer="nvme"``.
       nvme_buffer_count: buckets of optimizer state in host memory at once with the NVMe
-        tier (being read, updated or written back); at least 2, default 4.
+        tier (being read, updated or written back; also the groups ``init_state``,
+        ``init_sharded`` and ``restore`` hold while they write the state to the files);
+        at least 2, default 4.
       nvme_buffer_size: bytes of optimizer state per bucket with the NVMe tier (a
-        parameter's state is never split: a larger one is a bucket of its own); at
-        least 4096, default 2**28.
+        parameter's state is never split: a larger one is a bucket of its own; the
+        size of those groups too, a larger leaf alone); at least 4096, default 2**28.
       offload_params: stage 3 only (where each device holds a 1/N shard of the
         parameters): the partitioned params (``TrainState.params``) live in
         ``pinned_host`` memory between steps too. The step brings the shards to the
