@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, regression_batches
+from helpers import JAX_AT_LEAST_0_11, awkward_loss, awkward_params, regression_batches
 
 import zerojax
 from zerojax import nvme
@@ -28,6 +28,11 @@ CASES = {
     "stage3_model_axis_bf16_accum_clip": (
         {"data": 4, "model": 2}, dict(stage=3, param_dtype=jnp.bfloat16, accum_steps=2,
                                       max_grad_norm=0.5)),
+    # fp16 with dynamic loss scaling (the gradients unscaled in each bucket); not with
+    # max_grad_norm: there XLA:CPU contracts Adam's mu update into an FMA the other way
+    # round in one element (nvme.py's docstring)
+    "stage2_fp16_loss_scale": ({"data": 8}, dict(stage=2, param_dtype=jnp.float16,
+                                                 loss_scale="auto")),
 }
 
 
@@ -86,8 +91,23 @@ def test_trains_bitwise_as_host_offload(case, runs):
     (opt_h, want, _, want_losses), (opt_n, got, step, losses), _ = runs(case)
     assert [float(x) for x in losses] == [float(x) for x in want_losses]
     assert _same(want.params, got.params) and int(got.step) == STEPS
-    assert _same(want.opt_state, nvme.read_state(got))  # every leaf, bitwise
-    assert _same(opt_h.full_params(want), opt_n.full_params(got))
+    if case == "stage2_fp16_loss_scale" and JAX_AT_LEAST_0_11:
+        # jax 0.11 on: the in-memory step's master update of a leaf split on its 2nd
+        # dimension (dense1's kernel) is a fusion with a layout transpose, compiled with
+        # FMAs; the bucket's is a plain loop without: 1 ulp apart (measured: 95 of 1024
+        # elements, at most 2.98e-8). Everything else bitwise.
+        have = jax.tree_util.tree_flatten_with_path(nvme.read_state(got))[0]
+        for (path, x), y in zip(have, jax.tree.leaves(want.opt_state)):
+            x, y = np.asarray(x), np.asarray(y)
+            if jax.tree_util.keystr(path).startswith(".master"):
+                np.testing.assert_allclose(x, y, rtol=0, atol=6e-8)
+            else:
+                assert np.array_equal(x, y), jax.tree_util.keystr(path)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=6e-8),
+                     opt_h.full_params(want), opt_n.full_params(got))  # the masters
+    else:
+        assert _same(want.opt_state, nvme.read_state(got))  # every leaf, bitwise
+        assert _same(opt_h.full_params(want), opt_n.full_params(got))
     assert isinstance(got.opt_state, nvme.NvmeState) and not jax.tree.leaves(got.opt_state)
     plan = next(iter(step._plans.values()))
     assert len(plan["buckets"]) >= 3  # streamed, not one bucket
