@@ -105,8 +105,15 @@ of equal equations share one program), so a step equals ``offload_optimizer=True
 bitwise: measured (``tests/test_nvme.py``, jax 0.10.2 and 0.12) at stages 1-3 with
 bf16 params, ``accum_steps``, ``max_grad_norm``, a model axis and in 2 processes.
 That took care (``docs/architecture.md``: XLA:CPU's FMA contraction and its rewrite
-of a division by a single-use scalar); fp16 with dynamic loss scaling was seen 1 ulp
-apart in Adam's ``nu`` at some bucket sizes and is not covered. Nor is the tier bitwise
+of a division by a single-use scalar). fp16 with dynamic loss scaling: bitwise on jax
+0.10.2 (stage 2); on 0.12 the masters of a kernel split on its 2nd dimension 1 ulp apart
+(the one-program step's master-update fusion holds a layout transpose and was compiled
+with FMAs, the bucket's without; ``tests/test_nvme.py`` bounds it). fp16 with
+``max_grad_norm``: one element of a bias's ``mu`` 1 ulp apart on 0.10.2, not covered:
+the fusions' HLO are the same, but in the one-program step LLVM hoists the first
+element's ``b1 * mu`` above the branch on the clip's trigger (its output a fresh buffer;
+the bucket's is written in place over the unscaled gradient), so the add contracts the
+other product into the FMA. Nor is the tier bitwise
 everywhere (measured, params on disk or on the device alike): on jax 0.12, fp32
 params without ``param_dtype`` at stage 3 (data=8, ``tests/test_nvme_params.py``) are 1
 ulp apart in one kernel's Adam moments at the second step (the other leaves follow at
