@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -378,6 +379,8 @@ def test_a_process_killed_mid_step_resumes_from_its_checkpoint_exactly(mesh, tmp
         [sys.executable, "-c", KILLED_SCRIPT, os.path.dirname(os.path.abspath(__file__)),
          str(scratch), str(ckpt), str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
+    watchdog = threading.Timer(300, proc.kill)  # a child stuck before the update: fail
+    watchdog.start()
     try:
         lines = []
         for line in proc.stdout:  # until the step is stopped inside its bucketed update
@@ -386,6 +389,7 @@ def test_a_process_killed_mid_step_resumes_from_its_checkpoint_exactly(mesh, tmp
                 break
         proc.send_signal(signal.SIGKILL)
     finally:
+        watchdog.cancel()
         proc.kill()
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and lines[-1].startswith("mid-update"), (
