@@ -159,8 +159,8 @@ class ZeroConfig:
         ``opt.full_params(state)``. The step reads the shards into device memory (a
         reader thread reading the next leaves while one is placed), computes the
         gradient, and its bucketed update writes the new params to their files; the
-        training equals ``offload_optimizer=True, offload_params=True`` (bitwise with
-        ``param_dtype=bf16``; see :mod:`zerojax.nvme` for what was measured).
+        training equals ``offload_optimizer=True, offload_params=True`` bitwise (see
+        :mod:`zerojax.nvme` for what was measured).
       replica_axis: hierarchical sharding, HSDP / MiCS (stages 1-3): the name of the
         mesh's outer (node) axis, e.g. ``"replica"`` of ``make_mesh(replica=2,
         data=4)``. The model states are then partitioned over ``data_axis`` only

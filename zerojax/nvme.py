@@ -85,11 +85,10 @@ per-layer fetch, overlapping the reads with the forward pass, is not implemented
 the read is before the gradient, in the step's time (``timings``' ``params_read_s``).
 Training equals ``offload_optimizer=True, offload_params=True`` as the NVMe optimizer
 alone equals ``offload_optimizer=True`` (the params' files change no arithmetic):
-measured (``tests/test_nvme_params.py``, 3 steps) bitwise with bf16 params,
-``accum_steps`` and ``max_grad_norm`` on jax 0.10.2 and 0.12, and fp32 without
-``param_dtype`` bitwise on jax 0.10.2; on jax 0.12 fp32 Adam's moments are 1 ulp apart
-from the second step (the tier's update, see below). Checkpoints carry the params as
-any other state's, bitwise. An in-memory step given an NVMe state (or the converse)
+measured bitwise (``tests/test_nvme_params.py``, 3 steps, jax 0.10.2 and 0.12) with
+fp32 params on ``data=8``, and bf16 params with a model axis (data=4, model=2),
+``accum_steps`` and ``max_grad_norm``. Checkpoints carry the params as any other
+state's, bitwise. An in-memory step given an NVMe state (or the converse)
 is refused, naming the fix.
 
 The step (:class:`NvmeTrainStep`): one compiled program computes the loss, the
@@ -113,18 +112,16 @@ with FMAs, the bucket's without; ``tests/test_nvme.py`` bounds it). fp16 with
 the fusions' HLO are the same, but in the one-program step LLVM hoists the first
 element's ``b1 * mu`` above the branch on the clip's trigger (its output a fresh buffer;
 the bucket's is written in place over the unscaled gradient), so the add contracts the
-other product into the FMA. Nor is the tier bitwise
-everywhere (measured, params on disk or on the device alike): on jax 0.12, fp32
-params without ``param_dtype`` at stage 3 (data=8, ``tests/test_nvme_params.py``) are 1
-ulp apart in one kernel's Adam moments at the second step (the other leaves follow at
-the third: within 1.7 (1e-9 + 1e-7 |x|)); with a model axis
-(data=4, model=2, bf16, ``max_grad_norm``) that kernel's ``mu`` differs at the third
-step on jax 0.10.2 and 0.12 alike (``tests/test_nvme.py`` runs 2 steps). The update
-fusions' HLO are the same operations in both; the one-program step reads that
-kernel's gradient column-major (as its dot and reduce-scatter made it) through a copy
-inside the fusion, the bucket program row-major, but an isolated fusion rounded alike
-with either layout: the cause (the gradient program, compiled alone, may lay out and
-so sum the kernel's dot differently) is not pinned down. The scratch files
+other product into the FMA. The gradients' layout
+matters too: the one-program step hands a kernel's gradient to its update fusion
+column-major (as its dot and reduce-scatter made it, copied inside the fusion), and a
+bucket program reading it row-major (the gradient program's default output layout)
+rounded 1 ulp apart in Adam's moments (fp32 stage 3 on jax 0.12 from the second step;
+with a model axis, bf16 and ``max_grad_norm`` at the third step on 0.10.2 and 0.12).
+So the gradient program returns its gradients in the layout XLA picks
+(``Layout.AUTO``) and each bucket program is compiled for their layouts: bitwise then
+(``tests/test_nvme_params.py``: fp32 and a model axis, 3 steps, both versions). The
+scratch files
 are updated in place: an older ``TrainState`` cannot be stepped (``donate=False``
 keeps no old state here). An update that needs a norm of the whole
 update (``chain(adam, clip_by_global_norm)``) is refused: clip the gradients first
@@ -730,7 +727,15 @@ class NvmeTrainStep:
         self._grad_fn = S.build_grad_fn(loss_fn, opt, has_aux, weighted)
         self._plain = S.TrainStep(None, opt.mesh, opt.batch_size, opt.batch_axes,
                                   cfg.accum_steps, None)
-        self._grad_jit = jax.jit(self._grad_part, static_argnums=(1,))
+        # the gradients come out in the layout XLA gives them (Layout.AUTO: a kernel's
+        # gradient column-major as its dot made it), as the one-program step hands them
+        # to its update; each bucket program is then compiled for that layout (jit
+        # follows its arguments'). Row-major, they rounded 1 ulp apart in Adam's moments
+        # (jax 0.12 fp32; a model axis at step 3 on 0.10.2 too).
+        from jax.experimental.layout import Format, Layout
+
+        self._grad_jit = jax.jit(self._grad_part, static_argnums=(1,),
+                                 out_shardings=(Format(Layout.AUTO),) + (None,) * 7)
         self._plans: dict = {}
         self.overlap = True  # benchmarks turn it off: read, update, write one after another
         self.timings: list[dict] = []
