@@ -168,12 +168,23 @@ def test_checkpoints_go_between_nvme_params_and_host_offload(runs, tmp_path):
     opt_n, got, step_n, _ = out["nvme"]
     options = CASES["bf16_model_axis_accum_clip"][1]
     nxt = _batches(options, STEPS + 1)[-1]
-    # the NVMe state saved, restored into host offload: the same state, bitwise
+    # what save writes: params and optimizer state read into host memory (pinned_host,
+    # as offload_optimizer=True, offload_params=True keep them), none on the device
+    held = nvme.materialized(got)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(held.params)} == {"pinned_host"}
+    assert _same(want.params, held.params) and _same(want.opt_state, held.opt_state)
+    del held
+    # the NVMe state saved, restored into host offload and onto the device: the same
+    # state, bitwise
     with zerojax.CheckpointManager(tmp_path / "from_nvme") as mgr:
         mgr.save(STEPS, got)
+    on_device = zerojax.zero(optax.adamw(1e-2), zerojax.make_mesh(
+        **CASES["bf16_model_axis_accum_clip"][0]), min_shard_size=16, **options)
     with zerojax.CheckpointManager(tmp_path / "from_nvme") as mgr:
         back_h = mgr.restore(opt_h, like=awkward_params())
-    assert _same(want, back_h)
+        back_d = mgr.restore(on_device, like=awkward_params())
+    assert _same(want, back_h) and _same(want, back_d)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(back_d)} == {"device"}
     # the host state saved, restored into the NVMe tier: params and state to the files
     with zerojax.CheckpointManager(tmp_path / "from_host") as mgr:
         mgr.save(STEPS, want)

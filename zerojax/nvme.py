@@ -668,21 +668,34 @@ def params_to_disk(opt, params: Any, handle: Any) -> Any:
     return NvmeParams(store, store.generation, treedef, small, structs)
 
 
-def read_params(state: Any) -> Any:
+def read_params(state: Any, memory_kind: str = "device") -> Any:
     """The params of a state with ``offload_params="nvme"`` (the :class:`TrainState`, or
     its :class:`NvmeParams`) read from the files into placed arrays (device memory), as
     ``TrainState.params`` holds them with ``offload_params=False``: the stage-3 shards,
     padded, in ``param_dtype``. A state whose params are arrays is returned as it is.
+    ``memory_kind="pinned_host"``: every leaf in host memory instead (the small ones
+    kept in memory copied there), as ``offload_params=True`` holds them: what
+    ``CheckpointManager.save`` writes (:func:`materialized`).
 
     One leaf at a time: a reader thread reads the next leaves (up to
     ``nvme_buffer_count`` in host buffers) while this one is placed."""
+    if memory_kind not in ("device", offload.HOST):
+        raise ValueError(f"memory_kind={memory_kind!r} must be 'device' (the step's) or "
+                         f"{offload.HOST!r} (host memory, as offload_params=True keeps "
+                         "the params)")
     handle = state.params if isinstance(state, TrainState) else state
     if not isinstance(handle, NvmeParams):
         return handle
     store = handle.store
     store.check(handle)
     structs = jax.tree.leaves(handle.structs)
+    on_host = memory_kind == offload.HOST
+    sharding = [s.sharding.with_memory_kind(offload.HOST) if on_host else s.sharding
+                for s in structs]
     leaves: list = [handle.small.get(j) for j in range(len(structs))]
+    if on_host:  # the small leaves (below min_shard_size) the state keeps in memory
+        leaves = [x if x is None else jax.device_put(x, sharding[j])
+                  for j, x in enumerate(leaves)]
     entries = list(store.param_leaves)
     pending: collections.deque = collections.deque()
     with cf.ThreadPoolExecutor(1) as reader:
@@ -694,7 +707,7 @@ def read_params(state: Any) -> Any:
         while pending:  # the leaves after this one are read while it is placed
             e, fut = pending.popleft()
             host = fut.result()
-            leaves[e["leaf"]] = store.place(e, host, structs[e["leaf"]].sharding)
+            leaves[e["leaf"]] = store.place(e, host, sharding[e["leaf"]])
             del host
             nxt = next(todo, None)
             if nxt is not None:
@@ -704,9 +717,11 @@ def read_params(state: Any) -> Any:
 
 def materialized(state: TrainState) -> TrainState:
     """``state`` with its optimizer state (and with ``offload_params="nvme"`` its params)
-    read from the files (whole, in memory): what ``CheckpointManager.save`` writes."""
+    read from the files (whole, in host memory: ``pinned_host``, as ``offload_optimizer=
+    True, offload_params=True`` keep them, never device memory): what
+    ``CheckpointManager.save`` writes."""
     if isinstance(state.params, NvmeParams):
-        state = state.replace(params=read_params(state))
+        state = state.replace(params=read_params(state, offload.HOST))
     if not isinstance(state.opt_state, NvmeState):
         return state
     return state.replace(opt_state=read_state_on_host(state))  # host memory, not device
