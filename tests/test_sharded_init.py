@@ -226,6 +226,34 @@ def test_leaf_split_along_its_last_dimension_bitwise():
                                       err_msg=jax.tree_util.keystr(path))
 
 
+def _scaled_init(key):
+    ks = jax.random.split(key, 4)
+    n = jax.random.normal(ks[3], (37, 64))
+    return {"v": jax.random.normal(ks[1], (37, 64)) / 3.0,
+            "t": jax.random.truncated_normal(ks[2], -2.0, 2.0, (36, 64)) / 3.0,
+            "n": n * 0.7, "m": n / 3.0, "z": jax.random.normal(ks[0], (37, 64))}
+
+
+def test_divided_and_scaled_leaves_bitwise():
+    """Leaves scaled by non-powers of two, as eagerly. In the one program (stage 3,
+    bf16 params, fp32 master) before each equation's float operands went behind an
+    optimization barrier: ``/ 3.0`` twice shared one divisor, which XLA then kept a
+    true divide where the eager ``div`` program multiplies by ``1 / 3`` (756 and 775
+    values of "v" and "t" 1 ulp apart, both jax versions); ``normal`` feeding two
+    consumers (the master and the bf16 cast; "n" and "m") had its ``erf_inv``'s
+    ``log1p`` compiled in a kernel of its own (3 values of each 1 ulp apart, jax 0.12)."""
+    mesh = zerojax.make_mesh(data=8)
+    options = dict(stage=3, param_dtype=jnp.bfloat16)
+    got = zerojax.zero(optax.adam(1e-3), mesh, **options).init_sharded(
+        _scaled_init, jax.random.key(1))
+    eager = _scaled_init(jax.random.key(1))
+    want = zerojax.zero(optax.adam(1e-3), mesh, **options).init_state(eager)
+    _assert_same_state(got, want)  # the bf16 params, the fp32 master and adam's state
+    for k, x in eager.items():  # the master is init_fn's fp32 values themselves
+        np.testing.assert_array_equal(np.asarray(got.opt_state.master[k]), np.asarray(x),
+                                      err_msg=k)
+
+
 @pytest.mark.parametrize("bad, words", [
     (lambda key: "weights", r"non-array leaves \(the result: str 'weights'\)"),
     (lambda key: (1, 2.0), r"non-array leaves \(\[0\]: int 1, \[1\]: float 2.0\)"),

@@ -58,6 +58,18 @@ def _eager_eval(jaxpr: Any, consts: list, args: list, zero: jax.Array,
     NaN included) and nothing XLA can see through, so every equation computes what
     its eager program computes.
 
+    Each equation's float operands also pass through one ``optimization_barrier``
+    (and :meth:`ZeroOptimizer.init_sharded` puts the init's outputs behind one), as
+    eagerly each equation's program gets them as arguments and each result is made
+    whole by its own program: XLA's ``A / broadcast(b) -> A * broadcast(1 / b)``
+    applies to a divisor ``b`` with one user, and the fences of two ``/ 3.0`` (one
+    ``3.0 - zero`` after CSE) kept a true divide where the eager ``div`` program
+    multiplies by ``1 / 3`` (775 of 2368 values 1 ulp apart, both jax versions); and a
+    ``normal`` with two consumers (``n * 0.7`` and ``n / 3.0``; an output read by the
+    bf16 cast and the fp32 master) was fused into each, its ``erf_inv``'s ``log1p``
+    left in a kernel of its own, compiled to scalar code (1 ulp in 1-4 of 2368 values,
+    jax 0.12 XLA:CPU, (37, 8) per device).
+
     An output whose stage sharding (``out_shardings``, one per output, or None)
     splits its last dimension is first made split along another dimension instead
     (its last dimension whole, as eagerly): XLA:CPU vectorises a loop by the last
@@ -78,9 +90,18 @@ def _eager_eval(jaxpr: Any, consts: list, args: list, zero: jax.Array,
 
     env.update(zip(jaxpr.constvars, [fence(jnp.asarray(c)) for c in consts]))
     env.update(zip(jaxpr.invars, args))
+
+    def isolate(xs):  # one equation's float operands, as its own program's arguments
+        idx = [i for i, x in enumerate(xs)
+               if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+        if idx:
+            for i, x in zip(idx, jax.lax.optimization_barrier([xs[i] for i in idx])):
+                xs[i] = x
+        return xs
+
     for eqn in jaxpr.eqns:
-        ins = [fence(jnp.asarray(v.val)) if isinstance(v, jcore.Literal) else read(v)
-               for v in eqn.invars]
+        ins = isolate([fence(jnp.asarray(v.val)) if isinstance(v, jcore.Literal) else read(v)
+                       for v in eqn.invars])
         params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*ins, **params)
@@ -549,8 +570,17 @@ class ZeroOptimizer:
         multi-process run every process calls it with the same arguments and creates
         only its addressable shards.
 
-        The params are bitwise those of ``init_state(init_fn(*args))`` (JAX's
-        ``threefry`` random bits do not depend on how the output is split). Array
+        The params and the whole state (fp32 master included) are bitwise those of
+        ``init_state(init_fn(*args))`` with ``init_fn`` run eagerly, op by op (JAX's
+        ``threefry`` random bits do not depend on how the output is split): each
+        top-level equation of ``init_fn`` is computed as its own eager program would,
+        fenced and behind an optimization barrier (see ``_eager_eval``), so XLA
+        rewrites no arithmetic across them. That is not ``jax.jit(init_fn)``, which XLA
+        compiles as one program: on jax 0.10.2 XLA:CPU it rounds ``normal(key, (37, 64))
+        / 3.0`` 1 ulp apart from the eager init in 628 of 2368 values. Measured on
+        XLA:CPU, jax 0.10.2 and 0.12 (``tests/test_sharded_init.py``: a GPT at stages
+        0-3, bf16, offloaded, with a model axis; an nnx model; leaves divided by 3.0
+        and scaled by 0.7 at stage 3 with bf16). Array
         arguments (a PRNG key) are replicated over the mesh; pass everything else by
         closure. The compiled program is kept per ``init_fn`` and argument shapes:
         :meth:`lower_init_sharded` with the same ``init_fn`` and arguments shows its
@@ -608,6 +638,8 @@ class ZeroOptimizer:
 
             def build(zero, *flat):
                 out = _eager_eval(closed.jaxpr, closed.consts, list(flat), zero, out_specs)
+                # made whole before the cast and the master read them (see _eager_eval)
+                out = jax.lax.optimization_barrier(out)
                 if params_only:  # the params at their own shapes, as init_fn made them
                     return _unbox(jax.tree.unflatten(out_tree, out))
                 return body(_unbox(jax.tree.unflatten(out_tree, out)))
