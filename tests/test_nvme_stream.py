@@ -161,8 +161,8 @@ def _init_fn(key):
 
 
 def test_init_sharded_streams_bitwise(mesh, tmp_path, peaks):
-    # bitwise the eager init placed with init_state (the one-program init_sharded, with
-    # the state in the same program, was 3 values of "v" apart from it on jax 0.12)
+    # bitwise the eager init placed with init_state (as the in-memory init_sharded is:
+    # tests/test_sharded_init.py's divided and scaled leaves)
     options = dict(stage=3, param_dtype=jnp.bfloat16)
     want = _opt(mesh, **options).init_state(_init_fn(jax.random.key(1)))
     got = _opt(mesh, tmp_path, **options).init_sharded(_init_fn, jax.random.key(1))
