@@ -397,6 +397,11 @@ def test_plan_nvme_rows_and_disk_bandwidth(capsys):
     host_step = float(cells(out, "stage 3 + offload_optimizer")[0].replace(",", "")) / 1e3
     assert step - host_step == pytest.approx(827.72 / 24 + 827.72 / 12 - 206.93 / 55,
                                              abs=2e-3), out
+    # + offload_params=nvme: the params (137.95 GB per node) on disk, none on the device
+    nvp = cells(out, "stage 3 + offload_optimizer=nvme + offload_params=nvme")
+    assert "yes" in nvp and nvp[2] == "0" and nvp[-1] == "965.67", out
+    assert float(nvp[0].replace(",", "")) / 1e3 - step == pytest.approx(
+        137.95 / 24 + 137.95 / 12, abs=3e-3), out
     code, out, _ = _exit_code(argv + ["--disk", "500GB"], capsys)
     assert code == 0 and "no: disk" in " ".join(cells(out, "stage 3 + offload_optimizer=nvme"))
     for bad in ("0", "-3", "fast", "6,3,1", "nan"):

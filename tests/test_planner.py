@@ -1002,6 +1002,15 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
     assert nv.time.disk == pytest.approx(disk) and disk > 100  # one SSD: minutes
     assert nv.step_time == pytest.approx(off.step_time - off.time.host + disk)
     assert p.recommendation is nv
+    # + offload_params=nvme: the param shards on disk too, 0 on the device between
+    # steps; read onto it for the step (the same peak), their read and write in its time
+    nvp = p.row("stage 3 + offload_optimizer=nvme + offload_params=nvme")
+    assert nvp.nvme and nvp.fits and nvp.states.params == nvp.states.host == 0
+    assert nvp.states.disk_params == nv.states.params > 0 and nvp.peak == nv.peak
+    assert nvp.states.disk == nv.states.disk + nv.states.params
+    assert nvp.disk_bytes == 8 * nvp.states.disk and nvp.host_bytes == nv.host_bytes
+    assert nvp.time.disk - nv.time.disk == pytest.approx(
+        8 * nv.states.params * (1 / h100.disk_read_bw + 1 / h100.disk_write_bw))
     # a fast disk array hides under the PCIe transfers: the host row's time
     fast = plan_model("llama2-70b", disk_bandwidth=1e13, **kw)
     assert fast.row(nv.label).step_time == pytest.approx(off.step_time)
@@ -1022,6 +1031,14 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
                         offload_optimizer="nvme")
     assert e.disk > 0 and e.host == 0 and e.state == e.params + e.optimizer_state + e.disk
     assert pickle.loads(pickle.dumps(e)).disk == e.disk
+    shapes = gpt_param_shapes(GPTConfig(vocab=64, seq=8, layers=1, hidden=16, heads=2))
+    on_disk, on_host = (estimate_memory(shapes, 4, 3, tx=optax.adam(1e-3), **o) for o in (
+        dict(offload_optimizer="nvme", offload_params="nvme"),
+        dict(offload_optimizer=True, offload_params=True)))
+    assert on_disk.params == on_disk.host == 0 and on_disk.disk_params == on_host.host_params
+    assert on_disk.disk == on_host.host > 0 and on_disk.state == on_host.state
+    assert pickle.loads(pickle.dumps(on_disk)).disk_params == on_disk.disk_params > 0
+    assert f"disk_params={on_disk.disk_params}" in repr(on_disk)
 
 
 # --- the time model (issue 32) ---------------------------------------------------------

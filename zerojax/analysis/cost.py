@@ -12,9 +12,10 @@ step of a configuration is predicted as::
                (+ Megatron's activation all-reduces when mp > 1, inside the node)
     exposed  = the part of comm the stage cannot hide under compute
     host     = offloaded state in and out over PCIe / pcie_bw (not hidden)
-    disk     = NVMe tier (offload_optimizer="nvme"): the node's state read once and
-               written once per step, read / disk_read_bw + write / disk_write_bw
-               (one disk serves both), overlapped with the buckets' PCIe transfers
+    disk     = NVMe tier (offload_optimizer="nvme"): the node's state (with
+               offload_params="nvme" its param shards too) read once and written
+               once per step, read / disk_read_bw + write / disk_write_bw (one disk
+               serves both), overlapped with the buckets' PCIe transfers
     step     = compute + exposed + max(host, disk)
 
 ``6 Psi`` per token is the forward (2 Psi) and backward (4 Psi) matmuls; ``12 L h s``

@@ -34,9 +34,10 @@ class MemoryEstimate(int):
     ``.host_params`` / ``.host_optimizer_state`` are what ``offload_params`` /
     ``offload_optimizer`` keep in host memory for this device (not in the total);
     ``.disk_optimizer_state`` what ``offload_optimizer="nvme"`` keeps in files on disk
-    for it (the optimizer state and fp32 master weights; neither host nor device);
-    ``.state`` is what ``init_state`` places (params + optimizer state, device, host
-    and disk).
+    for it (the optimizer state and fp32 master weights; neither host nor device),
+    ``.disk_params`` what ``offload_params="nvme"`` keeps there (the stage-3 param
+    shards; 0 in ``.params`` and ``.host_params``); ``.state`` is what ``init_state``
+    places (params + optimizer state, device, host and disk).
     """
 
     params: int
@@ -45,10 +46,11 @@ class MemoryEstimate(int):
     host_params: int
     host_optimizer_state: int
     disk_optimizer_state: int
+    disk_params: int
 
     def __new__(cls, params: int, grads: int, optimizer_state: int, host_params: int = 0,
-                host_optimizer_state: int = 0,
-                disk_optimizer_state: int = 0) -> MemoryEstimate:
+                host_optimizer_state: int = 0, disk_optimizer_state: int = 0,
+                disk_params: int = 0) -> MemoryEstimate:
         params, grads, optimizer_state = int(params), int(grads), int(optimizer_state)
         self = super().__new__(cls, params + grads + optimizer_state)
         object.__setattr__(self, "params", params)
@@ -57,6 +59,7 @@ class MemoryEstimate(int):
         object.__setattr__(self, "host_params", int(host_params))
         object.__setattr__(self, "host_optimizer_state", int(host_optimizer_state))
         object.__setattr__(self, "disk_optimizer_state", int(disk_optimizer_state))
+        object.__setattr__(self, "disk_params", int(disk_params))
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -73,8 +76,9 @@ class MemoryEstimate(int):
 
     @property
     def disk(self) -> int:
-        """Bytes kept in files on disk for this device (``offload_optimizer="nvme"``)."""
-        return self.disk_optimizer_state
+        """Bytes kept in files on disk for this device (``offload_optimizer="nvme"``,
+        and ``offload_params="nvme"``'s param shards)."""
+        return self.disk_params + self.disk_optimizer_state
 
     @property
     def state(self) -> int:
@@ -85,13 +89,14 @@ class MemoryEstimate(int):
     def __reduce__(self):
         return (MemoryEstimate, (self.params, self.grads, self.optimizer_state,
                                  self.host_params, self.host_optimizer_state,
-                                 self.disk_optimizer_state))
+                                 self.disk_optimizer_state, self.disk_params))
 
     def __repr__(self) -> str:
         host = (f", host_params={self.host_params}, host_optimizer_state="
                 f"{self.host_optimizer_state}" if self.host else "")
         if self.disk:
-            host += f", disk_optimizer_state={self.disk_optimizer_state}"
+            host += (f", disk_params={self.disk_params}" if self.disk_params else ""
+                     ) + f", disk_optimizer_state={self.disk_optimizer_state}"
         return (f"MemoryEstimate(params={self.params}, grads={self.grads}, "
                 f"optimizer_state={self.optimizer_state}{host}, total={int(self)})")
 
@@ -227,7 +232,9 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
       ``offload_optimizer="nvme"``: the optimizer state (master weights included) in
       ``disk_optimizer_state`` (files under ``nvme_path``; 0 on the device and in host
       memory, whose bucket buffers are per process: :func:`nvme_buffer_bytes`);
-      ``nvme_path`` may be left out here (nothing is written).
+      ``offload_params="nvme"`` (stage 3, with ``offload_optimizer="nvme"``): the param
+      shards in ``disk_params`` (0 in ``params`` and ``host_params``). ``nvme_path``
+      may be left out here (nothing is written).
     * HSDP (``replica_axis=``): the stage's bytes with ``dp`` = the data axis D.
       hpZ (``hpz=True, replicas=R``): optimizer state, master weights and gradients
       over R x D devices, the params (the secondary copy) over D.
@@ -300,15 +307,17 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
 
     g_bytes = sum(held(lay, stage >= 2, grad_dtype(lay), n_opt)
                   for lay in jax.tree.leaves(opt_lays_of, is_leaf=is_lay))
-    host_p = p_bytes if cfg.offload_params else 0
+    off_p = p_bytes if cfg.offload_params else 0
+    disk_p = off_p if _is_nvme(options, "offload_params") else 0
     off = opt if cfg.offload_optimizer else 0
     disk_o = off if _is_nvme(options) else 0
-    return MemoryEstimate(p_bytes - host_p, g_bytes, opt - off + bookkeeping, host_p,
-                          off - disk_o, disk_o)
+    return MemoryEstimate(p_bytes - off_p, g_bytes, opt - off + bookkeeping, off_p - disk_p,
+                          off - disk_o, disk_o, disk_p)
 
 
-def _is_nvme(options: dict) -> bool:
-    value = options.get("offload_optimizer")
+def _is_nvme(options: dict, name: str = "offload_optimizer") -> bool:
+    """``options[name] == "nvme"`` (``offload_optimizer``, or ``offload_params``)."""
+    value = options.get(name)
     return isinstance(value, str) and value == "nvme"
 
 

@@ -558,6 +558,9 @@ OPTION_SETS = (
     ("stage 1 + offload_optimizer=nvme", 1, {"offload_optimizer": "nvme"}),
     ("stage 2 + offload_optimizer=nvme", 2, {"offload_optimizer": "nvme"}),
     ("stage 3 + offload_optimizer=nvme", 3, {"offload_optimizer": "nvme"}),
+    # ... and the stage-3 param shards beside it between steps
+    ("stage 3 + offload_optimizer=nvme + offload_params=nvme", 3,
+     {"offload_optimizer": "nvme", "offload_params": "nvme"}),
 )
 
 @dataclasses.dataclass(frozen=True)
@@ -769,7 +772,11 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     (``PlanRow.disk_fits``). Their step reads and writes that state once at
     ``disk_bandwidth`` (``(read, write)`` bytes/s per node, or one figure for both;
     default the accelerator preset's local NVMe), overlapped with its PCIe transfers
-    (:func:`zerojax.analysis.cost.step_time`).
+    (:func:`zerojax.analysis.cost.step_time`). The ``offload_params=nvme`` row keeps
+    the stage-3 param shards there too (``MemoryEstimate.disk_params``: 0 in the params
+    column, the device's memory between steps; in ``disk_bytes``): the step reads them
+    into device memory before the gradient, so its peak is the ``=nvme`` row's, and its
+    disk time adds their read and write.
 
     ``accelerator``: a preset of :data:`zerojax.analysis.cost.ACCELERATORS` (h100,
     h200, a100, v100, tpu-v5e) or an ``Accelerator``: each row gets a predicted step

@@ -862,7 +862,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     float normalization; its collectives run in float32); newer XLA:CPU keeps them in
     bf16, as GPUs do. Offloaded state adds the update's working memory on the device
     (in ``batch``): two buckets of ``bucket_size`` elements (host offload), or the NVMe
-    tier's own buckets of ``nvme_buffer_size`` bytes (:func:`_nvme_working`).
+    tier's own buckets of ``nvme_buffer_size`` bytes (:func:`_nvme_working`); with
+    ``offload_params="nvme"`` the param shards, on disk between steps, are on the device
+    for the step (read before the gradient), so they stay in the peak.
 
     Hierarchical sharding (``replica_axis=...``, HSDP / MiCS, or ``hpz=True``, ZeRO++
     hpZ): ``dp`` is the data axis D inside a replica and ``replicas`` = R the replica
@@ -910,7 +912,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     accum = options.get("accum_steps", 1)
     working = 0
     if _is_nvme(options):
-        working = _nvme_working(e.disk, math.ceil(psi / dp), compute, options)
+        working = _nvme_working(e.disk_optimizer_state, math.ceil(psi / dp), compute,
+                                options)
     elif options.get("offload_optimizer") or options.get("offload_params"):
         # the update brings bucket_size elements of offloaded state per leaf at once
         # (default 2**24), two buckets in flight: master, moments and new values
@@ -930,7 +933,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                heads=config.heads, remat=remat, prefetch=prefetch,
                                activations=acts,
                                batch_bytes=b * (s + 1) * 4 + working,
-                               states=e.params + e.optimizer_state,
+                               # offload_params="nvme": the step reads every param
+                               # shard into device memory before the gradient
+                               states=e.params + e.disk_params + e.optimizer_state,
                                param_bytes=compute, grad_bytes=grad,
                                activation_bytes=compute, accum_steps=accum,
                                mixed_stack=L * layer if param_dtype is not None

@@ -274,7 +274,8 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             if p.accelerator is not None else (float("nan"),) * 2)
         disk_note = (
             "; =nvme rows (ZeRO-Infinity's NVMe tier): the optimizer state and fp32 master "
-            "weights in files on the node's disk, disk/node (the node's "
+            "weights (+ offload_params=nvme: and the param shards, on the device only "
+            "during the step) in files on the node's disk, disk/node (the node's "
             f"{p.node_devices} devices' shards; "
             + (f"disk {_gb(p.disk_bytes)} GB per node, 'no: disk' beyond it"
                if p.disk_bytes is not None else "disk not checked: --disk") + "), "
