@@ -601,8 +601,17 @@ def to_disk(opt, opt_state: Any) -> NvmeState:
     store.leaves = entries
     store.shardings = {e["leaf"]: flat[e["leaf"]][1].sharding for e in entries}
     store.generation += 1
+    _write_all(store, entries, flat)
+    return NvmeState(store, store.generation, treedef, small)
+
+
+def _write_all(store: NvmeStore, entries: list, flat: list) -> None:
+    """Write the leaves ``entries`` name (``flat``: ``tree_flatten_with_path``'s pairs)
+    to their files (reserved first: a full disk fails before anything is written)
+    between an "updating" and a "clean" manifest, two at a time; each leaf written is
+    deleted from memory."""
     store._write_manifest("updating")
-    store.allocate()
+    store.allocate(entries)
     with cf.ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda e: store.write(e, flat[e["leaf"]][1]), entries))
     store._write_manifest("clean")
@@ -610,7 +619,6 @@ def to_disk(opt, opt_state: Any) -> NvmeState:
         x = flat[e["leaf"]][1]
         if isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
-    return NvmeState(store, store.generation, treedef, small)
 
 
 def read_state(state: TrainState, which: str | None = None) -> Any:
@@ -656,15 +664,7 @@ def params_to_disk(opt, params: Any, handle: Any) -> Any:
     structs = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=x.sharding) for _, x in flat])
     store.param_leaves = entries
-    store._write_manifest("updating")
-    store.allocate(entries)
-    with cf.ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda e: store.write(e, flat[e["leaf"]][1]), entries))
-    store._write_manifest("clean")
-    for e in entries:
-        x = flat[e["leaf"]][1]
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
+    _write_all(store, entries, flat)
     return NvmeParams(store, store.generation, treedef, small, structs)
 
 
