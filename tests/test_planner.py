@@ -935,15 +935,23 @@ def test_usable_memory_is_what_jax_gives():
 def test_offload_rows_check_host_memory_and_seq_the_positions():
     """An offload row whose node's offloaded state exceeds host_memory_bytes does not
     fit (its bytes: the per-device host state x the node's devices); a seq beyond a
-    preset's learned positions is refused. No compile."""
+    preset's learned positions is refused. gpt3-175b on 16 x 75 GB (8 per node): the
+    stage-3 offload rows fit the device (offload_params at the peak of offload_optimizer
+    alone: the step brings the param shards to the device) and need 1.05 / 1.22 TB of
+    host memory per node, over a 1 TB node's (whose 1 TB disk the NVMe rows' 1.05 TB
+    of state exceeds too): nothing fits. No compile."""
     from zerojax.analysis.plan import plan_model
 
-    kw = dict(devices=8, budget_bytes=int(75e9), seq=2048, batch=1)
+    kw = dict(devices=16, budget_bytes=int(75e9), seq=2048, batch=1)
     free = plan_model("gpt3-175b", **kw)
-    tight = plan_model("gpt3-175b", host_memory_bytes=int(1e12), **kw)
+    tight = plan_model("gpt3-175b", host_memory_bytes=int(1e12), disk_bytes=int(1e12), **kw)
     label = "stage 3 + offload_optimizer + offload_params"
     row, checked = free.row(label), tight.row(label)
     assert row.fits and row.host_fits and row.host_bytes == 8 * row.states.host > 1e12
+    # the param shards (host memory between steps) are on the device for the step
+    off = free.row("stage 3 + offload_optimizer")
+    assert row.states.params == 0 and row.states.host_params == off.states.params > 0
+    assert row.peak == off.peak
     assert not checked.fits and not checked.host_fits and checked.peak == row.peak
     assert tight.recommendation is None
     assert "of host memory per node" in plan_text.recommendation(tight)
@@ -1007,6 +1015,11 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
     nvp = p.row("stage 3 + offload_optimizer=nvme + offload_params=nvme")
     assert nvp.nvme and nvp.fits and nvp.states.params == nvp.states.host == 0
     assert nvp.states.disk_params == nv.states.params > 0 and nvp.peak == nv.peak
+    # and the host tier's offload_params row the same way: its peak is its
+    # offload_optimizer row's (was 17.24 GB lower, the param shard left out)
+    hp = p.row("stage 3 + offload_optimizer + offload_params")
+    assert hp.states.params == 0 and hp.states.host_params == off.states.params
+    assert hp.peak == off.peak
     assert nvp.states.disk == nv.states.disk + nv.states.params
     assert nvp.disk_bytes == 8 * nvp.states.disk and nvp.host_bytes == nv.host_bytes
     assert nvp.time.disk - nv.time.disk == pytest.approx(

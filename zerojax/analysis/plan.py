@@ -776,7 +776,10 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     the stage-3 param shards there too (``MemoryEstimate.disk_params``: 0 in the params
     column, the device's memory between steps; in ``disk_bytes``): the step reads them
     into device memory before the gradient, so its peak is the ``=nvme`` row's, and its
-    disk time adds their read and write.
+    disk time adds their read and write. The host tier's ``offload_params`` row
+    counts its shards the same way (``MemoryEstimate.host_params``: 0 in the params
+    column, in the peak): the step brings them to the device whole, so its peak is
+    the ``stage 3 + offload_optimizer`` row's; it saves device memory between steps.
 
     ``accelerator``: a preset of :data:`zerojax.analysis.cost.ACCELERATORS` (h100,
     h200, a100, v100, tpu-v5e) or an ``Accelerator``: each row gets a predicted step

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.analysis.comm import comm_volume
 from zerojax.analysis.memory import (
     CompiledMemory,
+    MemoryEstimate,
     _count,
     _is_nvme,
     compiled_memory,
@@ -863,8 +864,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     bf16, as GPUs do. Offloaded state adds the update's working memory on the device
     (in ``batch``): two buckets of ``bucket_size`` elements (host offload), or the NVMe
     tier's own buckets of ``nvme_buffer_size`` bytes (:func:`_nvme_working`); with
-    ``offload_params="nvme"`` the param shards, on disk between steps, are on the device
-    for the step (read before the gradient), so they stay in the peak.
+    ``offload_params`` the param shards, in host memory (or on disk, ``"nvme"``) between
+    steps, are on the device for the step (brought there before the gradient), so they
+    stay in the peak (:func:`_step_states`).
 
     Hierarchical sharding (``replica_axis=...``, HSDP / MiCS, or ``hpz=True``, ZeRO++
     hpZ): ``dp`` is the data axis D inside a replica and ``replicas`` = R the replica
@@ -933,9 +935,9 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                heads=config.heads, remat=remat, prefetch=prefetch,
                                activations=acts,
                                batch_bytes=b * (s + 1) * 4 + working,
-                               # offload_params="nvme": the step reads every param
-                               # shard into device memory before the gradient
-                               states=e.params + e.disk_params + e.optimizer_state,
+                               # offload_params (host or "nvme"): the step brings
+                               # every param shard to the device before the gradient
+                               states=_step_states(e),
                                param_bytes=compute, grad_bytes=grad,
                                activation_bytes=compute, accum_steps=accum,
                                mixed_stack=L * layer if param_dtype is not None
@@ -951,6 +953,18 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     quant = 2 * 4 * split(h * f) if options.get("quantize_gradients") and grad < 4 else 0
     return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
                              widened=inter is not None, prefetch=prefetch, quantized=quant)
+
+
+def _step_states(e: MemoryEstimate) -> int:
+    """The model-state bytes on the device through a step: the device's params and
+    optimizer state, plus the param shards ``offload_params`` keeps off it between
+    steps (``e.host_params``, or ``e.disk_params`` with ``"nvme"``): the step brings
+    them to the device whole at its start (:func:`zerojax.offload.to_device`; the NVMe
+    tier reads them before the gradient) and writes the new ones back at its end, so
+    they are in its peak (on one H100 the peak with ``offload_params`` was the one
+    with ``offload_optimizer`` alone, :mod:`zerojax.offload`). Offloaded optimizer
+    state is not: it comes to the device in buckets (the update's working memory)."""
+    return e.params + e.host_params + e.disk_params + e.optimizer_state
 
 
 def _nvme_working(disk: int, elements: int, compute: int, options: dict) -> int:
@@ -1058,7 +1072,7 @@ def mlp_step_prediction(features: int, layers: int, d_in: int, dp: int, stage: i
     step = predict_step_memory(psi, dp, stage, layer_params=layer,
                                scanned=False, hidden=features, batch=b, seq=1,
                                layers=layers, param_bytes=compute, grad_bytes=grad,
-                               states=e.params + e.optimizer_state, activations=acts,
+                               states=_step_states(e), activations=acts,
                                remat=False,
                                batch_bytes=b * (d_in + out) * 4,
                                accum_steps=options.get("accum_steps", 1),

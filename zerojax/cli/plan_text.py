@@ -288,7 +288,8 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
     out += ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
             "bytes at the peak are inside other. params/optim: what init_state places on "
             "the device; grads: the gradient handed to the update; other: gradients in "
-            "flight, working copies, the batch and --reserve at the step's peak; host: "
+            "flight, working copies, the batch and --reserve at the step's peak (+ "
+            "offload_params: the param shards, brought to the device for the step); host: "
             "offloaded state moved in and out per step; host/node: the pinned host memory "
             f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
             f"not the host{disk_note})")
