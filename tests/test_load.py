@@ -314,8 +314,15 @@ def test_a_rename_map_that_leaves_a_tensor_unmatched_is_named(hf_dir):
     with pytest.raises(ValueError, match=r"1 tensor\(s\) in the file that `like` lacks: "
                                          r"lm_head.weight.*or to None to skip it"):
         load_params(d, LIKE, rename=as_dict)
-    got = load_params(d, LIKE, rename=partial, strict=False)  # deliberate: head kept as given
-    assert got["head"]["kernel"] is LIKE["head"]["kernel"]
+    # strict=False never hands back a placeholder: a ShapeDtypeStruct leaf the file
+    # does not fill is refused, named, before any read; like's array is the explicit init
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) for leaves that `like` gives "
+                                         r"only as jax.ShapeDtypeStruct.*: head.kernel"):
+        load_params(d, LIKE, rename=partial, strict=False)
+    head = np.ones(LIKE["head"]["kernel"].shape, np.float32)
+    like = {**LIKE, "head": {"kernel": head}}
+    got = load_params(d, like, rename=partial, strict=False)  # deliberate: head kept as given
+    assert got["head"]["kernel"] is head
 
 
 def test_a_transform_that_changes_the_shape_is_named(hf_dir):
@@ -493,13 +500,16 @@ def test_zerojax_export_format_hf_writes_a_llama_checkpoint_transformers_layout(
     opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3, min_shard_size=4)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.save(3, opt.init_state(params))
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf("bfloat16")))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf("float32")))  # fp32 source
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "ckpt"), str(out), "--format", "hf", "--mapping",
                  "llama", "--hf-config", str(tmp_path / "config.json"), "--dtype", "bfloat16",
                  "--max-shard-size", "16KB"]) == 0
     assert "bfloat16 params of step 3" in capsys.readouterr().out
-    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+    written_cfg = json.loads((out / "config.json").read_text())
+    assert written_cfg["num_key_value_heads"] == 2
+    assert written_cfg["torch_dtype"] == "bfloat16"  # the files' dtype, not the source's
+    assert written_cfg == {**cfg.to_hf("float32"), "torch_dtype": "bfloat16"}
     index = json.loads((out / formats.INDEX_NAME).read_text())
     assert len(set(index["weight_map"].values())) >= 3
     written = {}

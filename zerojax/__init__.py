@@ -12,7 +12,7 @@ from zerojax.state import TrainState
 __all__ = [
     "make_mesh", "zero", "ZeroOptimizer", "ZeroConfig", "TrainState",
     "estimate_memory", "comm_volume", "plan", "memory_report",
-    "CheckpointManager", "export_params", "load_params",
+    "CheckpointManager", "export_params", "load_params", "load_hf",
 ]
 
 _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
@@ -31,6 +31,10 @@ def __getattr__(name):
         from zerojax import load
 
         return load.load_params
+    if name == "load_hf":  # the Llama family's loader (zerojax.models.llama)
+        from zerojax.models import llama
+
+        return llama.load_hf
     if name in _CHECKPOINT:
         from zerojax import checkpoint, export
 

@@ -29,15 +29,17 @@ from etils import epath
 
 from zerojax import hostmem, load as ld
 from zerojax.checkpoint import CheckpointManager, _resolve
-from zerojax.formats import (  # noqa: F401 (tensor_names, load_params: re-exported)
+from zerojax.formats import (  # noqa: F401 (tensor_names, load_params, *hf_config*: re-exported)
     _RESERVED,
     _check_stored,
     _check_unique,
     _first,
     _name,
     _tokens_of_keystr,
+    hf_config_with_dtype,
     tensor_names,
     write_file,
+    write_hf_config,
     write_sharded,
 )
 from zerojax.load import load_params  # noqa: F401

@@ -425,5 +425,45 @@ def natural_key(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
+# The dtype keys of a Hugging Face config.json: transformers 4.x writes "torch_dtype",
+# 5.x "dtype" (4.56+ reads either).
+HF_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def hf_config_with_dtype(config: dict, dtype: Any) -> dict:
+    """``config`` (a Hugging Face ``config.json`` as a dict) saying ``dtype`` (the
+    files' tensors' dtype: a numpy/jax dtype or its name) in the keys it has of
+    ``torch_dtype`` (transformers 4.x) and ``dtype`` (5.x), both where it has neither.
+    Nothing else changes."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in ("float32", "bfloat16", "float16", "float64"):
+        raise ValueError(f"dtype {dtype!r} is not a Hugging Face config dtype; the files "
+                         "are float32, bfloat16 or float16.")
+    if not isinstance(config, dict):
+        raise ValueError(f"a Hugging Face config is a JSON object, got {type(config).__name__}")
+    keys = [k for k in HF_DTYPE_KEYS if k in config] or list(HF_DTYPE_KEYS)
+    return {**config, **{k: name for k in keys}}
+
+
+def write_hf_config(config: dict | str | os.PathLike, directory: str | os.PathLike,
+                    dtype: Any) -> str:
+    """Write ``config`` (a dict, or the path of a ``config.json``) into ``directory`` as
+    ``config.json`` saying the files' ``dtype`` (:func:`hf_config_with_dtype`), through a
+    temporary file renamed into place. Returns its path."""
+    if not isinstance(config, dict):
+        with open(config) as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(config)} is not JSON: {e}") from None
+    out = os.path.join(os.fspath(directory), "config.json")
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(hf_config_with_dtype(config, dtype), f, indent=2)
+    os.replace(tmp, out)
+    return out
+
+
 __all__ = ["tensor_names", "read_header", "read_region", "checkpoint_files", "write_file",
-           "write_sharded", "shard_names", "st_dtype", "TensorInfo", "INDEX_NAME", "natural_key"]
+           "hf_config_with_dtype", "write_hf_config", "write_sharded", "shard_names",
+           "st_dtype", "TensorInfo", "INDEX_NAME", "natural_key"]

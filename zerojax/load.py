@@ -589,7 +589,11 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
     a shape (after rename and transforms) that differs, a leaf filled twice or in part,
     or a dtype that cannot be cast raises ``ValueError`` naming them before anything is
     read. ``strict=False`` loads the tensors both have and returns like's other leaves
-    as they are (shapes and casts are still checked).
+    as they are (shapes and casts are still checked): ``like``'s values are then the
+    explicit init of the leaves the file lacks, so each of those must hold values
+    (an array, e.g. the model's own init); a ``jax.ShapeDtypeStruct`` the file does
+    not fill is refused, named, before anything is read (it would come back as a
+    placeholder that ``init_state`` cannot take).
     """
     from flax.core import meta as flax_meta
 
@@ -605,6 +609,14 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
     path = os.fspath(path)
     files = checkpoint_files(path)
     pieces = _plan(files, names, shapes, dtypes, rename, transforms, strict, path)
+    unfilled = [n for n, v in zip(names, values)
+                if n not in pieces and isinstance(v, jax.ShapeDtypeStruct)]
+    if unfilled:  # strict=False: nothing would fill them
+        raise ValueError(
+            f"{path} lacks {len(unfilled)} tensor(s) for leaves that `like` gives only as "
+            f"jax.ShapeDtypeStruct (no values): {_first(unfilled)}. strict=False keeps "
+            "like's own values for the leaves the file lacks: give those leaves arrays in "
+            "`like` (e.g. the model's init) or a checkpoint that holds them.")
     if buffer_bytes < 1:
         raise ValueError(f"buffer_bytes={buffer_bytes} must be positive.")
     for name, shape, sharding in zip(names, shapes, shards):

@@ -530,9 +530,9 @@ def _export(args: argparse.Namespace) -> int:
                             mapping=mapping, dtype=args.dtype,
                             max_shard_size=args.max_shard_size)
         if args.hf_config is not None and args.format == "hf":
-            import shutil
+            from zerojax.formats import write_hf_config
 
-            shutil.copyfile(args.hf_config, os.path.join(args.out, "config.json"))
+            write_hf_config(args.hf_config, args.out, args.dtype or "float32")
     except CheckpointError as e:  # damaged, truncated, unreadable: the input's fault
         print(f"zerojax export: could not read the checkpoint {args.ckpt_dir!r}: "
               f"{_one_line(e)}", file=sys.stderr)
@@ -822,7 +822,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "list of zerojax.export.FileTensor or a function returning one "
                              "(default: the params' own names)")
     export.add_argument("--hf-config", default=None, metavar="CONFIG.json",
-                        help="the Hugging Face config.json of the model (copied into OUT)")
+                        help="the Hugging Face config.json of the model (copied into OUT, "
+                             "its torch_dtype / dtype set to the files' --dtype)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="the tensors' dtype in the file (default float32)")
     export.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",

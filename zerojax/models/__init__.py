@@ -12,6 +12,7 @@ from zerojax.models.llama import (
     llama_param_shapes,
     llama_param_specs,
     llama_params,
+    load_hf,
     load_hf_llama,
     params_from_hf,
     read_hf_checkpoint,
@@ -22,5 +23,5 @@ from zerojax.models.mlp import MLP, ScannedMLP, mse_loss
 __all__ = ["MLP", "ScannedMLP", "mse_loss", "GPT", "GPTConfig", "gpt_params",
            "gpt_param_specs", "lm_loss", "markov_tokens", "Llama", "LlamaConfig",
            "llama_params", "llama_param_specs", "llama_param_shapes", "llama_param_count",
-           "HFTensor", "hf_llama_mapping", "hf_rename", "load_hf_llama", "params_from_hf",
-           "hf_from_params", "read_hf_checkpoint", "save_hf_checkpoint"]
+           "HFTensor", "hf_llama_mapping", "hf_rename", "load_hf", "load_hf_llama",
+           "params_from_hf", "hf_from_params", "read_hf_checkpoint", "save_hf_checkpoint"]

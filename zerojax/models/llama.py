@@ -510,15 +510,87 @@ def load_hf_llama(path: str | os.PathLike, model: Llama, *, shardings: Any = Non
     """The params of ``model`` from the Hugging Face ``LlamaForCausalLM`` checkpoint at
     ``path`` (one ``.safetensors`` file, an index JSON or its directory), read by the
     sharded loader :func:`zerojax.load.load_params` with :func:`hf_rename`: each leaf
-    a float32 ``jax.Array`` in ``shardings`` (e.g. ``opt.input_shardings(like)`` for a
-    stage's layout; default: one device), each process reading only its shards'
-    regions (bf16 files cast exactly). ``load_options`` go to ``load_params``
-    (``buffer_bytes``)."""
-    from zerojax import load as ld
+    a float32 ``jax.Array``, each process reading only its shards' regions (bf16 files
+    cast exactly). ``load_options`` go to ``load_params`` (``buffer_bytes``).
 
-    like = llama_param_shapes(model)
+    ``shardings``: a :class:`zerojax.ZeroOptimizer` (the stage's layout, model split
+    included: ``opt.input_shardings`` of the params with their model specs, and the
+    optimizer remembers the model specs, so ``opt.init_state(params)`` keeps them;
+    :func:`load_hf` does this from the path alone), a tree of shardings, one sharding,
+    or None (one device). A sharding tree that leaves out a model split the model's
+    layout has on a mesh axis of size > 1 is refused, naming the leaf (it would hold
+    the leaf ``model`` times over on that axis). A tensor the file lacks is refused,
+    named (``strict=False`` skips only the file's extra tensors: every leaf must be
+    filled)."""
+    from zerojax import load as ld
+    from zerojax.optimizer import ZeroOptimizer
+
+    boxed = init_variables(model, 0, _dummy_tokens(model), abstract=True)["params"]
+    like, specs = nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+    if isinstance(shardings, ZeroOptimizer):
+        opt, shardings = shardings, shardings.input_shardings(like, specs)
+        opt._remember(like, specs)
+    elif shardings is not None:
+        _check_model_split(like, specs, shardings)
     return ld.load_params(path, like, shardings=shardings, rename=hf_rename(model.config),
                           strict=strict, **load_options)
+
+
+def _check_model_split(like: Any, specs: Any, shardings: Any) -> None:
+    """Refuse shardings that drop a leaf's model split on an axis of size > 1."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    flat = jax.tree_util.tree_flatten_with_path(like)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    if isinstance(shardings, jax.sharding.Sharding):
+        given = [shardings] * len(flat)
+    else:
+        given = jax.tree.leaves(shardings, is_leaf=lambda x: x is None or isinstance(
+            x, jax.sharding.Sharding))
+    if len(given) != len(flat) or len(spec_leaves) != len(flat):
+        return  # load_params names a tree that does not match
+    for (path, _), spec, sh in zip(flat, spec_leaves, given):
+        if not isinstance(sh, NamedSharding):
+            continue
+        sizes = dict(sh.mesh.shape)
+        got = tuple(sh.spec) + (None,) * (len(tuple(spec)) - len(tuple(sh.spec)))
+        for dim, (want, have) in enumerate(zip(tuple(spec), got)):
+            want = want if isinstance(want, tuple) else (want,)
+            have = have if isinstance(have, tuple) else (have,)
+            lost = [a for a in want if a is not None and sizes.get(a, 1) > 1 and a not in have]
+            if lost:
+                raise ValueError(
+                    f"load_hf_llama: shardings{jax.tree_util.keystr(path)} is {sh.spec}, "
+                    f"which drops the model split {spec} (axis {lost[0]!r} of size "
+                    f"{sizes[lost[0]]} on dim {dim}): each device would hold "
+                    f"{sizes[lost[0]]}x its share. Pass shardings=opt (the optimizer), "
+                    "use load_hf(path, opt), or opt.input_shardings(llama_param_shapes("
+                    "model), model_specs=llama_param_specs(model)).")
+
+
+def load_hf(path: str | os.PathLike, opt: Any, *, strict: bool = True,
+            buffer_bytes: int | None = None, **config_overrides) -> tuple[Llama, Any]:
+    """``(model, params)`` of the Hugging Face checkpoint at ``path`` (its directory,
+    index JSON or ``.safetensors`` file, with ``config.json`` beside it), loaded
+    straight into the layout the optimizer ``opt`` holds its stage in: each leaf split
+    over ``data`` and, where the model's layout splits it, over ``model``
+    (``opt.input_shardings`` with :func:`llama_param_specs`), each process reading only
+    its shards' regions. The model split is carried through: ``opt.init_state(params)``
+    keeps it without ``model_specs``. The config is read by
+    :meth:`LlamaConfig.from_hf` (what it does not compute is refused, named, before
+    any tensor is read); ``config_overrides`` set this module's own options
+    (``dtype``, ``remat``, ``seq``, ...). A tensor the file lacks is refused, named;
+    ``strict=False`` only lets the file hold tensors the model does not take.
+    ``buffer_bytes`` bounds each read (:func:`zerojax.load.load_params`)."""
+    path = os.fspath(path)
+    root = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if not os.path.exists(os.path.join(root, "config.json")):
+        raise ValueError(f"load_hf: {root} has no config.json; pass the checkpoint's "
+                         "directory as transformers' save_pretrained writes it (or build "
+                         "the model yourself and call load_hf_llama).")
+    model = Llama(LlamaConfig.from_hf(root, **config_overrides))
+    options = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
+    return model, load_hf_llama(path, model, shardings=opt, strict=strict, **options)
 
 
 def _leaf_shape(entry: HFTensor, config: LlamaConfig) -> tuple:
@@ -655,16 +727,19 @@ def save_hf_checkpoint(params: Any, config: LlamaConfig, directory: str | os.Pat
                        dtype=None) -> str:
     """Write ``params`` as a Hugging Face ``LlamaForCausalLM`` checkpoint in
     ``directory``: ``model.safetensors`` (tensors of ``dtype``, default the params')
-    and ``config.json``; ``transformers.LlamaForCausalLM.from_pretrained(directory)``
-    reads it. Returns the safetensors file's path."""
+    and ``config.json`` (its ``torch_dtype`` and ``dtype``, as transformers 4.x and 5.x
+    write them, the tensors' dtype); ``transformers.LlamaForCausalLM.from_pretrained
+    (directory)`` reads it. Returns the safetensors file's path."""
     from safetensors.numpy import save_file
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     tensors = hf_from_params(params, config, dtype=dtype)
+    from zerojax.formats import write_hf_config
+
     torch_dtype = str(next(iter(tensors.values())).dtype)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config.to_hf(torch_dtype), f, indent=2)
+    hf = {**config.to_hf(torch_dtype), "dtype": torch_dtype}  # transformers 4.x and 5.x
+    write_hf_config(hf, directory, torch_dtype)
     out = os.path.join(directory, "model.safetensors")
     save_file(tensors, out, metadata={"format": "pt"})
     return out
