@@ -15,11 +15,17 @@
   RuntimeError), ``hang`` (sleeps, a stuck data loader), ``leave`` (returns with status
   0), or ``short`` (feeds half its rows: a short last batch). Process 0 prints each step.
 * ``uneven``: process 0 feeds 16 rows, process 1 feeds 8 (benchmarks/faults.py).
+* ``short OUT``: stage 3 for 4 steps (the issue-41 launcher tests: started by mpirun,
+  mpiexec, srun's variables); prints ``first step t=`` (time.time()) after the first
+  step, and process 0 writes the losses and final full params to OUT.
 """
 
 import os
 import signal
 import sys
+import time
+
+T0 = time.time()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,7 +116,7 @@ elif mode == "die":
         float(metrics["loss"])
         i += 1
         if i == 3 and jax.process_index() == int(os.environ.get("DIE_RANK", "1")):
-            print("dying", flush=True)
+            print(f"dying t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "fault":
     kind, at = sys.argv[2], int(sys.argv[3])
@@ -142,5 +148,16 @@ elif mode == "uneven":  # benchmarks/faults.py: different rows from the first st
     rows = 16 if jax.process_index() == 0 else 8
     state, metrics = step(state, (x[:rows], y[:rows]))
     print(f"loss {float(metrics['loss']):.5f}", flush=True)
+elif mode == "short":
+    opt = make(3)
+    state, step = opt.init_state(awkward_params()), opt.train_step(awkward_loss)
+    losses = []
+    for i, b in enumerate(regression_batches(4)):
+        state, metrics = step(state, zd.split_batch(b))
+        losses.append(np.asarray(metrics["loss"]))
+        if i == 0:
+            print(f"first step t={time.time():.3f} (import at {T0:.3f})", flush=True)
+    save_npz(sys.argv[2], [np.stack(losses), *jax.tree.leaves(opt.full_params(state))])
+    print(f"process {jax.process_index()} of {jax.process_count()} done", flush=True)
 else:
     raise SystemExit(f"unknown mode {mode!r}")

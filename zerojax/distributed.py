@@ -16,10 +16,25 @@ Where the coordinator and ranks come from, first match wins:
 1. the arguments of :func:`initialize`;
 2. ``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PROCESS_ID``
    (set by ``zerojax launch`` / ``python -m zerojax.launch`` on this machine);
-3. JAX's own cluster detection (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU), which
-   ``jax.distributed.initialize()`` does when given nothing.
+3. the launcher's variables (:mod:`zerojax.launchers`): ``mpirun`` / ``mpiexec`` of Open
+   MPI 4 and 5, MPICH / Intel MPI (Hydra), MVAPICH; ``srun`` (SLURM); a Kubernetes
+   indexed Job or JobSet; torchrun-style ``RANK`` / ``WORLD_SIZE``. Under an MPI
+   launcher with mpi4py importable (and agreeing with the launcher's ranks), rank 0's
+   host and a free port are broadcast through it (MPI is finalized again after);
+   else the variables name the coordinator (127.0.0.1 when every rank is on this
+   node). Where nothing can name it (several nodes, no mpi4py) it raises
+   :class:`zerojax.launchers.LauncherError` saying so and the fix;
+4. JAX's own non-opt-in cluster detection for the rest (Cloud TPU; Kubernetes through
+   its API when the ``kubernetes`` package is installed).
 
-With none of these (a plain ``python train.py``) it does nothing: one process.
+With none of these (a plain ``python train.py``) it does nothing: one process, whatever
+is installed (JAX's opt-in mpi4py detection, present whenever mpi4py imports, is not
+used). Never alone by mistake: a launcher's variables that say the world has N > 1
+processes but cannot be used (a variable missing, no coordinator address) raise a
+:class:`~zerojax.launchers.LauncherError` naming the launcher, the variables and the
+fix, before any device is touched; after ``jax.distributed.initialize`` a world size
+other than the launcher's raises too. ``ZEROJAX_NUM_PROCESSES=1`` alone runs one
+process on purpose, whatever the launcher's variables say.
 
 A multi-process job never hangs on one bad process:
 
@@ -108,15 +123,109 @@ def _env_int(name: str) -> int | None:
 
 
 def _cluster_detected() -> bool:
-    """Whether JAX's own cluster detection finds a multi-process environment."""
+    """Whether JAX's own cluster detection finds a multi-process environment that
+    :mod:`zerojax.launchers` does not read (Cloud TPU; Kubernetes through its API).
+
+    Opt-in methods (``Mpi4pyCluster``: present whenever mpi4py imports) do not count:
+    JAX skips them when given no ``cluster_detection_method``, and a plain ``python
+    train.py`` with mpi4py installed would otherwise fail inside JAX ("coordinator_address
+    should be defined")."""
     try:
         from jax._src.clusters import ClusterEnv
     except ImportError:  # private module moved: let jax decide
         return True
     try:
-        return any(env.is_env_present() for env in ClusterEnv._cluster_types)
+        return any(not env.opt_in_only_method and env.is_env_present()
+                   for env in ClusterEnv._cluster_types)
     except Exception:
         return False
+
+
+def _detect_launch():
+    """The launcher's view (:func:`zerojax.launchers.detect`), its errors prefixed."""
+    from zerojax import launchers
+
+    try:
+        return launchers.detect()
+    except launchers.LauncherError as e:
+        raise launchers.LauncherError(f"zerojax.distributed.initialize: {e}") from None
+
+
+def _coordinator(launch) -> str:
+    """``host:port`` of process 0's coordination service: from mpi4py (rank 0's host and
+    a free port, broadcast) under an MPI launcher where mpi4py loads and agrees with the
+    launcher's ranks; else from the launcher's variables; else an error (this process
+    would otherwise run alone, or wait for a coordinator nobody serves)."""
+    from zerojax import launchers
+
+    why_mpi = ""
+    if launch.mpi:
+        address, why_mpi = _mpi4py_address(launch)
+        if address is not None:
+            return address
+    if launch.address is not None:
+        return launch.address
+    mpi = (f"; mpi4py cannot give it: {why_mpi}" if launch.mpi else "")
+    fixes = ("`pip install mpi4py` (built against this MPI) so rank 0's address is "
+             "broadcast, or " if launch.mpi else "")
+    raise launchers.LauncherError(
+        f"zerojax.distributed.initialize: {launch.describe()} says this is process "
+        f"{launch.rank} of {launch.size}, but the coordinator's address is unknown: "
+        f"{launch.why_no_host}{mpi}. Run alone, this process would train by itself as "
+        f"process 0 of 1 beside {launch.size - 1} others. Fix: {fixes}set "
+        f"{ENV_COORDINATOR}=<rank 0's host>:<port> (with {ENV_NUM_PROCESSES} and "
+        f"{ENV_PROCESS_ID}) in every process, or pass coordinator_address, num_processes "
+        "and process_id to initialize().")
+
+
+def _mpi4py_address(launch) -> tuple[str | None, str]:
+    """(rank 0's ``host:port`` broadcast through mpi4py, "") or (None, why not). MPI is
+    finalized again afterwards unless the script had loaded mpi4py.MPI itself."""
+    from importlib.util import find_spec
+
+    if find_spec("mpi4py") is None:
+        return None, "mpi4py is not installed"
+    preloaded = "mpi4py.MPI" in sys.modules
+    try:
+        from mpi4py import MPI
+    except Exception as e:  # no libmpi found, or one of another ABI
+        return None, f"mpi4py did not load ({type(e).__name__}: {str(e).splitlines()[0]})"
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if (rank, size) != (launch.rank, launch.size):
+        # a singleton MPI init: mpi4py is built against another MPI than the launcher's
+        if not preloaded:
+            MPI.Finalize()
+        return None, (f"its MPI sees rank {rank} of {size}, not the launcher's (mpi4py "
+                      "built against another MPI library?)")
+    from zerojax import launchers
+
+    address = None
+    if rank == 0:
+        port = launchers._override_port(os.environ)
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        address = f"{socket.gethostname()}:{port}"
+    address = comm.bcast(address, root=0)
+    if not preloaded:
+        MPI.Finalize()
+    return address, ""
+
+
+def _local_device_ids(launch) -> list[int] | None:
+    """One device per process, the launcher's local rank, where several processes share
+    a node's GPUs (as JAX does for SLURM); None (every visible device) on the CPU
+    backend, with one process per node, or when the launcher already made one GPU
+    visible (CUDA_VISIBLE_DEVICES of one entry)."""
+    if launch.local_rank is None or launch.local_size == 1 or _cpu_backend():
+        return None
+    for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        visible = os.environ.get(name)
+        if visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1:
+            return None
+    return [launch.local_rank]
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -194,7 +303,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         num_processes = _env_int(ENV_NUM_PROCESSES)
     if process_id is None:
         process_id = _env_int(ENV_PROCESS_ID)
+    if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
+        _initialized = True  # one process on purpose (ZEROJAX_NUM_PROCESSES=1), whatever
+        return False         # a launcher's variables say
     explicit = coordinator_address is not None or num_processes is not None
+    launch = None
+    if not explicit:
+        launch = _detect_launch()
+        if launch is not None and launch.size == 1:
+            _initialized = True
+            return False
+        if launch is not None:
+            coordinator_address = _coordinator(launch)
+            num_processes, process_id = launch.size, launch.rank
+            if local_device_ids is None:
+                local_device_ids = _local_device_ids(launch)
     if explicit:
         if num_processes is None or process_id is None or coordinator_address is None:
             raise ValueError(
@@ -209,10 +332,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if num_processes == 1:
             _initialized = True
             return False
-    elif not _cluster_detected():
+    elif launch is None and not _cluster_detected():
         _initialized = True
         return False
-    if explicit and process_id == 0:
+    if coordinator_address is not None and process_id == 0:
         _check_port_free(coordinator_address)
     if cpu_collectives and _cpu_backend():
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -221,6 +344,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         initialization_timeout=initialization_timeout,
         heartbeat_timeout_seconds=heartbeat_timeout)
     _initialized = True
+    if launch is not None and jax.process_count() != launch.size:
+        raise RuntimeError(
+            f"zerojax.distributed.initialize: {launch.describe()} says the job has "
+            f"{launch.size} processes, but JAX joined {jax.process_count()} "
+            f"(this one is {jax.process_index()}). Every process of the job must call "
+            "initialize() with the same launcher environment.")
+    if launch is not None and jax.process_count() > 1:
+        # a launcher that reports a dead process by its pid (MPICH's Hydra) or host:
+        # this line ties it to the rank
+        print(f"zerojax.distributed: process {jax.process_index()} of {jax.process_count()} "
+              f"is pid {os.getpid()} on {socket.gethostname()}, started by "
+              f"{launch.launcher}, coordinator {coordinator_address}.", file=sys.stderr,
+              flush=True)
     if jax.process_count() > 1:
         atexit.register(_announce_exit)  # runs before JAX's own shutdown (registered later)
         _install_excepthook()
@@ -243,7 +379,9 @@ def _check_port_free(address: str) -> None:
             f"the coordinator port {port_number} ({address}) is already in use on this "
             f"host ({busy}); process 0 serves the coordination service there. Pick "
             "another port (the launcher: --port N, or --port 0 for a free one; without "
-            f"it: {ENV_COORDINATOR} or coordinator_address), or end the process holding it.")
+            f"it: {ENV_COORDINATOR} or coordinator_address; under mpirun, srun, Kubernetes "
+            "or torchrun: ZEROJAX_COORDINATOR_PORT=N in every process), or end the process "
+            "holding it.")
 
 
 def port_in_use(port: int) -> str | None:
