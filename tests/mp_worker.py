@@ -15,9 +15,10 @@
   RuntimeError), ``hang`` (sleeps, a stuck data loader), ``leave`` (returns with status
   0), or ``short`` (feeds half its rows: a short last batch). Process 0 prints each step.
 * ``uneven``: process 0 feeds 16 rows, process 1 feeds 8 (benchmarks/faults.py).
-* ``short OUT``: stage 3 for 4 steps (the issue-41 launcher tests: started by mpirun,
-  mpiexec, srun's variables); prints ``first step t=`` (time.time()) after the first
-  step, and process 0 writes the losses and final full params to OUT.
+* ``launcher OUT``: stage 3 for 4 steps (tests/test_mpirun.py: started by mpirun /
+  mpiexec); prints ``first step t=`` (time.time()) after the first step, process 0
+  writes the losses and the full params after step 4 to OUT, then both go on and
+  process 1 (``DIE_RANK``) kills itself with SIGKILL instead of step 5.
 """
 
 import os
@@ -148,16 +149,21 @@ elif mode == "uneven":  # benchmarks/faults.py: different rows from the first st
     rows = 16 if jax.process_index() == 0 else 8
     state, metrics = step(state, (x[:rows], y[:rows]))
     print(f"loss {float(metrics['loss']):.5f}", flush=True)
-elif mode == "short":
+elif mode == "launcher":
     opt = make(3)
     state, step = opt.init_state(awkward_params()), opt.train_step(awkward_loss)
+    batches = regression_batches(4)
     losses = []
-    for i, b in enumerate(regression_batches(4)):
-        state, metrics = step(state, zd.split_batch(b))
+    for i in range(8):
+        if i == 5 and jax.process_index() == int(os.environ.get("DIE_RANK", "1")):
+            print(f"dying t={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        state, metrics = step(state, zd.split_batch(batches[i % 4]))
         losses.append(np.asarray(metrics["loss"]))
         if i == 0:
             print(f"first step t={time.time():.3f} (import at {T0:.3f})", flush=True)
-    save_npz(sys.argv[2], [np.stack(losses), *jax.tree.leaves(opt.full_params(state))])
-    print(f"process {jax.process_index()} of {jax.process_count()} done", flush=True)
+        if i == 3:
+            save_npz(sys.argv[2], [np.stack(losses), *jax.tree.leaves(opt.full_params(state))])
+            print(f"process {jax.process_index()} of {jax.process_count()} saved", flush=True)
 else:
     raise SystemExit(f"unknown mode {mode!r}")

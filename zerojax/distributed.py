@@ -316,8 +316,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if launch is not None:
             coordinator_address = _coordinator(launch)
             num_processes, process_id = launch.size, launch.rank
-            if local_device_ids is None:
-                local_device_ids = _local_device_ids(launch)
+            if local_device_ids is None and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+                # [], not None: None would send JAX into its own cluster detection for
+                # them (jax 0.12's Open MPI 5 detection then demands mpi4py)
+                local_device_ids = _local_device_ids(launch) or []
     if explicit:
         if num_processes is None or process_id is None or coordinator_address is None:
             raise ValueError(
@@ -362,6 +364,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _install_excepthook()
         STALL_FLOOR = float(stall_floor)
         _start_watchdog(float(progress_timeout))
+        _watch_local_peers()
     return jax.process_count() > 1
 
 
@@ -675,6 +678,50 @@ def _start_watchdog(timeout: float) -> None:
                      f"stall_floor ({ENV_STALL}).")
 
     threading.Thread(target=watch, name="zerojax-progress-watchdog", daemon=True).start()
+
+
+def _watch_local_peers() -> None:
+    """Name a peer on this host that dies without a word (SIGKILL, the OOM killer) the
+    moment it does: each process posts its pid and host; a thread waits on a pidfd of
+    every peer on this host and, when one ends without having posted why (a raise, a
+    stall, its script's end), prints that it died. Launchers end the job at once then
+    but name it by pid (MPICH's Hydra: not even the dead one's); this line names the
+    rank. Peers on other hosts: the launcher, or the heartbeat bound."""
+    client = _client()
+    if client is None or not hasattr(os, "pidfd_open"):
+        return
+    me, host = jax.process_index(), socket.gethostname()
+    try:
+        client.key_value_set(f"{_KV}/pid/{me}", f"{os.getpid()}@{host}", allow_overwrite=True)
+    except Exception:
+        return
+
+    def watch():
+        import select
+
+        fds = {}
+        for rank in range(jax.process_count()):
+            if rank == me:
+                continue
+            try:
+                pid, _, where = client.blocking_key_value_get(f"{_KV}/pid/{rank}",
+                                                              60_000).partition("@")
+                if where == host:
+                    fds[os.pidfd_open(int(pid))] = (rank, pid)
+            except Exception:
+                continue  # not posted in time, or already gone: the other paths cover it
+        while fds and not _progress.get("closing"):
+            ready, _, _ = select.select(list(fds), [], [], 1.0)
+            for fd in ready:
+                rank, pid = fds.pop(fd)
+                os.close(fd)
+                _read_down(client)
+                if rank not in _down and not _progress.get("closing"):
+                    print(f"zerojax.distributed: {_rank()}: its peer process {rank} (pid {pid} "
+                          f"on {host}) died without a word (killed: SIGKILL, out of memory); "
+                          "the job ends.", file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, name="zerojax-peer-watch", daemon=True).start()
 
 
 def _is_timeout(error: Exception) -> bool:
