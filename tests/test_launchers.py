@@ -5,6 +5,7 @@ under a real mpirun / mpiexec are in tests/test_mpirun.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,56 +146,72 @@ def test_local_devices_follow_the_local_rank_where_processes_share_a_node(monkey
 
 # --- initialize() in a fresh process: the guard, before any device is touched ---------
 
+# one interpreter tries each environment in turn (a refused initialize() leaves nothing
+# behind; one that returns False marks the module initialized: reset between cases)
 PROBE = """
-import os, sys
+import json, os, sys
 import zerojax.distributed as zd
 from jax._src import xla_bridge
-try:
-    print("joined", zd.initialize(), flush=True)
-except Exception as e:
-    print(f"refused {type(e).__name__}: {e}", flush=True)
-    print("devices touched:", xla_bridge.backends_are_initialized(), flush=True)
-    sys.exit(3)
-os.makedirs(sys.argv[1])  # a checkpoint directory, written only by a run that goes on
+base = dict(os.environ)
+for i, env in enumerate(json.loads(sys.argv[1])):
+    os.environ.clear()
+    os.environ.update(base, **env)
+    zd._initialized = False
+    try:
+        print(i, "joined", zd.initialize(), flush=True)
+        os.makedirs(os.path.join(sys.argv[2], str(i)))  # a run that goes on writes this
+    except Exception as e:
+        print(i, f"refused {type(e).__name__}: {e}", flush=True)
+    print(i, "devices touched:", xla_bridge.backends_are_initialized(), flush=True)
 """
 
 
-def probe(tmp_path, env, extra_path=""):
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMI", "SLURM_", "MV2_")) and k not in
-            ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "ZEROJAX_NUM_PROCESSES")}
-    base["PYTHONPATH"] = os.pathsep.join(x for x in (extra_path, os.getcwd(),
-                                                      base.get("PYTHONPATH", "")) if x)
-    ckpt = tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"
-    out = subprocess.run([sys.executable, "-c", PROBE, str(ckpt)], env={**base, **env},
-                         capture_output=True, text=True, timeout=120)
-    return out, ckpt.exists()
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """What initialize() said for each of CASES, in one fresh interpreter:
+    {name: (its output lines, whether it went on to write its checkpoint dir)}."""
+    two_nodes = dict(OMPI5, OMPI_COMM_WORLD_LOCAL_SIZE="1", OMPI_COMM_WORLD_LOCAL_RANK="0")
+    cases = {  # refusals first: none may touch a device
+        "two nodes, no mpi4py": two_nodes,
+        "a variable missing": {"PMI_SIZE": "2"},
+        "batch script without srun": {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
+                                      "SLURM_NTASKS": "2"},
+        "alone on purpose": dict(two_nodes, ZEROJAX_NUM_PROCESSES="1"),
+        "a world of one": {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
+                           "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+        "plain": {},
+    }
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI", "SLURM_", "MV2_")) and k not in
+           ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "ZEROJAX_NUM_PROCESSES")}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (os.getcwd(), env.get("PYTHONPATH", ""))
+                                        if x)
+    d = tmp_path_factory.mktemp("probe")
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(cases.values())),
+                          str(d)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    return {name: ([x.split(" ", 1)[1] for x in lines if x.startswith(f"{i} ")],
+                   (d / str(i)).exists()) for i, name in enumerate(cases)}
 
 
-def test_a_world_of_two_that_cannot_be_joined_stops_before_any_device(tmp_path):
+def test_a_world_of_two_that_cannot_be_joined_stops_before_any_device(probes):
     # Open MPI's variables for rank 1 of 2 on two nodes, no mpi4py: nothing names rank 0
-    env = dict(OMPI5, OMPI_COMM_WORLD_LOCAL_SIZE="1", OMPI_COMM_WORLD_LOCAL_RANK="0")
-    out, wrote = probe(tmp_path, env)
-    assert out.returncode == 3 and not wrote, out.stdout + out.stderr
-    said = out.stdout
-    assert "refused LauncherError: zerojax.distributed.initialize: Open MPI 5 (mpirun) " \
-           "(OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2" in said, said
-    assert "process 1 of 2, but the coordinator's address is unknown" in said
-    assert "would train by itself as process 0 of 1" in said
-    assert "pip install mpi4py" in said and "ZEROJAX_COORDINATOR_ADDRESS" in said
-    assert "devices touched: False" in said
-    # a variable missing: the same, before any device
-    out, wrote = probe(tmp_path, {"PMI_SIZE": "2"})
-    assert out.returncode == 3 and not wrote and "PMI_RANK is not set" in out.stdout
-    assert "devices touched: False" in out.stdout
-    # ZEROJAX_NUM_PROCESSES=1: one process on purpose, whatever the launcher says
-    out, wrote = probe(tmp_path, dict(env, ZEROJAX_NUM_PROCESSES="1"))
-    assert out.returncode == 0 and "joined False" in out.stdout and wrote, out.stderr
+    said, wrote = probes["two nodes, no mpi4py"]
+    assert not wrote and said[-1] == "devices touched: False", said
+    assert said[0].startswith(
+        "refused LauncherError: zerojax.distributed.initialize: Open MPI 5 (mpirun) "
+        "(OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2"), said
+    assert "process 1 of 2, but the coordinator's address is unknown" in said[0]
+    assert "would train by itself as process 0 of 1" in said[0]
+    assert "pip install mpi4py" in said[0] and "ZEROJAX_COORDINATOR_ADDRESS" in said[0]
+    for name, why in (("a variable missing", "PMI_RANK is not set"),
+                      ("batch script without srun", "was not started by srun")):
+        said, wrote = probes[name]
+        assert not wrote and why in said[0] and said[-1] == "devices touched: False", said
 
 
-def test_a_plain_process_runs_as_one_and_a_world_of_one_too(tmp_path):
-    out, wrote = probe(tmp_path, {})
-    assert out.returncode == 0 and "joined False" in out.stdout and wrote, out.stderr
-    out, wrote = probe(tmp_path, {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
-                                  "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})
-    assert out.returncode == 0 and "joined False" in out.stdout and wrote, out.stderr
+def test_alone_on_purpose_a_world_of_one_and_a_plain_process_run_as_one(probes):
+    for name in ("alone on purpose", "a world of one", "plain"):
+        said, wrote = probes[name]
+        assert said[0] == "joined False" and wrote, (name, said)

@@ -177,8 +177,8 @@ def test_a_rank_killed_under_mpirun_ends_the_job_naming_it(mpi_runs, mpi, with_m
     pid = re.search(r"process 1 of 2 is pid (\d+)", out).group(1)
     # the survivor names it (a pidfd on each peer of its host) before the launcher's
     # clean-up ends it: prterun sends SIGCONT, SIGTERM 0.25 s later, then SIGKILL
-    named = re.search(rf"process 0 of 2: its peer process 1 \(pid {pid} on \S+\) died "
-                      r"without a word \(killed", out)
+    named = re.search(rf"process 0 of 2: its peer process 1 \(pid {pid} on \S+\) ended "
+                      r"without an exit notice: killed", out)
     if mpi == "openmpi":   # and prterun names the rank itself
         assert named, out[-3000:]
         assert re.search(rf"process rank 1 with PID {pid} on node \S+ exited on\s+signal 9",

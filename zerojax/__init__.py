@@ -20,9 +20,9 @@ _CHECKPOINT = ("CheckpointManager", "export_params", "load_params")
 # them (`zerojax.distributed.initialize()`, `zerojax.analysis.compiled_memory(...)`):
 # imported on first use, so `import zerojax` stays light (no orbax, no launcher).
 _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "compat", "export",
-               "config", "distributed", "formats", "launch", "load", "mesh", "models", "offload",
-               "optimizer", "partition", "preemption", "quant", "schedule", "state", "step",
-               "tiling")
+               "config", "distributed", "formats", "launch", "launchers", "load", "mesh",
+               "models", "offload", "optimizer", "partition", "preemption", "quant",
+               "schedule", "state", "step", "tiling")
 
 
 def __getattr__(name):

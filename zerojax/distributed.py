@@ -364,7 +364,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _install_excepthook()
         STALL_FLOOR = float(stall_floor)
         _start_watchdog(float(progress_timeout))
-        _watch_local_peers()
+        if launch is not None:  # zerojax launch names a dead process itself
+            _watch_local_peers()
     return jax.process_count() > 1
 
 
@@ -681,11 +682,12 @@ def _start_watchdog(timeout: float) -> None:
 
 
 def _watch_local_peers() -> None:
-    """Name a peer on this host that dies without a word (SIGKILL, the OOM killer) the
-    moment it does: each process posts its pid and host; a thread waits on a pidfd of
-    every peer on this host and, when one ends without having posted why (a raise, a
-    stall, its script's end), prints that it died. Launchers end the job at once then
-    but name it by pid (MPICH's Hydra: not even the dead one's); this line names the
+    """Under mpirun / srun: name a peer on this host that dies without a word (SIGKILL,
+    the OOM killer) the moment it does: each process posts its pid and host; a thread
+    waits on a pidfd of every peer on this host and, when one ends without having posted
+    why (a raise, a stall, its script's end), prints so. The launchers end the job then,
+    naming a pid at best (MPICH's Hydra: not always the dead one's, and it SIGKILLs the
+    survivors within milliseconds, so this line may lose that race); this line names the
     rank. Peers on other hosts: the launcher, or the heartbeat bound."""
     client = _client()
     if client is None or not hasattr(os, "pidfd_open"):
@@ -718,8 +720,9 @@ def _watch_local_peers() -> None:
                 _read_down(client)
                 if rank not in _down and not _progress.get("closing"):
                     print(f"zerojax.distributed: {_rank()}: its peer process {rank} (pid {pid} "
-                          f"on {host}) died without a word (killed: SIGKILL, out of memory); "
-                          "the job ends.", file=sys.stderr, flush=True)
+                          f"on {host}) ended without an exit notice: killed (SIGKILL, out of "
+                          "memory) unless it printed an error of its own; the job ends.",
+                          file=sys.stderr, flush=True)
 
     threading.Thread(target=watch, name="zerojax-peer-watch", daemon=True).start()
 
