@@ -66,8 +66,11 @@ A multi-process job never hangs on one bad process:
   rows (:func:`check_rows`, through the key-value store: no device work).
 
 What was run where: every path here is tested on one machine with several CPU
-processes on 127.0.0.1 and gloo collectives (tests/test_multiprocess.py). GPU pods
-and SLURM use the same JAX calls; they were not run here (see docs/multihost.md).
+processes on 127.0.0.1 and gloo collectives (tests/test_multiprocess.py), also started
+by a real mpirun of Open MPI 5 and MPICH, with and without mpi4py
+(tests/test_mpirun.py), and by srun of a SLURM on localhost
+(scripts/slurm_localhost.sh); each launcher's variables in tests/test_launchers.py.
+GPU pods, Kubernetes and several machines were not run here (docs/multihost.md).
 """
 
 from __future__ import annotations
