@@ -329,8 +329,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 f"initialize: coordinator_address={coordinator_address!r}, "
                 f"num_processes={num_processes!r} and process_id={process_id!r} go together "
                 f"(arguments, or the {ENV_COORDINATOR} / {ENV_NUM_PROCESSES} / "
-                f"{ENV_PROCESS_ID} variables); give all three, or none to use JAX's "
-                "cluster detection (SLURM, Open MPI, Kubernetes).")
+                f"{ENV_PROCESS_ID} variables); give all three, or none to use the launcher's "
+                "variables (mpirun, srun, Kubernetes, torchrun; docs/multihost.md).")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"initialize: process_id={process_id} must lie in "
                              f"[0, num_processes={num_processes}).")
