@@ -16,6 +16,8 @@ the CPU backend either way). Per state size:
   the disk after the step;
 - host RSS: before the steps and its peak during them (sampled every 5 ms), and the
   bytes of the params and gradient (bf16), which on the CPU backend are host memory;
+- the update with overlap again without the checksums (a crc32 per shard computed as it
+  is written, checked as it is read): their cost;
 - ratio: update (with overlap, +fsync) / (disk write + read).
 
     nice -n 15 python benchmarks/nvme.py --gb 4 8 --path /tmp/nvme-bench
@@ -123,8 +125,10 @@ def run(gb: float, directory: str, leaves: int, buffer_mb: int, buffers: int,
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    for overlap in (True, False):
-        step.overlap = overlap
+    # the modes: overlap, serial, and overlap without the per-shard crc32 (issue 40's
+    # checksums: written with the data, checked on read) to show their cost
+    for overlap, crc in ((True, True), (False, True), (True, False)):
+        step.overlap, store.checksums = overlap, crc
         upd, flushed = [], []
         for _ in range(steps):
             _drop_cache(files)
@@ -135,7 +139,7 @@ def run(gb: float, directory: str, leaves: int, buffer_mb: int, buffers: int,
             _drop_cache(files)  # flush what the step wrote
             upd.append(t["update_s"])
             flushed.append(t["update_s"] + time.perf_counter() - t0)
-        key = "overlap" if overlap else "serial"
+        key = ("overlap" if overlap else "serial") + ("" if crc else "_nocrc")
         out[f"update_{key}_s"] = min(upd)
         out[f"update_{key}_fsync_s"] = min(flushed)
         out[f"grad_{key}_s"] = step.timings[-1]["grad_s"]
@@ -169,6 +173,7 @@ def main() -> None:
                   f"{r['disk_write_s']:.1f} + {r['disk_read_s']:.1f} = {disk:.1f} | "
                   f"{r['update_overlap_s']:.1f} / {r['update_overlap_fsync_s']:.1f} | "
                   f"{r['update_serial_s']:.1f} / {r['update_serial_fsync_s']:.1f} | "
+                  f"{r['update_overlap_nocrc_s']:.1f} / {r['update_overlap_nocrc_fsync_s']:.1f} | "
                   f"{r['ratio']:.2f} | {r['rss_base'] / 2**30:.2f} -> "
                   f"{r['rss_peak'] / 2**30:.2f} GiB (params + grad "
                   f"{2 * r['params_bytes'] / 2**30:.2f}) |", flush=True)

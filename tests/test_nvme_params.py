@@ -50,8 +50,8 @@ def runs(tmp_path_factory):
             for tier, off in (("host", HOST), ("nvme", dict(
                     offload_optimizer="nvme", offload_params="nvme", nvme_path=str(d),
                     nvme_buffer_size=16384))):  # several buckets
-                opt = zerojax.zero(optax.adamw(1e-2), mesh, min_shard_size=16, **options,
-                                   **off)
+                opt = zerojax.zero(optax.adamw(1e-2), mesh, **options, **off)  # default
+                # min_shard_size (128): the biases, the head and the scalar stay in memory
                 state = opt.init_state(awkward_params())
                 step = opt.train_step(awkward_loss)
                 losses = []
@@ -99,10 +99,10 @@ def test_files_hold_the_params(runs):
     entries = {e["leaf"]: e for e in man["params"]}
     assert sorted(p.name for p in root.glob("leaf-params-*.bin")) == sorted(
         e["file"] for e in man["params"])
-    assert len(entries) == 6  # every leaf but the scalar (below min_shard_size)
+    assert len(entries) == 3  # the kernels; the biases, head and scalar below min_shard_size
     for j, (path, x) in enumerate(flat):
         if j not in entries:
-            assert x.size < 16 and np.array_equal(np.asarray(got.params.small[j]),
+            assert x.size < 128 and np.array_equal(np.asarray(got.params.small[j]),
                                                    np.asarray(x))
             continue
         e = entries[j]
@@ -121,7 +121,7 @@ def test_files_hold_the_params(runs):
     data = path.read_bytes()
     path.write_bytes(data[:-2])
     try:
-        with pytest.raises(nvme.NvmeError, match=r"params\['dense1'\]\['bias'\]\) holds"):
+        with pytest.raises(nvme.NvmeError, match=r"params\['dense1'\]\['kernel'\]\) holds"):
             nvme.read_params(got)
     finally:
         path.write_bytes(data)
@@ -179,7 +179,7 @@ def test_checkpoints_go_between_nvme_params_and_host_offload(runs, tmp_path):
     with zerojax.CheckpointManager(tmp_path / "from_nvme") as mgr:
         mgr.save(STEPS, got)
     on_device = zerojax.zero(optax.adamw(1e-2), zerojax.make_mesh(
-        **CASES["bf16_model_axis_accum_clip"][0]), min_shard_size=16, **options)
+        **CASES["bf16_model_axis_accum_clip"][0]), **options)  # as the fixture's
     with zerojax.CheckpointManager(tmp_path / "from_nvme") as mgr:
         back_h = mgr.restore(opt_h, like=awkward_params())
         back_d = mgr.restore(on_device, like=awkward_params())

@@ -807,7 +807,10 @@ class CheckpointManager:
         if not isinstance(state, TrainState):
             raise TypeError(f"save() takes the zerojax.TrainState, got {type(state).__name__}.")
         # offload_optimizer="nvme": the optimizer state read from its scratch files (the
-        # checkpoint is the durable copy; it holds the state whole while it is written)
+        # checkpoint is the durable copy; it holds the state whole while it is written;
+        # every leaf's checksum checked as it is read: a corrupt state is refused here,
+        # before anything is written)
+        store = getattr(state.opt_state, "store", None)  # the NVMe tier's files
         state = nvme.materialized(state)
         step = _check_step(step)
         treedef = jax.tree.structure(state.params)
@@ -905,13 +908,14 @@ class CheckpointManager:
                 self._exit_hook = True
             self._pending = step
             self._commit = threading.Thread(
-                target=self._finish, args=(step, tmp, token, overwrite), daemon=True,
+                target=self._finish, args=(step, tmp, token, overwrite, store), daemon=True,
                 name=f"zerojax-checkpoint-{step}")
             self._commit.start()
         if not self.async_save:
             self.wait()
 
-    def _finish(self, step: int, tmp: str, token: str, overwrite: bool) -> None:
+    def _finish(self, step: int, tmp: str, token: str, overwrite: bool,
+                store: Any = None) -> None:
         try:
             if self.async_save:
                 self._ckptr.wait_until_finished()
@@ -920,6 +924,8 @@ class CheckpointManager:
                 self._publish(step, tmp, final, token, overwrite)
             else:
                 self._await_publish(step, final, token)
+            if store is not None:  # what the NVMe tier's errors name to restore
+                store.last_checkpoint = (self.directory, step)
         except BaseException as e:  # noqa: BLE001 -- handed to wait()
             self._commit_error = e
         finally:

@@ -136,7 +136,8 @@ class ZeroConfig:
       nvme_path: with ``offload_optimizer="nvme"``: an existing, writable directory on a
         local disk; process ``i`` keeps its files in ``<nvme_path>/zerojax-nvme-p<i>/``
         (checked, and locked against a second optimizer or process, when ``zero()``
-        builds the optimizer). Refused without ``offload_optimizer="nvme"``.
+        builds the optimizer). Refused without ``offload_optimizer="nvme"``, and empty
+        (``""`` would put the files in the working directory).
       nvme_buffer_count: buckets of optimizer state in host memory at once with the NVMe
         tier (being read, updated or written back; also the groups ``init_state``,
         ``init_sharded`` and ``restore`` hold while they write the state to the files);
@@ -144,6 +145,8 @@ class ZeroConfig:
       nvme_buffer_size: bytes of optimizer state per bucket with the NVMe tier (a
         parameter's state is never split: a larger one is a bucket of its own; the
         size of those groups too, a larger leaf alone); at least 4096, default 2**28.
+        ``nvme_buffer_count * nvme_buffer_size`` above a quarter of the host's physical
+        memory is refused (the buckets would hold the state in host memory).
       offload_params: stage 3 only (where each device holds a 1/N shard of the
         parameters): the partitioned params (``TrainState.params``) live in
         ``pinned_host`` memory between steps too. The step brings the shards to the

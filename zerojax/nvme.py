@@ -9,23 +9,36 @@ bytes, or one leaf's group when a leaf is larger), whatever the model's size.
 Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
 
 * ``LOCK``: JSON ``{"pid", "host", "token"}`` of the optimizer that owns the directory,
-  written when ``zero(...)`` is built and removed when it is garbage-collected or the
-  process exits. A second optimizer or process given the same directory is refused
-  while the owner lives; a LOCK left by a killed process (its pid gone) marks the files
-  beside it as a dead run's scratch: they are deleted, never read as a state.
-* ``MANIFEST.json``: ``{"token", "generation", "status", "leaves", "params"}``: the
-  owner's token,
-  the number of updates written, ``"clean"`` between steps and ``"updating"`` while
-  one runs (a run killed mid-step leaves ``"updating"``: the files then mix two
-  steps and are refused), and per file the leaf's path in ``TrainState.opt_state``
-  (``jax.tree_util.keystr``), dtype, global (padded) shape and the process's shards.
+  held with ``flock`` (:mod:`zerojax.nvme_lock`) from when ``zero(...)`` is built until
+  it is garbage-collected, the process exits, or SIGTERM (default action) ends it:
+  then removed with the files. A second optimizer or process given the same directory
+  is refused naming the owner (200 simultaneous pairs of starts: one owner each); a
+  LOCK whose flock the kernel grants (its holder died) marks the files beside it as a
+  dead run's scratch: they are deleted, never read as a state.
+* ``MANIFEST.json``: ``{"token", "generation", "status", "step", "leaves", "params"}``:
+  the owner's token, the number of updates written, ``"clean"`` between steps and
+  ``"updating"`` while one runs (a run killed mid-step leaves ``"updating"``: the files
+  then mix two steps and are refused), the training step of that update where known,
+  and per file the leaf's path in ``TrainState.opt_state`` (``jax.tree_util.keystr``),
+  dtype, global (padded) shape and the process's shards, each with the ``crc32`` of
+  its bytes as written (checked when read: a mismatch is refused naming the file, leaf,
+  shard and step). Written to a temporary file, fsync'ed and renamed (the directory
+  fsync'ed); the generation moves once the clean manifest is durable. A write that
+  fails (:class:`NvmeWriteError`) before any leaf leaves the previous generation in
+  force; after every leaf, the error carries the new state (``err.state``), whose
+  manifest write is retried at its next use; in between, the files are refused,
+  naming the last checkpoint to restore.
 * ``leaf-<i>.bin`` for the i-th leaf of ``opt_state`` (``jax.tree.leaves`` order) of at
   least ``max(min_shard_size, 2)`` elements: the raw bytes (native byte order, C
   order) of this process's distinct shards of that leaf, one after another in the
   order the manifest lists them (each shard's ``[start, stop)`` per dimension). In a
   single process that holds every shard of a leaf split over ``data`` only, the
   shards in order are the whole (padded) leaf. Smaller leaves (Adam's step count, a
-  scalar's master weight and moments) stay in memory, in the :class:`NvmeState`.
+  scalar's master weight and moments; at the default ``min_shard_size`` of 128 a
+  bias's too) stay in memory, in the :class:`NvmeState`, and are updated outside the
+  buckets, bitwise as ``offload_optimizer=True`` (their program given the buckets'
+  extra scalar uses; without them XLA rewrote a bias's division by the bias
+  correction, 1 ulp apart: issue 40).
 * ``leaf-params-<j>.bin`` (``offload_params="nvme"`` only; the manifest's ``"params"``
   entries, each with ``"tree": "params"`` and its path in ``TrainState.params``): the
   j-th leaf of the stage-3 params as the state stores it (the compute copy: in
@@ -139,7 +152,12 @@ faster than a host update on an H100); what to re-measure there is the bucket's
 PCIe transfer (12 bytes a parameter each way) against the disk's time, which it should
 hide behind.
 
-Memory: between steps the process holds the params (compute copy, as without
+Memory: each step ends by handing the freed buffers back to the system
+(``malloc_trim``; glibc kept the I/O threads' freed buffers in its arenas, and the
+process held more than with host offload). Fresh processes, one device, 48 MiB of fp32
+params, Adam (96 MiB of state), after 3 and 30 steps: 319-349 MiB against 430-444 MiB
+with ``offload_optimizer=True`` (``tests/test_nvme.py``).
+Between steps the process holds the params (compute copy, as without
 offload; with ``offload_params="nvme"`` only the leaves below the disk threshold)
 and the small leaves; during a step, the gradients (partitioned, as
 without offload), and at most ``nvme_buffer_count`` buckets of state on their way
@@ -151,15 +169,17 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import errno
 import json
 import os
 import secrets
 import shutil
-import socket
+import signal
 import threading
 import time
 import warnings
 import weakref
+import zlib
 from typing import Any
 
 import jax
@@ -168,30 +188,58 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 
-from zerojax import offload
+from zerojax import nvme_lock, offload
+from zerojax.nvme_lock import LOCK, NvmeError
 from zerojax.state import TrainState
 
 DIR_PREFIX = "zerojax-nvme-p"
-LOCK = "LOCK"
 MANIFEST = "MANIFEST.json"
 DEFAULT_BUFFER_COUNT = 4
 DEFAULT_BUFFER_SIZE = 2**28  # bytes of state per bucket (256 MiB)
+# the buffers (count x size) may take at most this fraction of the host's memory
+BUFFER_FRACTION = 0.25
 
 _LIVE_TOKENS: set = set()  # tokens of this process's live stores
+_LIVE_STORES: weakref.WeakSet = weakref.WeakSet()
+_SIGTERM = {"installed": False}
 
 
-class NvmeError(RuntimeError):
-    """The NVMe tier's files are missing, short, stale or not this state's."""
-
-
-def _pid_alive(pid: int) -> bool:
+def _remove_files_on_sigterm() -> None:
+    """Where SIGTERM would end the process at once (its default action, no handler of the
+    user's, a checkpoint manager's or jax.distributed's installed): a handler that
+    deletes the live stores' files and locks (scratch: the durable copy is a
+    checkpoint), then ends the process by SIGTERM as before. Installed once, from the
+    main thread."""
+    if _SIGTERM["installed"] or threading.current_thread() is not threading.main_thread():
+        return
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter
+        return
+    _SIGTERM["installed"] = True
+
+
+def _on_sigterm(signum, frame) -> None:
+    for store in list(_LIVE_STORES):
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001 -- best effort while the process ends
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _SIGTERM["installed"] = False
+    os.kill(os.getpid(), signal.SIGTERM)  # ended by SIGTERM, as without the handler
+
+
+class NvmeWriteError(NvmeError):
+    """A write to the NVMe tier's files failed (a full or read-only disk). Its message
+    says which state holds. Raised by a step whose update wrote every leaf but not its
+    manifest, it carries the new state and metrics (``state``, ``metrics``): usable once
+    the manifest's write, retried at its next use, succeeds."""
+
+    state: Any = None
+    metrics: Any = None
 
 
 def check_path(path: str) -> str:
@@ -229,65 +277,60 @@ class NvmeStore:
         self.dir = os.path.join(self.root, f"{DIR_PREFIX}{jax.process_index()}")
         self.buffer_count, self.buffer_size = buffer_count, buffer_size
         self.token = secrets.token_hex(8)
-        self.generation = 0
+        self.generation = 0  # the update the files hold, once its manifest is durable
+        self.step: int | None = None  # the training step of that update, where known
+        # a clean manifest a failed write left unwritten, retried by check():
+        # (generation, step) once every leaf of that update is written
+        self.pending: tuple | None = None
+        self.broken: str | None = None  # why the files are not a state (a failed write)
+        self.writes_started = 0  # leaf writes begun during the update (see begin)
+        self.last_checkpoint: tuple | None = None  # (directory, step) of the last save
+        self.checksums = True  # crc32 per shard written and checked (benchmarks/nvme.py
+        # turns it off to measure its cost; a leaf written without one is read unchecked)
         self.leaves: list[dict] = []  # manifest entries of the disk leaves
         self.param_leaves: list[dict] = []  # offload_params="nvme": the params' entries
         self.shardings: dict = {}  # leaf index -> where it is placed when read
         self.stale_removed: list[str] = []  # files of a dead run deleted at start
-        os.makedirs(self.dir, exist_ok=True)
+        self._fd_box = [None]  # the LOCK's descriptor, closed by the finalizer
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, self.token,
+                                           self._fd_box)
         self._take_lock()
         _LIVE_TOKENS.add(self.token)
-        self._finalizer = weakref.finalize(self, _cleanup, self.dir, self.token)
+        _LIVE_STORES.add(self)
+        _remove_files_on_sigterm()
 
     # -- ownership ----------------------------------------------------------------------
     def _take_lock(self) -> None:
-        lock = os.path.join(self.dir, LOCK)
-        here = socket.gethostname()
+        # flock on LOCK (nvme_lock.take): one owner, whatever the races; the kernel drops
+        # it when the owner exits, so a LOCK the lock is granted on is a dead run's
+        self._lock_fd, owner = nvme_lock.take(self.dir, self.token)
+        self._fd_box[0] = self._lock_fd
+        owner = owner or {}
+        pid, host = owner.get("pid"), owner.get("host")
+        # a dead run's scratch (any files beside a LOCK nobody holds): never a state;
+        # removed, and the user told
         try:
-            with open(lock) as f:
-                owner = json.load(f)
-        except FileNotFoundError:
-            owner = None
+            with open(os.path.join(self.dir, MANIFEST)) as f:
+                man = json.load(f)
         except (OSError, ValueError):
-            owner = {}
-        if owner is not None:
-            pid, host, token = owner.get("pid"), owner.get("host"), owner.get("token")
-            alive = (host != here or not isinstance(pid, int)
-                     or (pid == os.getpid() and token in _LIVE_TOKENS)
-                     or (pid != os.getpid() and _pid_alive(pid)))
-            if alive and owner:
-                who = (f"another optimizer in this process (pid {pid})" if pid == os.getpid()
-                       else f"process {pid} on {host}")
-                raise NvmeError(
-                    f"nvme_path {self.dir} is in use by {who} (its {LOCK} file): two optimizers "
-                    "or processes given one nvme_path would overwrite each other's optimizer "
-                    "state. Give each run its own nvme_path; if no run uses it any more, "
-                    f"delete {lock}.")
-            # a dead run's scratch: never a state; removed, and the user told
-            try:
-                with open(os.path.join(self.dir, MANIFEST)) as f:
-                    man = json.load(f)
-            except (OSError, ValueError):
-                man = {}
-            for name in sorted(os.listdir(self.dir)):
-                if name == MANIFEST or (name.startswith("leaf-") and name.endswith(".bin")):
-                    os.remove(os.path.join(self.dir, name))
-                    self.stale_removed.append(name)
-            if self.stale_removed:
-                status = man.get("status")
-                what = ("an update interrupted mid-step: the files mix two steps"
-                        if status == "updating" else "a state between steps, whose durable "
-                        "copy is a checkpoint")
-                warnings.warn(
-                    f"{self.dir}: the optimizer state's files of process {pid} on {host}, "
-                    f"which died (killed, or exited without cleaning up), manifest "
-                    f"{status!r} generation {man.get('generation')} ({what}), are not a "
-                    f"state: {len(self.stale_removed)} files deleted. Resume from the last "
-                    "checkpoint: CheckpointManager.restore(opt, like=params).",
-                    stacklevel=6)  # zero(...)'s caller
-        with open(lock + ".tmp", "w") as f:
-            json.dump({"pid": os.getpid(), "host": here, "token": self.token}, f)
-        os.replace(lock + ".tmp", lock)
+            man = {}
+        for name in sorted(os.listdir(self.dir)):
+            if name == MANIFEST or name.startswith(MANIFEST + ".") or (
+                    name.startswith("leaf-") and name.endswith(".bin")):
+                os.remove(os.path.join(self.dir, name))
+                self.stale_removed.append(name)
+        if self.stale_removed:
+            status = man.get("status")
+            what = ("an update interrupted mid-step: the files mix two steps"
+                    if status == "updating" else "a state between steps, whose durable "
+                    "copy is a checkpoint")
+            warnings.warn(
+                f"{self.dir}: the optimizer state's files of process {pid} on {host}, "
+                f"which died (killed, or exited without cleaning up), manifest "
+                f"{status!r} generation {man.get('generation')} ({what}), are not a "
+                f"state: {len(self.stale_removed)} files deleted. Resume from the last "
+                "checkpoint: CheckpointManager.restore(opt, like=params).",
+                stacklevel=6)  # zero(...)'s caller
 
     def close(self) -> None:
         """Delete this store's files and its lock (also done at garbage collection and
@@ -295,17 +338,122 @@ class NvmeStore:
         self._finalizer()
 
     # -- the manifest -------------------------------------------------------------------
-    def _write_manifest(self, status: str) -> None:
+    def _write_manifest(self, status: str, generation: int | None = None,
+                        what: str = "") -> None:
+        """MANIFEST.json replaced, durably (the temporary file and the directory
+        fsync'ed), or a :class:`NvmeWriteError` naming nvme_path, the space needed and
+        the fix; the old manifest stays in force then (the temporary one removed)."""
+        gen = self.generation if generation is None else generation
+        data = json.dumps({"token": self.token, "generation": gen, "status": status,
+                           "step": self.step, "leaves": self.leaves,
+                           "params": self.param_leaves}).encode()
         tmp = os.path.join(self.dir, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"token": self.token, "generation": self.generation, "status": status,
-                       "leaves": self.leaves, "params": self.param_leaves}, f)
-        os.replace(tmp, os.path.join(self.dir, MANIFEST))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_bytes(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, os.path.join(self.dir, MANIFEST))
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise NvmeWriteError(self._io_message(
+                f"writing {tmp} ({status!r} generation {gen})", e, len(data), what)) from e
+
+    def _io_message(self, doing: str, e: OSError, need: int, what: str) -> str:
+        """A failed write's error: nvme_path, the space needed and free, the fix."""
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            free = None
+        if e.errno == errno.ENOSPC:
+            fix = (f"free at least {need} bytes on that disk (or pass an nvme_path on a "
+                   "larger one)")
+        elif e.errno == errno.EROFS:
+            fix = "remount that filesystem read-write (it turned read-only: check its health)"
+        else:
+            fix = "fix the disk (its log names the fault)"
+        have = "unknown" if free is None else f"{free} bytes"
+        return (f"nvme_path {self.root}: {doing} failed ({errno.errorcode.get(e.errno, e.errno)}"
+                f": {e.strerror}); {need} bytes needed, {have} free there. {what}"
+                f"Fix: {fix}.")
+
+    def last_checkpoint_text(self) -> str:
+        if self.last_checkpoint is None:
+            return ("no checkpoint of this run was saved by this process: restart from the "
+                    "latest checkpoint you have (CheckpointManager.restore)")
+        d, step = self.last_checkpoint
+        return (f"restore the last checkpoint, step {step} in {d} "
+                f"(CheckpointManager({str(d)!r}).restore(opt, step={step}, like=params))")
+
+    def retry_pending(self) -> None:
+        """Write the clean manifest a failed write left (every leaf of that update is
+        written, or none was): that generation then holds. Raises again while it fails."""
+        if self.pending is None:
+            return
+        gen, step = self.pending
+        old_step, self.step = self.step, step
+        try:
+            self._write_manifest("clean", gen, what=(
+                f"The files hold generation {gen} whole; only its manifest is not written, "
+                "so that state (a step that failed here carries it: err.state) becomes usable "
+                "once this write succeeds (retried at its next use). "))
+        except NvmeWriteError:
+            self.step = old_step
+            raise
+        self.generation, self.pending = gen, None
+
+    def begin(self, generation: int) -> None:
+        """Before an update's first leaf write: the 'updating' manifest of
+        ``generation``, durable. Failing, nothing was written: the files' generation
+        (the state the caller holds) stays in force."""
+        self.retry_pending()
+        self._write_manifest("updating", generation, what=(
+            f"No leaf was written: the files still hold generation {self.generation}, "
+            "and the TrainState you hold still steps and checkpoints once the disk is "
+            "back (nothing is lost). "))
+        self.writes_started = 0
+
+    def failed(self, generation: int, err: BaseException) -> NvmeError:
+        """An update of ``generation`` failed after :meth:`begin`: the error to raise.
+        No leaf written: the previous generation's clean manifest put back (retried by
+        check() if that fails too). Some written: the files mix two steps."""
+        if self.writes_started == 0:
+            try:
+                self._write_manifest("clean")
+            except NvmeWriteError:
+                self.pending = (self.generation, self.step)
+            if isinstance(err, NvmeError):
+                return err
+            return NvmeWriteError(
+                f"nvme_path {self.root}: the update of generation {generation} failed before "
+                f"writing any leaf ({type(err).__name__}: {err}); the files still hold "
+                f"generation {self.generation}, the TrainState you hold.")
+        self.broken = (
+            f"the update of generation {generation} failed after {self.writes_started} of "
+            f"its leaf writes began ({type(err).__name__}: {err}): the files under nvme_path "
+            f"{self.root} now mix generations {self.generation} and {generation} and are not "
+            f"a state. Fix the disk, then {self.last_checkpoint_text()}.")
+        return NvmeWriteError(self.broken)
+
 
     def check(self, state: NvmeState | NvmeParams) -> None:
         """Raise unless the files hold ``state`` (the optimizer state's or the params'
         handle): this store's, its generation, clean, every file its full size."""
         what = "params" if isinstance(state, NvmeParams) else "optimizer state"
+        if state.store is self:
+            if self.broken:
+                raise NvmeError(self.broken)
+            self.retry_pending()
         if state.store is not self:
             raise NvmeError(
                 f"this TrainState's {what} is in the files of another optimizer "
@@ -317,7 +465,9 @@ class NvmeStore:
                 f"this TrainState is generation {state.generation} of the optimizer state in "
                 f"{self.dir}, whose files now hold generation {self.generation}: a later step "
                 "updated them in place (the NVMe tier keeps one state; an old TrainState "
-                "cannot be stepped or read). Use the state the latest step returned.")
+                "cannot be stepped or read). Use the state the latest step returned (where "
+                "that step failed writing its manifest, the state its error carried: "
+                "err.state).")
         path = os.path.join(self.dir, MANIFEST)
         try:
             with open(path) as f:
@@ -332,7 +482,7 @@ class NvmeStore:
                 f"{path} describes {man.get('status')!r} generation {man.get('generation')} of "
                 f"run {man.get('token')}, not this state (clean generation {self.generation} "
                 f"of run {self.token}): an update was interrupted or another run wrote "
-                "there. The files are not a state; restore the last checkpoint.")
+                f"there. The files are not a state; {self.last_checkpoint_text()}.")
         for e in self.leaves + self.param_leaves:
             self._check_size(e)
 
@@ -397,6 +547,8 @@ class NvmeStore:
         shape = tuple(e["shape"])
         want = {tuple(tuple(k) for k in s["index"]): s["offset"] for s in e["shards"]}
         path = os.path.join(self.dir, e["file"])
+        self.writes_started += 1
+        crcs: dict = {}
         fd = os.open(path, os.O_WRONLY)
         try:
             for shard in x.addressable_shards:
@@ -405,9 +557,16 @@ class NvmeStore:
                     continue
                 buf = np.ascontiguousarray(np.asarray(shard.data)).view(np.uint8).reshape(-1)
                 off = want.pop(key)
+                if self.checksums:
+                    crcs[off] = zlib.crc32(buf)  # checked when read back (read_host)
                 _pwrite_all(fd, buf, off, path)
         finally:
             os.close(fd)
+        for s in e["shards"]:  # the manifest's checksums, for the bytes now in the file
+            if s["offset"] in crcs:
+                s["crc32"] = crcs[s["offset"]]
+            else:
+                s.pop("crc32", None)
 
     def read(self, e: dict, sharding: NamedSharding) -> jax.Array:
         """Leaf ``e`` read from its file and placed with ``sharding``; a short read is an
@@ -433,15 +592,38 @@ class NvmeStore:
                 key = tuple(tuple(k) for k in s["index"])
                 sub = tuple(b - a for a, b in key)
                 buf = np.empty(sub, dtype)
-                _pread_all(fd, buf.view(np.uint8).reshape(-1), s["offset"], path, e)
+                raw = buf.view(np.uint8).reshape(-1)
+                _pread_all(fd, raw, s["offset"], path, e)
+                if "crc32" in s and zlib.crc32(raw) != s["crc32"]:
+                    raise NvmeError(self._corrupt(path, e, key, s, zlib.crc32(raw), raw.size))
                 host[key] = buf
         finally:
             os.close(fd)
         return host
 
 
-def _cleanup(directory: str, token: str) -> None:
+    def _corrupt(self, path: str, e: dict, key, s: dict, got: int, n: int) -> str:
+        step = "" if self.step is None else f" by the update of step {self.step}"
+        fix = self.last_checkpoint_text()
+        return (f"{path} ({_where(e)}, shard {key}, bytes {s['offset']}-"
+                f"{s['offset'] + n}) does not hold what was written there{step} (generation "
+                f"{self.generation}): crc32 {got:08x}, {s['crc32']:08x} written. The disk or "
+                "filesystem changed its bytes (a flipped bit, another writer); they are not "
+                f"used, trained on or checkpointed. {fix[0].upper()}{fix[1:]}.")
+
+
+def _cleanup(directory: str, token: str, fd_box: list) -> None:
     _LIVE_TOKENS.discard(token)
+    fd, fd_box[0] = fd_box[0], None
+    if fd is None:
+        return  # the lock was never taken
+    try:
+        _remove_files(directory, token)
+    finally:
+        nvme_lock.release(fd)  # after the LOCK is unlinked: a waiter retries a fresh one
+
+
+def _remove_files(directory: str, token: str) -> None:
     lock = os.path.join(directory, LOCK)
     try:
         with open(lock) as f:
@@ -483,16 +665,29 @@ def _fallocate(fd: int, n: int, path: str) -> None:
         # filesystems without fallocate (tmpfs on old kernels): the size is set by ftruncate
 
 
+# the file layer's writes (tests inject a full or read-only disk here)
+_pwrite = os.pwrite
+_write = os.write
+
+
+def _write_bytes(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += _write(fd, view[done:])
+
+
 def _pwrite_all(fd: int, buf: np.ndarray, off: int, path: str) -> None:
     view = memoryview(buf)
     done = 0
     while done < len(view):
         try:
-            n = os.pwrite(fd, view[done:], off + done)
+            n = _pwrite(fd, view[done:], off + done)
         except OSError as e:
-            raise NvmeError(
-                f"writing {path} failed ({e}): the optimizer state on disk is now incomplete. "
-                "Free space on that disk (or fix it) and restore the last checkpoint.") from e
+            raise NvmeWriteError(
+                f"writing {path} failed ({errno.errorcode.get(e.errno, e.errno)}: "
+                f"{e.strerror}): the optimizer state on disk is now incomplete. Fix the disk "
+                "(free space on it, or remount it read-write).") from e
         done += n
 
 
@@ -600,21 +795,23 @@ def to_disk(opt, opt_state: Any) -> NvmeState:
             small[i] = x
     store.leaves = entries
     store.shardings = {e["leaf"]: flat[e["leaf"]][1].sharding for e in entries}
-    store.generation += 1
-    _write_all(store, entries, flat)
+    store.broken = store.pending = None  # a whole new state: what failed before is gone
+    _write_all(store, entries, flat, store.generation + 1)
     return NvmeState(store, store.generation, treedef, small)
 
 
-def _write_all(store: NvmeStore, entries: list, flat: list) -> None:
+def _write_all(store: NvmeStore, entries: list, flat: list, generation: int) -> None:
     """Write the leaves ``entries`` name (``flat``: ``tree_flatten_with_path``'s pairs)
     to their files (reserved first: a full disk fails before anything is written)
-    between an "updating" and a "clean" manifest, two at a time; each leaf written is
-    deleted from memory."""
-    store._write_manifest("updating")
+    between an "updating" and a "clean" manifest of ``generation``, two at a time (the
+    store's generation moves to it once the clean manifest is durable); each leaf
+    written is deleted from memory."""
+    store._write_manifest("updating", generation)
     store.allocate(entries)
     with cf.ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda e: store.write(e, flat[e["leaf"]][1]), entries))
-    store._write_manifest("clean")
+    store._write_manifest("clean", generation)
+    store.generation = generation
     for e in entries:
         x = flat[e["leaf"]][1]
         if isinstance(x, jax.Array) and not x.is_deleted():
@@ -664,7 +861,7 @@ def params_to_disk(opt, params: Any, handle: Any) -> Any:
     structs = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=x.sharding) for _, x in flat])
     store.param_leaves = entries
-    _write_all(store, entries, flat)
+    _write_all(store, entries, flat, store.generation)
     return NvmeParams(store, store.generation, treedef, small, structs)
 
 
@@ -941,8 +1138,18 @@ class NvmeTrainStep:
                  for b, (_, outs) in enumerate(buckets)]
         # the small leaves' updates (scalars throughout): compiled as they are, each
         # scalar already read as often as in the one-program step
-        rest_prog = _program(ops, [out_refs[k] for k in rest], rest, given, full,
-                             extra_uses=False)
+        # Leaves below min_shard_size that are not scalars (a bias of 64 elements at the
+        # default 128) are updated here too: as the buckets, with the extra uses (else
+        # XLA rewrites their division by a bias correction, 1 ulp apart: measured 2-6
+        # of 64 of a bias's moments at step 2)
+        vec = [k for k in rest if not isinstance(out_refs[k], tuple)
+               and _shape(out_refs[k], ops) not in ((), None)]
+        scal = [k for k in rest if k not in vec]
+        rest_progs = [_program(ops, [out_refs[k] for k in scal], scal, given, full,
+                               extra_uses=False)]
+        if vec:
+            rest_progs.append(_program(ops, [out_refs[k] for k in vec], vec, given, full))
+        rest_prog = _chain(rest_progs)
         # offload_params="nvme": output position -> params leaf written to its file (the
         # new params: the compute copy with param_dtype, else the new owned params)
         param_out, param_sh = {}, {}
@@ -1014,6 +1221,31 @@ class NvmeTrainStep:
             S._check_key(rng))
         plan = self._plan(state, params, owned, grads, finite, grad_norm, scale)
         jax.block_until_ready(grads)
+        # the new generation's 'updating' manifest, durable before the first leaf write
+        # and before the old params are freed: failing, the state held is intact
+        gen = store.generation + 1
+        store.begin(gen)
+        held = [params, grads, owned]  # handed over: _step frees each when done with it
+        del params, grads, owned
+        try:
+            return self._step(state, plan, held, finite, grad_norm, scale,
+                              metrics, new_ls, new_step, gen, t0, t_params)
+        except NvmeWriteError as err:
+            if err.state is not None:  # every leaf written, the manifest not: as it says
+                raise
+            raise store.failed(gen, err) from err
+        except Exception as err:
+            raise store.failed(gen, err) from err
+
+    def _step(self, state, plan, held: list, finite, grad_norm, scale, metrics,
+              new_ls, new_step, gen, t0, t_params):
+        """The rest of the step, from the gradients: the bucketed update, the new state,
+        its manifest."""
+        params, grads, owned = held
+        held.clear()
+        cfg, store = self._cfg, self._opt._nvme
+        handle = state.opt_state
+        on_disk, mixed = is_nvme_params(cfg), cfg.param_dtype is not None
         if (cfg.donate or on_disk) and (mixed or cfg.stage in (1, 2)):
             # the old params are read by the gradient only (donate=True, as the in-memory
             # step donates them; read from disk, the step's own): freed before the new
@@ -1036,16 +1268,32 @@ class NvmeTrainStep:
         first = n_own + n_inner if mixed else 0  # the new params' outputs
         if on_disk:  # written to their files by the update; the small ones kept
             old = state.params
-            new_params = NvmeParams(store, store.generation, old.treedef,
+            new_params = NvmeParams(store, gen, old.treedef,
                                     {j: out[first + j] for j in old.small}, old.structs)
         else:
             compute = jax.tree.unflatten(plan["own_def"], [out[first + j]
                                                            for j in range(n_own)])
             new_params = plan["gather"](compute) if "gather" in plan else compute
-        new_handle = NvmeState(store, store.generation, handle.treedef, small)
+        new_handle = NvmeState(store, gen, handle.treedef, small)
         new_state = TrainState(new_step, new_params, new_handle, new_ls)
+        # the I/O threads' and the buckets' freed buffers back to the system: glibc
+        # keeps them in its arenas otherwise (the process then held more host memory
+        # than with host offload, which holds the whole state: issue 40)
+        from zerojax import hostmem
+
+        jax.block_until_ready(new_params)
+        hostmem.release_freed_memory()
         self.timings.append({"grad_s": t1 - t0, "update_s": t2 - t1, "read_bytes": nread,
                              "written_bytes": nwritten, "params_read_s": t_params})
+        # every leaf written: the clean manifest, durable, moves the generation
+        store.pending = (gen, int(new_step))
+        try:
+            store.retry_pending()
+        except NvmeWriteError as err:
+            err.state, err.metrics = new_state, metrics
+            raise
+        from zerojax import distributed
+
         distributed.step_dispatched((new_state, metrics))
         return new_state, metrics
 
@@ -1106,8 +1354,6 @@ class NvmeTrainStep:
                     counts["written"] += e["nbytes"]
 
         nb = len(plan["buckets"])
-        store.generation += 1
-        store._write_manifest("updating")
         slots = threading.BoundedSemaphore(store.buffer_count)
         if not self.overlap:
             for b in range(nb):
@@ -1147,7 +1393,6 @@ class NvmeTrainStep:
                 write(-1, {k: x})
             else:
                 out[k] = x
-        store._write_manifest("clean")
         return out, counts["read"], counts["written"]
 
     @staticmethod
@@ -1299,6 +1544,18 @@ def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
     return run
 
 
+def _chain(progs: list):
+    """Programs of :func:`_program` run one after another as one (their outputs merged)."""
+    def run(operands: dict, read: dict) -> dict:
+        out: dict = {}
+        for p in progs:
+            out.update(p(operands, read))
+        return out
+
+    run.inputs = sorted({r for p in progs for r in p.inputs})
+    return run
+
+
 def check_config(cfg) -> None:
     """Validate the NVMe options of ``cfg`` (called by ``ZeroConfig``)."""
     nvme = is_nvme(cfg)
@@ -1336,6 +1593,11 @@ def check_config(cfg) -> None:
             "writable directory on a local disk where each process keeps its optimizer "
             "state's files, e.g. zero(tx, mesh, stage=1, offload_optimizer='nvme', "
             "nvme_path='/local_nvme/zerojax').")
+    if not os.fspath(cfg.nvme_path).strip():
+        raise ValueError(
+            f"nvme_path={cfg.nvme_path!r} is empty: it would put the optimizer state's files "
+            "in the working directory. Pass the directory on a local disk (NVMe) they go "
+            "in, e.g. nvme_path='/local_nvme/zerojax'.")
     if cfg.offload_params is True:
         raise ValueError(
             "offload_params=True with offload_optimizer='nvme' is not implemented (the params "
@@ -1360,6 +1622,23 @@ def check_config(cfg) -> None:
         raise ValueError(
             f"nvme_buffer_size={s!r} must be an int of at least 4096 (bytes of optimizer state "
             "per bucket; default 2**28).")
+    host = host_memory()
+    if host and n * s > BUFFER_FRACTION * host:
+        raise ValueError(
+            f"nvme_buffer_count * nvme_buffer_size = {n} * {s} = {n * s / 2**30:.2f} GiB of "
+            f"host buffers, more than {BUFFER_FRACTION:.0%} of this host's memory "
+            f"({host / 2**30:.2f} GiB): the buckets would hold the state in host memory, "
+            "which the NVMe tier exists to save (and could exhaust it). Pass a smaller "
+            f"nvme_buffer_size (at most {int(BUFFER_FRACTION * host) // n} bytes with "
+            f"{n} buffers; the default is {DEFAULT_BUFFER_SIZE}) or fewer buffers.")
+
+
+def host_memory() -> int:
+    """This host's physical memory in bytes (0 where unknown)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
 
 
 
@@ -1445,8 +1724,9 @@ def stream_to_disk(opt, abstract: Any, make, keep: tuple = ()) -> NvmeState:
     disk = {e["leaf"] for e in entries}
     store.leaves = entries
     store.shardings = {e["leaf"]: flat[e["leaf"]][1].sharding for e in entries}
-    store.generation += 1
-    store._write_manifest("updating")
+    generation = store.generation + 1
+    store.broken = store.pending = None  # a whole new state: what failed before is gone
+    store._write_manifest("updating", generation)
     store.allocate()
     small_idx = [i for i in range(len(flat)) if i not in disk]
     small = dict(make(small_idx)) if small_idx else {}
@@ -1465,7 +1745,8 @@ def stream_to_disk(opt, abstract: Any, make, keep: tuple = ()) -> NvmeState:
             del pairs
     finally:
         writer.finish()
-    store._write_manifest("clean")
+    store._write_manifest("clean", generation)
+    store.generation = generation
     return NvmeState(store, store.generation, treedef, small)
 
 
