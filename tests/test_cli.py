@@ -45,7 +45,7 @@ def test_estimate_is_the_papers_formula(capsys):
     # The paper's Figure 1 example: 7.5B parameters, N = 64, mixed-precision Adam.
     code, out, _ = _exit_code(["estimate", "--params", "7.5B", "--devices", "64"], capsys)
     assert code == 0
-    totals = re.findall(r"^(\d) \S+ .* ([\d.]+) GB +[\d.]+x$", out, re.M)
+    totals = re.findall(r"^(\d) \S+ .* ([\d.]+) +[\d.]+x$", out, re.M)
     assert totals == [("0", "120.00"), ("1", "31.41"), ("2", "16.64"), ("3", "1.88")]
 
 
@@ -114,8 +114,8 @@ def test_plan_largest_models_match_the_paper(capsys):
     (["train", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--batch", "12"], "--batch 12 must be a multiple of the data degree 8"),
     (["train", "--hidden", "100", "--heads", "3"], "multiple of --heads"),
-    (["train", "--model", "3"], "not a multiple of --model"),
-    (["train", "--data", "8", "--model", "2"], "more than --devices"),
+    (["train", "--mp", "3"], "not a multiple of --mp"),
+    (["train", "--data", "8", "--mp", "2"], "more than --devices"),
     (["train", "--png", "loss.jpg"], "must end in .png"),
     (["train", "--prompt", ""], "--prompt must not be empty"),
     (["train", "--prompt", "déf"], "ASCII"),
@@ -243,7 +243,7 @@ def test_train_with_memory_in_a_fresh_process():
 
 def test_train_on_a_data_by_model_mesh(capsys):
     code, out, _ = _exit_code(
-        ["train", "--data", "4", "--model", "2", "--steps", "2", "--layers", "1",
+        ["train", "--data", "4", "--mp", "2", "--steps", "2", "--layers", "1",
          "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--corpus-mb",
          "0.2", "--png", "", "--sample", "0", "--no-summary", "--no-progress"], capsys)
     assert code == 0, out
@@ -295,7 +295,7 @@ FASTCHAT = ["plan", "--model", "llama2-7b", "--devices", "4", "--memory", "40GB"
 
 
 def _recommended(out):
-    m = re.search(r"peak ([\d.]+) of ([\d.]+) GB per device, ([\d.]+) GB \(\d+%\) headroom",
+    m = re.search(r"peak ([\d.]+) GB of ([\d.]+) GB per device, ([\d.]+) GB \(\d+%\) headroom",
                   out)
     assert m, out
     return [float(x) * 1e9 for x in m.groups()]
@@ -344,6 +344,7 @@ def test_devices_is_the_total_in_plan_estimate_and_train(capsys):
         args = build_parser().parse_args(["train", "--devices", "8", flag, "2"])
         demo.check_arguments(args, args.parser)
         assert (args.data, args.model) == (4, 2)
+    capsys.readouterr()  # --model 2's deprecation note
     for argv in (["plan", "--params", "7.5B", "--memory", "80GB", "--devices", "9", "--mp",
                   "2"], ["estimate", "--params", "1B", "--devices", "9", "--mp", "2"],
                  ["plan", "--model", "llama2-7b", "--memory", "80GB", "--devices", "12",
@@ -491,17 +492,15 @@ def test_plan_tables_say_how_the_columns_make_the_peak(capsys):
     rows = [dict(zip(header, re.split(r"\s{2,}", ln.strip()))) for ln in lines[at + 2:at + 10]]
     assert [r["option set"] for r in rows][:4] == [f"stage {s}" for s in range(4)], out
 
-    def gb_value(cell):  # "13.48" GB, "4 B", "1.50 MiB", "0"
-        if cell.endswith(" MiB"):
-            return float(cell[:-4]) * 2**20 / 1e9
-        if cell.endswith(" B"):
-            return float(cell[:-2].replace(",", "")) / 1e9
+    def gb_value(cell):  # "13.48", "4e-09", "0": every size column in GB, one unit
+        assert re.fullmatch(r"[\d,.e+-]+", cell), cell
         return float(cell.replace(",", ""))
 
     for r in rows:
-        parts = [gb_value(r[c]) for c in ("params", "optim", "act", "other")]
+        parts = [gb_value(r[c]) for c in ("params (GB)", "optim (GB)", "act (GB)",
+                                          "other (GB)")]
         assert sum(parts) == pytest.approx(gb_value(r["peak (GB)"]), abs=0.025), r
-        assert gb_value(r["grads"]) > 0
+        assert gb_value(r["grads (GB)"]) > 0
     code, out, _ = _exit_code(["plan", "--memory", "80GB", "--devices", "64", "--params",
                                "7.5B", "--activations", "2GB"], capsys)
     assert code == 0 and "total = params + grads + optim + act+buf" in out, out
@@ -613,3 +612,115 @@ def test_train_refuses_an_unwritable_ckpt_dir_and_a_resume_of_other_shapes(tmp_p
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds a run this one cannot resume" in err and "(1, 32)" in err, err
     assert "Traceback" not in err
+
+
+# --- issue 42: every command-line case a clear error (exit 2, the flag, the value, the
+# fix) or a right answer; parsed in-process, nothing compiled -----------------------------
+
+ISSUE42_ERRORS = [
+    # (argv, key words of the one-line message; "{ckpt}": the tiny checkpoint)
+    (["train", "--seed", "-1"], ["--seed", "-1", "write e.g. 0"]),
+    (["train", "--lr", "inf"], ["--lr", "'inf'", "finite"]),
+    (["train", "--lr", "nan"], ["--lr", "'nan'", "finite"]),
+    (["train", "--temperature", "inf"], ["--temperature", "'inf'", "finite"]),
+    (["bench", "--lr", "nan"], ["--lr", "nan"]),
+    (["bench", "--lr", "inf"], ["--lr", "inf"]),
+    (["train", "--model", "llama2-7b"], ["--model llama2-7b", "--mp",
+                                         "zerojax plan --model llama2-7b"]),
+    (["train", "--devices", "2000000"], ["--devices 2000000", "2**20"]),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--attention", "cudnn",
+      "--param-dtype", "fp32"], ["--attention cudnn", "--param-dtype fp32", "bf16"]),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--vocab", "1000"],
+     ["--vocab 1000", "drop --vocab"]),
+    (["plan", "--memory", "80GB", "--largest", "--vocab", "1000"], ["--vocab 1000"]),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--grad-dtype", "fp32"],
+     ["--grad-dtype", "--params"]),
+    (["plan", "--memory", "80GB", "--model", "llama2-7b", "--bucket-size", "1000"],
+     ["--bucket-size", "--params"]),
+    (["plan", "--memory", "80GB", "--layers", "2", "--hidden", "64", "--heads", "4",
+      "--activations", "1GB"], ["--activations", "--params"]),
+    (["plan", "--memory", "80GB", "--largest", "--model", "llama2-7b"],
+     ["--largest", "--model llama2-7b"]),
+    (["estimate", "--table1", "--params", "7B"], ["--table1", "drop --params"]),
+    (["estimate", "--table1", "--devices", "8"], ["--table1", "drop --devices"]),
+    (["estimate", "--params", "7B", "--devices", "100000000000000"],
+     ["--devices", "'100000000000000'", "ceiling"]),
+    (["estimate", "--params", "7B", "--devices", "1e14"], ["'1e14'", "100000000000000"]),
+    (["plan", "--memory", "1e30GB"], ["--memory", "'1e30GB'", "1 PB", "80GB"]),
+    (["plan", "--memory", "80GB", "--host-memory", "1e30GB", "--model", "llama2-7b"],
+     ["--host-memory", "'1e30GB'"]),
+    (["estimate", "--params", "7B", "--param-dtype", "1000"],
+     ["--param-dtype", "'1000'", "1 to 8"]),
+    (["estimate", "--params", "7B", "--param-dtype", "0"], ["--param-dtype", "'0'"]),
+    (["estimate", "--params", "7B", "--param-dtype", "none"], ["--param-dtype", "'none'"]),
+    (["plan", "--memory", "80GB", "--seq", "9999999999", "--model", "llama2-7b"],
+     ["--seq", "'9999999999'", "ceiling"]),
+    (["plan", "--memory", "10MB"], ["--memory", "runtime reserve", "80GB",
+                                    "--runtime-reserve"]),
+    (["plan", "--memory", "10MB", "--model", "llama2-7b"], ["--memory", "80GB"]),
+    (["launch", "--nrpoc", "2", "x.py"], ["'--nrpoc'", "did you mean --nproc"]),
+    (["launch", "--nproc", "2", "no-such-script.py"], ["no-such-script.py", "not found"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping", "llama", "--hf-config",
+      "{missing}"], ["--hf-config", "no such file", "config.json"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping", "llama", "--hf-config",
+      "{notjson}"], ["--hf-config", "not JSON"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping", "os:path"],
+     ["--mapping os:path", "not a list of zerojax.export.FileTensor"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping", "nomodule_zj42:x"],
+     ["--mapping nomodule_zj42:x", "cannot import", "MODULE:ATTR"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping", "os:no_such_name"],
+     ["--mapping os:no_such_name", "has no 'no_such_name'"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping", "noattr"],
+     ["--mapping noattr", "MODULE:ATTR"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping",
+      "test_cli:wrong_mapping"], ["--mapping test_cli:wrong_mapping",
+                                  "does not fit the checkpoint"]),
+]
+
+
+def wrong_mapping():
+    """A --mapping function whose tensor the tiny checkpoint lacks."""
+    from zerojax.export import FileTensor
+
+    return [FileTensor("model.embed.weight", (4, 4), "not_a_leaf")]
+
+
+@pytest.mark.parametrize("argv, words", ISSUE42_ERRORS,
+                         ids=[" ".join(a)[:60] for a, _ in ISSUE42_ERRORS])
+def test_issue42_each_case_is_a_clear_error(argv, words, tiny_checkpoint, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    fill = {"{ckpt}": str(tiny_checkpoint), "{out}": str(tmp_path / "hf"),
+            "{missing}": str(tmp_path / "missing.json"), "{notjson}": str(tmp_path / "bad.json")}
+    argv = [fill.get(a, a) for a in argv]
+    code, out, err = _exit_code(argv, capsys)
+    assert code == 2, (code, out[-2000:], err)
+    assert "Traceback" not in err + out
+    message = err.strip().splitlines()[-1]
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_issue42_right_answers(capsys):
+    """--version; --model N still works in train, deprecated with a message; the plan's
+    size columns in one unit (GB); estimate's ratio without a division by zero."""
+    code, out, _ = _exit_code(["--version"], capsys)
+    assert code == 0 and re.fullmatch(r"zerojax \S+ \(jax \S+, Python \S+\)\n", out), out
+    parser = __import__("zerojax.cli.command", fromlist=["x"]).build_parser()
+    args = parser.parse_args(["train", "--model", "2"])
+    assert args.model == 2 and "deprecated" in capsys.readouterr().err
+    assert parser.parse_args(["train", "--mp", "2"]).model == 2
+    assert parser.parse_args(["train"]).model == 1
+    # a tiny card: every size column in GB (no MiB or bytes mixed in)
+    code, out, _ = _exit_code(["plan", "--memory", "80MB", "--runtime-reserve", "0",
+                               "--devices", "8", "--layers", "2", "--hidden", "64", "--heads",
+                               "4", "--seq", "64", "--batch", "2"], capsys)
+    assert code == 0, out
+    rows = [ln for ln in out.splitlines() if ln.strip().startswith("stage ")]
+    assert rows and not any("MiB" in ln or " B " in ln for ln in rows), out
+    assert "MiB GB" not in out and "GB GB" not in out
+    assert re.search(r"^ +stage 0 +[\d.]+ ", out, re.M), out  # step in ms, not "0"
+    code, out, _ = _exit_code(["estimate", "--params", "7B", "--devices", "1048576"], capsys)
+    assert code == 0 and "MiB" not in out, out
+    code, out, _ = _exit_code(["estimate", "--params", "7B", "--grad-dtype", "none",
+                               "--optimizer-bytes", "0", "--param-dtype", "1"], capsys)
+    assert code == 0 and "0.0x" not in out, out

@@ -296,7 +296,9 @@ def test_a_rank_that_leaves_early_ends_the_job_within_seconds():
     ended = _fault_to_end(proc.stdout)
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
-    assert "[launch] process 1's script ended while processes [0] still run" in out
+    # a note while it happens only when the others still run after the grace (5 s):
+    # here they end within seconds, and the summary names the leaver
+    assert "script ended while processes" not in out, out[-3000:]
     assert ("[0] zerojax.distributed: process 0 of 2 stops: its peer process 1 left (its "
             "script ended after 2 training steps) while this process is in step 2") in out, out
     assert "[launch] process 1 left first: its script ended" in out, out[-3000:]

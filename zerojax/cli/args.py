@@ -26,6 +26,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
 
 
 MAX_PARAMS = 10**15  # 1000T: a thousand times the paper's largest (1T); above it, a typo
+MAX_BYTES = 10**15   # 1 PB per device or node: above any card or host; above it, a typo
+MAX_DEVICES = 2**20  # 1,048,576 devices: ten times the largest clusters built; above, a typo
+MAX_COUNT = 2**31 - 1  # layers, seq, batch, ...: XLA's shapes are int32-indexed
+MAX_DTYPE_BYTES = 8  # fp64
 
 
 def _negative(text: str, what: str, example: str) -> None:
@@ -78,6 +82,10 @@ def byte_size(text: str, *, allow_zero: bool = False) -> float:
     if not (value >= 0 if allow_zero else value > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: the memory size must be "
                                          + ("non-negative" if allow_zero else "positive"))
+    if value > MAX_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {value:.3g} bytes, above the ceiling of 1 PB (1e15 bytes) per "
+            "device or node; write the card's or the node's size, e.g. 80GB or 2TB")
     return value
 
 
@@ -112,14 +120,56 @@ class DtypeBytes(int):
         return self
 
 
-def positive_int(text: str) -> int:
-    _negative(text, "a count", "8")
+def positive_int(text: str, *, ceiling: int = MAX_COUNT, what: str = "a count") -> int:
+    """A whole number in [1, ``ceiling``] (default 2**31 - 1, XLA's int32 shapes)."""
+    _negative(text, what, "8")
+    try:
+        value = int(text)
+    except ValueError:
+        hint = ""
+        try:
+            as_float = float(text)
+            if as_float.is_integer() and abs(as_float) < 1e300:
+                hint = f"; write it in digits, e.g. {int(as_float)}"
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{hint}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    if value > ceiling:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is above the ceiling of {ceiling:,} for {what}; write a smaller one")
+    return value
+
+
+def device_count(text: str) -> int:
+    """--devices: a whole number in [1, ``MAX_DEVICES``]."""
+    return positive_int(text, ceiling=MAX_DEVICES,
+                        what="devices (2**20, ten times the largest clusters built)")
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0 (a seed)."""
+    _negative(text, "this number", "0")
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    if value > 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is above 2**63 - 1; write a smaller one")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a learning rate): 'inf' and 'nan' are refused."""
+    _negative(text, "this number", "3e-4")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. 3e-4") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite positive number; write e.g. 3e-4")
     return value
 
 
@@ -174,16 +224,27 @@ def split_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-def dtype_bytes(text: str) -> int:
-    """'bf16', 'fp32', ... or a number of bytes -> bytes per element."""
+def dtype_bytes(text: str, *, allow_none: bool = False) -> int:
+    """'bf16', 'fp32', ... or a number of bytes (1-8) -> bytes per element; 'none' (0
+    bytes) only where ``allow_none`` (gradients: none kept)."""
     key = text.strip().lower()
-    if key in DTYPE_BYTES:
+    names = "fp32, bf16, fp16, fp8" + (", none" if allow_none else "")
+    if key in DTYPE_BYTES and (DTYPE_BYTES[key] or allow_none):
         return DtypeBytes(DTYPE_BYTES[key], key)
-    if key.isdigit():
+    if key.isdigit() and (1 <= int(key) <= MAX_DTYPE_BYTES or (allow_none and int(key) == 0)):
         return DtypeBytes(int(key), {4: "fp32", 2: "bf16"}.get(int(key), key))
+    if key.isdigit() or key == "none":
+        raise argparse.ArgumentTypeError(
+            f"{text!r} bytes per element is out of range: a dtype takes 1 to "
+            f"{MAX_DTYPE_BYTES} bytes (fp64); use one of {names}, or 1-{MAX_DTYPE_BYTES}")
     raise argparse.ArgumentTypeError(
-        f"{text!r} is not a dtype; use one of fp32, bf16, fp16, fp8, none, or a number "
-        "of bytes")
+        f"{text!r} is not a dtype; use one of {names}, or a number of bytes (1-"
+        f"{MAX_DTYPE_BYTES})")
+
+
+def grad_dtype_bytes(text: str) -> int:
+    """--grad-dtype: as :func:`dtype_bytes`, and 'none' (0 bytes)."""
+    return dtype_bytes(text, allow_none=True)
 
 
 def stage_choice(text: str) -> list[int]:
@@ -204,7 +265,16 @@ def human_count(n: float) -> str:
 
 
 def gb(n: float) -> str:
+    """A size with its unit, for a sentence: GB from 0.01 GB, MiB below."""
     return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 2**20:.2f} MiB"
+
+
+def gb_cell(n: float) -> str:
+    """A size in GB without its unit, for a column headed (GB): one unit per column,
+    three significant figures below 0.01 GB."""
+    if n == 0:
+        return "0"
+    return f"{n / GB:,.2f}" if abs(n) >= 0.01 * GB else f"{n / GB:.3g}"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

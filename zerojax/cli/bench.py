@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -96,8 +97,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.batch % args.devices:
         p.error(f"--batch {args.batch} must be a multiple of --devices {args.devices} "
                 "(the batch is split over the data axis)")
-    if args.lr <= 0:
-        p.error(f"--lr must be positive, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"--lr must be a finite positive number, got {args.lr}; write e.g. 1e-3")
 
 
 def fsdp_spec(shape: tuple[int, ...], n: int, embed: int | None = None, axis: str = "data"):

@@ -25,9 +25,12 @@ from zerojax.cli.args import (
     HelpFormatter,
     byte_size,
     bytes_per_param,
+    device_count,
     disk_bandwidth,
     dtype_bytes,
     gb,
+    gb_cell,
+    grad_dtype_bytes,
     human_count,
     mem_fraction,
     parameter_count,
@@ -64,7 +67,14 @@ def _estimate(args: argparse.Namespace) -> int:
     import zerojax
 
     if args.table1:
+        extra = sorted(_given(args) - {"table1"})
+        if extra:
+            args.error(f"--table1 prints the paper's Table 1 (7.5B, 128B, 1T at N = 1 ... "
+                       f"1024, mixed-precision Adam) and takes no other argument; drop "
+                       f"{', '.join('--' + d.replace('_', '-') for d in extra)}, or drop "
+                       "--table1 to estimate your own model")
         return _table1()
+    _defaults(args)
     if bool(args.layers) != bool(args.hidden):
         args.error("--layers and --hidden go together (the activation estimate needs both)")
     if args.params is None and not (args.layers and args.hidden):
@@ -95,14 +105,44 @@ def _estimate(args: argparse.Namespace) -> int:
     for stage in args.stage:
         est = zerojax.estimate_memory(psi, args.devices, stage, param_bytes=p, grad_bytes=g,
                                       optimizer_bytes=k, mp=args.mp)
-        rows.append([f"{stage} {STAGE_NAMES[stage]}", gb(est.params), gb(est.grads),
-                     gb(est.optimizer_state), gb(est.total),
-                     f"{base / max(est.total, 1):.1f}x"])
-    print(table(["stage", "params", "gradients", "optimizer", "total", "less than DDP"],
-                 rows))
+        rows.append([f"{stage} {STAGE_NAMES[stage]}", gb_cell(est.params),
+                     gb_cell(est.grads), gb_cell(est.optimizer_state), gb_cell(est.total),
+                     f"{base / est.total:.1f}x" if est.total else "-"])
+    print(table(["stage", "params (GB)", "gradients (GB)", "optimizer (GB)", "total (GB)",
+                 "less than DDP"], rows))
     if args.layers:
         _activations(args)
     return 0
+
+
+def _given(args: argparse.Namespace) -> set:
+    """The destinations the command line set (not left at their defaults)."""
+    return set(getattr(args, "_given", ()))
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    """The defaults of the arguments left as None to tell 'given' from 'default'."""
+    if getattr(args, "devices", 0) is None:
+        args.devices = 64
+    if getattr(args, "grad_dtype", 0) is None:
+        args.grad_dtype = grad_dtype_bytes("bf16")
+    if getattr(args, "vocab", 0) is None:  # plan's (estimate's has its own default)
+        args.vocab = 50304
+
+
+class _Store(argparse._StoreAction):
+    """argparse's 'store' that also notes the destination as given (``_given``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        given = set(getattr(namespace, "_given", ()))
+        namespace._given = given | {self.dest}
+
+
+class _StoreTrue(argparse._StoreTrueAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace._given = set(getattr(namespace, "_given", ())) | {self.dest}
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -202,8 +242,29 @@ def _plan(args: argparse.Namespace) -> int:
     from zerojax.cli.plan_text import format_memory, format_plan
 
     shape_given = [a for a in ("layers", "hidden", "heads") if getattr(args, a) is not None]
+    given = _given(args)
     if args.largest or args.model is not None or shape_given:
+        params_only = [f for f in ("grad_dtype", "bucket_size", "activations") if f in given]
+        if params_only:
+            flag = "--" + params_only[0].replace("_", "-")
+            args.error(f"{flag} is for the paper's formula (--params) only: the model "
+                       "planner counts the gradients in the params' dtype, its own buckets "
+                       f"and the model's activations; drop {flag}, or plan --params PSI")
+        if args.largest and (args.model is not None or shape_given):
+            args.error("--largest searches the largest model itself; drop it to plan "
+                       + (f"--model {args.model}" if args.model is not None else
+                          "the --layers/--hidden/--heads shape") + ", or drop the model")
+        if args.vocab is not None and not shape_given:
+            args.error(f"--vocab {args.vocab} goes with --layers/--hidden/--heads; "
+                       + (f"--model {args.model} has its own vocabulary" if args.model
+                          else "--largest searches GPT shapes of vocab 50304")
+                       + ": drop --vocab")
+        if args.vocab is None:
+            args.vocab = 50304
+        if args.devices is None:
+            args.devices = 64
         return _plan_model(args, shape_given)
+    _defaults(args)
     if args.remat_policy is not None:
         args.error(f"--remat-policy {args.remat_policy}: the policy shapes the model's "
                    "activations; use --model, --layers/--hidden/--heads or --largest "
@@ -274,12 +335,26 @@ def _plan_memory(args: argparse.Namespace):
                                runtime_reserve=None if args.runtime_reserve is None
                                else round(args.runtime_reserve))
     except ValueError as e:
-        args.error(str(e))
+        args.error(_pool_error(args, args.budget, e))
     if args.reserve >= memory.usable:
         args.error(f"--reserve {gb(args.reserve)} is at or above the {gb(memory.usable)} "
                    f"a JAX process gets of --memory {gb(args.budget)}; write a smaller "
                    "--reserve (or more --memory)")
     return memory
+
+
+def _pool_error(args: argparse.Namespace, card: float, e: ValueError) -> str:
+    """usable_memory's refusal, blaming the flag the user gave: a tiny --memory (the
+    default reserve left as it is) is --memory's fault, not --runtime-reserve's."""
+    from zerojax.analysis.plan import RUNTIME_RESERVE_BYTES
+
+    if "runtime reserve" in str(e) and getattr(args, "runtime_reserve", None) is None:
+        return (f"--memory {gb(card)}: JAX gets {gb(card * (args.mem_fraction or 0.75))} "
+                f"of it, less than the {gb(RUNTIME_RESERVE_BYTES)} runtime reserve "
+                "(the default, for CUDA/NCCL/cuBLAS); --memory is the card's memory per "
+                "device, e.g. 80GB; for a card this small pass --runtime-reserve too "
+                "(e.g. 0)")
+    return f"--memory {gb(card)}: {e}"
 
 
 HOST_MEMORY_DEFAULT = 1e12  # per node: a DGX A100's 1 TB (a DGX H100 has 2 TB)
@@ -319,6 +394,10 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     if precision is None:
         args.error(f"--param-dtype {getattr(args.param_dtype, 'name', args.param_dtype)}: "
                    "the model planner trains in fp32, bf16 or fp16; use one of those")
+    if args.attention == "cudnn" and precision == "fp32":
+        args.error("--attention cudnn with --param-dtype fp32: cuDNN's flash attention "
+                   "takes bf16 or fp16 only; use --param-dtype bf16, or --attention auto "
+                   "(xla for fp32) or xla")
     if args.optimizer_bytes is not None:
         args.error(f"--optimizer-bytes {args.optimizer_bytes}: the model planner counts the "
                    "optimizer's own state (eval_shape of its init); use --optimizer "
@@ -409,7 +488,7 @@ def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
             m = usable_memory(round(args.memory), fraction=args.mem_fraction,
                               runtime_reserve=reserve)
         except ValueError as e:
-            args.error(f"--memory {gb(args.memory)}: {e}")
+            args.error(_pool_error(args, args.memory, e))
         return m.usable, (f"--memory {gb(m.card)} x {m.fraction:g} ({m.fraction_source}) - "
                           f"{gb(m.runtime_reserve)} runtime reserve, as zerojax plan")
     from zerojax.cli import demo
@@ -486,6 +565,28 @@ def _one_line(e: BaseException) -> str:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """``zerojax export``; the library's warnings (a damaged step's cause) printed as
+    lines of its own message, not as Python warnings."""
+    import contextlib
+    import io
+    import warnings
+
+    err = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
+        warnings.simplefilter("always")
+        code = _export_checkpoint(args)
+    causes = " ".join(f"({_one_line(w.message)})" for w in caught)
+    text = err.getvalue().rstrip("\n")
+    if text and causes and code:  # the error and its cause on one line
+        text += " " + causes
+    elif causes:
+        text = (text + "\n" if text else "") + f"zerojax export: note: {causes}"
+    if text:
+        print(text, file=sys.stderr)
+    return code
+
+
+def _export_checkpoint(args: argparse.Namespace) -> int:
     from zerojax.checkpoint import CheckpointError, CheckpointManager
     from zerojax.export import export_params
 
@@ -518,6 +619,12 @@ def _export(args: argparse.Namespace) -> int:
               "Face config of the model: its shapes, copied beside the weights).",
               file=sys.stderr)
         return 2
+    if args.hf_config is not None:
+        problem = _hf_config_problem(args.hf_config)
+        if problem:
+            print(f"zerojax export: --hf-config {args.hf_config!r}: {problem}; pass the "
+                  "model's Hugging Face config.json", file=sys.stderr)
+            return 2
     try:
         step = CheckpointManager(args.ckpt_dir, max_to_keep=None)._step(args.step)
     except (FileNotFoundError, CheckpointError) as e:  # no complete step, a damaged marker
@@ -526,6 +633,10 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     try:
         mapping = _export_mapping(args, step)
+    except (ValueError, TypeError, KeyError) as e:  # _MappingError, --hf-config's shapes
+        print(f"zerojax export: --mapping {args.mapping}: {_one_line(e)}", file=sys.stderr)
+        return 2
+    try:
         out = export_params(args.ckpt_dir, args.out, step=step, format=args.format,
                             mapping=mapping, dtype=args.dtype,
                             max_shard_size=args.max_shard_size)
@@ -550,6 +661,11 @@ def _export(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     except (ValueError, TypeError, ImportError, AttributeError) as e:
+        if mapping is not None:  # the library's words (like=, rename=) are not the CLI's
+            print(f"zerojax export: --mapping {args.mapping} does not fit the checkpoint's "
+                  f"params: {_one_line(e)} Pass the --mapping of the model that was saved "
+                  "(or none: the params' own names).", file=sys.stderr)
+            return 2
         print(f"zerojax export: {_one_line(e)}", file=sys.stderr)
         return 1
     if args.format == "hf":
@@ -564,6 +680,30 @@ def _export(args: argparse.Namespace) -> int:
     size = os.path.getsize(out)
     print(f"wrote {out} ({size / 2**20:.1f} MiB, {args.dtype or 'fp32'} params of step {step})")
     return 0
+
+
+class _MappingError(ValueError):
+    """--mapping names nothing usable (exit 2, the flag named)."""
+
+
+def _hf_config_problem(path: str) -> str | None:
+    """Why --hf-config cannot be used (missing, unreadable, not a JSON object), or None."""
+    import json
+
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        return "no such file"
+    except IsADirectoryError:
+        return "is a directory, not a file"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"not JSON ({_one_line(e)})"
+    if not isinstance(value, dict):
+        return f"holds a JSON {type(value).__name__}, not an object"
+    return None
 
 
 def _export_mapping(args: argparse.Namespace, step: int):
@@ -589,11 +729,35 @@ def _export_mapping(args: argparse.Namespace, step: int):
         scan = any(n.startswith("decoder.layers.") for n in names)
         return llama.hf_llama_mapping(llama.LlamaConfig.from_hf(hf, scan=scan))
     module, _, attr = args.mapping.partition(":")
-    if not attr:
-        raise ValueError(f"--mapping {args.mapping!r}: pass 'llama' or MODULE:ATTR.")
-    value = getattr(importlib.import_module(module), attr)
-    if callable(value):
-        value = value(hf) if hf is not None else value()
+    if not attr or not module:
+        raise _MappingError("pass llama or MODULE:ATTR (a module you can import and the "
+                            "name in it of a list of zerojax.export.FileTensor, or of a "
+                            "function returning one)")
+    try:
+        found = importlib.import_module(module)
+    except ImportError as e:
+        raise _MappingError(f"cannot import {module!r} ({_one_line(e)}); pass llama or "
+                            "MODULE:ATTR of a module on the Python path") from None
+    if not hasattr(found, attr):
+        raise _MappingError(f"module {module!r} has no {attr!r}; pass llama or "
+                            "MODULE:ATTR naming a list of zerojax.export.FileTensor")
+    value = getattr(found, attr)
+    if callable(value) and not isinstance(value, type):
+        try:
+            value = value(hf) if hf is not None else value()
+        except TypeError as e:
+            raise _MappingError(f"{module}.{attr} could not be called as a mapping "
+                                f"function ({_one_line(e)}); it takes the --hf-config "
+                                "dict, or nothing") from None
+    from zerojax.export import FileTensor
+
+    hf_like = ("name", "path", "layer", "transpose", "hf_shape")  # llama.HFTensor's
+    if not (isinstance(value, (list, tuple)) and value
+            and all(isinstance(t, FileTensor) or all(hasattr(t, a) for a in hf_like)
+                    for t in value)):
+        raise _MappingError(f"{module}.{attr} is a {type(value).__name__}, not a list of "
+                            "zerojax.export.FileTensor (nor a function returning one); "
+                            "pass llama or such a MODULE:ATTR")
     return value
 
 
@@ -601,17 +765,18 @@ def _export_mapping(args: argparse.Namespace, step: int):
 
 
 def _bytes_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", "-N", type=positive_int, default=64,
+    p.add_argument("--devices", "-N", type=device_count, default=None,
                    help="the total device count, as in every command: --mp x the "
-                        "data-parallel degree N that ZeRO partitions over")
-    p.add_argument("--mp", type=positive_int, default=1,
+                        "data-parallel degree N that ZeRO partitions over (default 64)")
+    p.add_argument("--mp", type=device_count, default=1,
                    help="model-parallel degree M (divides the parameters first; must "
                         "divide --devices)")
     p.add_argument("--param-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
                    help="dtype of the parameters the model computes with (fp32, bf16, "
                         "fp16, fp8) or bytes per parameter")
-    p.add_argument("--grad-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
-                   help="dtype of the gradients, or bytes per parameter")
+    p.add_argument("--grad-dtype", type=grad_dtype_bytes, default=None, metavar="DTYPE",
+                   help="dtype of the gradients, or bytes per parameter; with plan, "
+                        "--params only (default bf16)")
     p.add_argument("--optimizer-bytes", type=bytes_per_param, default=None, metavar="K",
                    help="optimizer-state bytes per parameter, >= 0 (12: mixed-precision "
                         "Adam; 8 fp32 Adam; 4 momentum; about 0.41 Adafactor); given, it "
@@ -641,6 +806,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def version_text() -> str:
+    """``zerojax --version``: zerojax's, jax's and Python's versions (no jax import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import zerojax
+
+    try:
+        jax_version = version("jax")
+    except PackageNotFoundError:
+        jax_version = "not installed"
+    return (f"zerojax {zerojax.__version__} (jax {jax_version}, Python "
+            f"{sys.version.split()[0]})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from zerojax.cli import demo
 
@@ -650,11 +829,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "plan per-device memory, run the demo and the benchmark, export "
                     "checkpoints. 'zerojax COMMAND --help' explains each command.",
         epilog="start with:  zerojax train --steps 50      (a minute on a laptop)")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name, help, description, epilog=None, **kw):
         p = sub.add_parser(name, help=help, description=description, epilog=epilog,
                            formatter_class=HelpFormatter, **kw)
+        p.register("action", None, _Store)
+        p.register("action", "store", _Store)
+        p.register("action", "store_true", _StoreTrue)
         p.set_defaults(parser=p, error=p.error)
         return p
 
@@ -710,7 +893,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layers", type=positive_int, default=None, help="transformer layers")
     g.add_argument("--hidden", type=positive_int, default=None, help="model width")
     g.add_argument("--heads", type=positive_int, default=None, help="attention heads")
-    g.add_argument("--vocab", type=positive_int, default=50304, help="vocabulary size")
+    g.add_argument("--vocab", type=positive_int, default=None,
+                   help="vocabulary size, with --layers/--hidden/--heads (default 50304)")
     from zerojax.analysis.plan import OPTIMIZER_NAMES, PRESETS
 
     g.add_argument("--model", choices=list(PRESETS), default=None, metavar="PRESET",
@@ -778,9 +962,6 @@ def build_parser() -> argparse.ArgumentParser:
         "source, with a loss plot and a text sample",
         demo.DESCRIPTION, demo.DEMO_EPILOG)
     demo.add_arguments(train)
-    train.add_argument("--mp", dest="model", type=positive_int, default=argparse.SUPPRESS,
-                       help="the same as --model (as in plan and estimate): --devices is "
-                            "the total, data = devices / mp")
     train.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
                        help="the card's memory per device, as in zerojax plan: before it "
                             "starts, the run is planned against what JAX gets of it, "

@@ -56,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data", type=int, default=None,
                    help="data-parallel degree N, the devices ZeRO partitions over "
                         "(default: devices / model)")
-    g.add_argument("--model", type=int, default=1,
-                   help="tensor-parallel (Megatron) degree M; data x model devices are used")
+    g.add_argument("--mp", dest="model", type=int, default=1,
+                   help="tensor-parallel (Megatron) degree M, as in zerojax plan and "
+                        "estimate; data x mp devices are used")
+    g.add_argument("--model", dest="model", action=DeprecatedModel, default=1,
+                   help=argparse.SUPPRESS)
     g = parser.add_argument_group("model and training")
     g.add_argument("--steps", type=int, default=600, help="training steps")
     g.add_argument("--layers", type=int, default=2, help="decoder blocks")
@@ -72,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "float32, which cuDNN's flash attention does not take)")
     g.add_argument("--batch", type=int, default=32,
                    help="global batch in sequences (a multiple of the data degree)")
-    g.add_argument("--lr", type=float, default=5e-3,
+    g.add_argument("--lr", type=finite_float, default=5e-3,
                    help="peak adamw learning rate (warm-up, then cosine decay)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init, batches and sample")
     g.add_argument("--corpus-mb", type=float, default=2.0,
@@ -91,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="where to write the loss curve ('' to skip)")
     g.add_argument("--sample", type=int, default=300,
                    help="characters of text to sample at the end (0 to skip)")
-    g.add_argument("--temperature", type=float, default=0.7,
+    g.add_argument("--temperature", type=finite_float, default=0.7,
                    help="sampling temperature (0: always the likeliest character)")
     g.add_argument("--prompt", default="def ", help="text the sample starts from")
     g.add_argument("--no-summary", dest="summary", action="store_false",
@@ -105,28 +108,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Validate ``args`` in place (``parser.error`` on a bad one: message, exit 2)."""
     for name in ("devices", "model", "steps", "layers", "hidden", "heads", "seq", "batch"):
+        flag = "--mp" if name == "model" else f"--{name}"
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            parser.error(f"{flag} must be >= 1, got {getattr(args, name)}")
+        if getattr(args, name) > 2**31 - 1:
+            parser.error(f"{flag} {getattr(args, name)} is above 2**31 - 1 (XLA's int32 "
+                         "shapes); write a smaller one")
+    if args.devices > 2**20:
+        parser.error(f"--devices {args.devices} is above 2**20 simulated devices; write a "
+                     "smaller one, e.g. 8")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed {args.seed} must be in [0, 2**32) (numpy's seeds); write "
+                     "e.g. 0")
     if args.data is None:
         if args.devices % args.model:
-            parser.error(f"--devices {args.devices} is not a multiple of --model "
+            parser.error(f"--devices {args.devices} is not a multiple of --mp "
                          f"{args.model}; pass --data too")
         args.data = args.devices // args.model
     if args.data < 1:
         parser.error(f"--data must be >= 1, got {args.data}")
     if args.data * args.model > args.devices:
-        parser.error(f"--data {args.data} x --model {args.model} = "
+        parser.error(f"--data {args.data} x --mp {args.model} = "
                      f"{args.data * args.model} devices, more than --devices {args.devices}")
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.heads % args.model:
-        parser.error(f"--heads {args.heads} must be a multiple of --model {args.model} "
+        parser.error(f"--heads {args.heads} must be a multiple of --mp {args.model} "
                      "(each model rank takes whole heads)")
     if args.batch % args.data:
         parser.error(f"--batch {args.batch} must be a multiple of the data degree "
                      f"{args.data} (each device takes batch / data sequences)")
     if not args.lr > 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
+        parser.error(f"--lr must be positive, got {args.lr}; write e.g. 5e-3")
     if not 0 < args.corpus_mb <= 64:
         parser.error(f"--corpus-mb must be in (0, 64], got {args.corpus_mb}")
     if args.sample < 0:
@@ -154,6 +167,38 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     args.stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
 
 
+def finite_float(text: str) -> float:
+    """A float; 'inf' and 'nan' are refused (a NaN run would end with exit status 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not finite; write e.g. 5e-3")
+    return value
+
+
+class DeprecatedModel(argparse.Action):
+    """``zerojax train --model N``: the old name of --mp (the tensor-parallel degree),
+    kept with a message; a preset name (``--model llama2-7b``, plan's meaning) is
+    refused, pointing to where presets go."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            value = int(values)
+        except ValueError:
+            parser.error(
+                f"--model {values}: in zerojax train, --model was the tensor-parallel "
+                "degree (an integer; now --mp); the demo trains its own small GPT, not a "
+                f"preset. To plan {values}, run 'zerojax plan --model {values} --memory "
+                "80GB'; to split the demo's GPT over 2 devices, pass --mp 2")
+        print(f"zerojax train: --model {value} is deprecated: it is the tensor-parallel "
+              f"degree, now --mp {value} (as in zerojax plan and estimate, where --model "
+              "names a preset)", file=sys.stderr)
+        setattr(namespace, self.dest, value)
+        namespace._given = set(getattr(namespace, "_given", ())) | {self.dest}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zerojax train", description=DESCRIPTION, epilog=DEMO_EPILOG,
@@ -179,7 +224,7 @@ DEMO_EPILOG = """\
 examples:
   zerojax train                                  # stage 3 on 8 simulated devices
   zerojax train --stage all --steps 50           # every stage, same batches, same loss
-  zerojax train --data 4 --model 2 --layers 4    # ZeRO over 4, Megatron over 2
+  zerojax train --data 4 --mp 2 --layers 4       # ZeRO over 4, Megatron over 2
   zerojax train --steps 20 --sample 0 --png ''   # quick check, no outputs
   zerojax train --ckpt-dir ckpt --save-every 100 # resumable; SIGTERM saves and exits 0
 """
@@ -555,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
     held = held_out_loss(model, full, corpus, args)
     final = float(np.mean(last["losses"][-10:]))
     print(f"\nfinal training loss {final:.3f} nats/char (mean of the last "
-          f"{min(10, args.steps)} steps), held-out {held:.3f}; to beat: character "
+          f"{min(10, len(last['losses']))} steps), held-out {held:.3f}; to beat: character "
           f"frequencies alone (unigram) {unigram:.3f}, uniform guess {uniform:.3f}")
     if args.png:
         save_plot(args.png, results, unigram, uniform, held, args)

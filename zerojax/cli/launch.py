@@ -97,7 +97,7 @@ def build_parser(prog: str = "zerojax launch") -> argparse.ArgumentParser:
                     "Output lines are prefixed with the rank; the exit status is non-zero "
                     "if any process fails, and no process is left running.",
         epilog=f"example: {prog} --nproc 2 --devices-per-proc 4 "
-               "examples/train.py --stage 3  (also: python -m zerojax.launch, "
+               "examples/multiprocess.py --steps 20  (also: python -m zerojax.launch, "
                "python -m zerojax.cli.launch)")
     p.add_argument("--nproc", type=_positive(int), required=True,
                    help="number of processes (stand-ins for hosts)")
@@ -199,9 +199,41 @@ def _pump(rank: int, stream, out, lock: threading.Lock, lost: dict, errors: dict
     stream.close()
 
 
+def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first launcher option before the script that the launcher does not have
+    (``--nrpoc``), with the closest one it has: argparse would report a missing
+    --nproc, or take the misspelling for the script's."""
+    import difflib
+
+    known = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-") or token == "-":
+            return None  # the script: the rest is its own
+        name = token.split("=", 1)[0]
+        if name == "--":
+            return None
+        if name not in known:
+            close = difflib.get_close_matches(name, [k for k in known if k.startswith("--")],
+                                              n=1)
+            return (f"unknown option {name!r}" + (f": did you mean {close[0]}?" if close
+                                                   else "") + " (the launcher's options "
+                    "come before the script; 'zerojax launch --help' lists them)")
+        action = known[name]
+        i += 1 if ("=" in token or action.nargs == 0) else 2
+    return None
+
+
 def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch") -> int:
     """Run the launcher (``argv`` as on the command line); returns its exit status."""
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    unknown = _unknown_option(parser, list(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {unknown}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     out = out or sys.stdout
     if not os.path.isfile(args.script):
         print(f"{prog}: script {args.script!r} not found.", file=sys.stderr)
@@ -278,6 +310,7 @@ def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch"
     for rank, proc in enumerate(procs):
         threading.Thread(target=waiter, args=(rank, proc), daemon=True).start()
     first_failure, deadline, left, settle = None, None, None, None
+    exiting_note: dict[str, bool] = {}
     try:
         while True:
             codes = [p.poll() if r in ended else None for r, p in enumerate(procs)]
@@ -297,10 +330,17 @@ def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch"
                 if done and [r for r in running if r not in done]:
                     rank = min(done, key=done.get)
                     left = (rank, done[rank])
-                    with lock:
-                        out.write(f"[launch] process {rank}'s script ended while processes "
-                                  f"{[r for r in running if r not in done]} still run\n")
-                        out.flush()
+            if (left is not None and "said" not in exiting_note and running and not term
+                    and first_failure is None
+                    and time.monotonic() - left[1] > max(grace, 5.0)):
+                # the others did not follow within the grace: not a normal finish (in one,
+                # the processes end within a moment of each other)
+                exiting_note["said"] = True
+                with lock:
+                    out.write(f"[launch] process {left[0]}'s script ended "
+                              f"{time.monotonic() - left[1]:.0f} s ago while processes "
+                              f"{running} still run\n")
+                    out.flush()
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if first_failure is None and failed:
                 # A peer's failure makes the others fail too, within milliseconds (a

@@ -59,18 +59,31 @@ def human(n: float) -> str:
 
 
 def _gb(n: float | None) -> str:
+    """A table cell in GB (1e9 bytes), the one unit of every size column: two decimals,
+    three significant figures below 0.01 GB; '-' for nothing."""
     if n is None:
         return "-"
     if n == 0:
         return "0"
-    if n < 2**20:
-        return f"{n:,.0f} B"
-    return f"{n / GB:,.2f}" if n >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
+    return f"{n / GB:,.2f}" if abs(n) >= 0.01 * GB else f"{n / GB:.3g}"
+
+
+def _size(n: float) -> str:
+    """A size in a sentence, with its unit: GB from 0.01 GB, MiB below."""
+    if n == 0:
+        return "0 GB"
+    return f"{n / GB:,.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
+
+
+def _ms(seconds: float) -> str:
+    """A step time in ms: whole from 10 ms, three significant figures below."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 10 else f"{ms:.3g}"
 
 
 def _time(r: PlanRow) -> str:
     """A row's predicted step: seconds and tokens/s."""
-    return f"{r.step_time * 1e3:,.0f} ms/step, {r.tokens_per_s:,.0f} tokens/s"
+    return f"{_ms(r.step_time)} ms/step, {r.tokens_per_s:,.0f} tokens/s"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -88,10 +101,10 @@ def format_memory(m: DeviceMemory) -> str:
     alloc = ("preallocated" if m.preallocate else
              "preallocation off (XLA_PYTHON_CLIENT_PREALLOCATE=false): grown on demand "
              "up to the same fraction")
-    return (f"memory per device: {_gb(m.card)} GB card x {m.fraction:g} "
-            f"({m.fraction_source}; {alloc}) - {_gb(m.runtime_reserve)} GB runtime "
+    return (f"memory per device: {_size(m.card)} card x {m.fraction:g} "
+            f"({m.fraction_source}; {alloc}) - {_size(m.runtime_reserve)} runtime "
             f"reserve (CUDA/NCCL/cuBLAS workspaces; --runtime-reserve) = "
-            f"{_gb(m.usable)} GB planned")
+            f"{_size(m.usable)} planned")
 
 
 def describe_shape(s: ModelShape) -> str:
@@ -130,8 +143,8 @@ def format_plan(p: Plan) -> str:
             f"{p.optimizer_bytes:.4g}"
             + (f"; Psi = {human(p.num_params)} ({p.num_params:,})"
                if p.num_params is not None else ""))
-    header = ["stage", "params", "grads", "optim", "act+buf", "total (GB)", "fits",
-              "comm/step", "comm (GB)", "largest model"]
+    header = ["stage", "params (GB)", "grads (GB)", "optim (GB)", "act+buf (GB)",
+              "total (GB)", "fits", "comm/step", "comm (GB)", "largest model"]
     rows = []
     for s in p.stages:
         m = s.model_states
@@ -191,27 +204,27 @@ def recommendation(p: ModelPlan) -> str:
         others = len(fitting) - 1
         accel = p.accelerator.name if p.accelerator is not None else "the accelerator"
         return (f"{best.label}: the fastest of the {len(fitting)} option set(s) that "
-                f"fit on {accel}, {_time(best)} ({_gb(best.traffic_bytes)} GB over "
+                f"fit on {accel}, {_time(best)} ({_size(best.traffic_bytes)} over "
                 "the data axis"
-                + (f" + {_gb(best.host_traffic_bytes)} GB to and from host memory"
+                + (f" + {_size(best.host_traffic_bytes)} to and from host memory"
                    if best.host_traffic_bytes else "")
-                + (f", its {_gb(best.disk_bytes)} GB per node read and written on disk"
+                + (f", its {_size(best.disk_bytes)} per node read and written on disk"
                    if best.nvme else "")
-                + f"), peak {_gb(best.peak)} of {_gb(budget)} GB per device, "
-                f"{_gb(budget - best.peak)} GB ({(budget - best.peak) / budget:.0%}) headroom"
-                + (f"; the memory-leanest: {leanest.label}, peak {_gb(leanest.peak)} GB, "
+                + f"), peak {_size(best.peak)} of {_size(budget)} per device, "
+                f"{_size(budget - best.peak)} ({(budget - best.peak) / budget:.0%}) headroom"
+                + (f"; the memory-leanest: {leanest.label}, peak {_size(leanest.peak)}, "
                    f"{_time(leanest)}" if leanest is not best else
                    "; it is also the memory-leanest")
                 + (f"; {others} other(s) fit" if others else ""))
     least = p.smallest
-    return (f"nothing fits: the smallest, {least.label}, needs {_gb(least.peak)} GB "
-            f"per device of {_gb(budget)}"
-            + (f" and {_gb(least.host_bytes)} GB of host memory per node of "
-               f"{_gb(p.host_memory_bytes)}" if not least.host_fits else "")
-            + (f" and {_gb(least.disk_bytes)} GB of disk per node of "
-               f"{_gb(p.disk_bytes)}" if not least.disk_fits else "")
+    return (f"nothing fits: the smallest, {least.label}, needs {_size(least.peak)} "
+            f"per device of {_size(budget)}"
+            + (f" and {_size(least.host_bytes)} of host memory per node of "
+               f"{_size(p.host_memory_bytes)}" if not least.host_fits else "")
+            + (f" and {_size(least.disk_bytes)} of disk per node of "
+               f"{_size(p.disk_bytes)}" if not least.disk_fits else "")
             + f"; add devices, shorten --seq or --batch (activations "
-            f"{_gb(least.activations)} GB), or use a smaller model")
+            f"{_size(least.activations)}), or use a smaller model")
 
 
 def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
@@ -232,7 +245,7 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
     mesh = (f"{p.devices} data x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
             else f"{p.devices} devices")
     extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
-    head = [f"plan: {mesh} x {_gb(p.budget_bytes)} GB usable{nodes}, seq {p.seq}, "
+    head = [f"plan: {mesh} x {_size(p.budget_bytes)} usable{nodes}, seq {p.seq}, "
             f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
             f"{precision} (fp32 master weights and optimizer state){extra}"]
     if p.shape is not None:
@@ -246,8 +259,9 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             else "explicit, float32 s x s scores materialised per layer being recomputed"))
     if memory_note:
         head.append(memory_note)
-    header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
-              "other", "peak (GB)", "fits", "traffic (GB)", "host (GB)", "host/node (GB)"]
+    header = ["option set", "step (ms)", "tokens/s", "params (GB)", "grads (GB)",
+              "optim (GB)", "act (GB)", "other (GB)", "peak (GB)", "fits", "traffic (GB)",
+              "host (GB)", "host/node (GB)"]
     nvme = any(r.nvme for r in p.rows)
     if nvme:
         header.append("disk/node (GB)")
@@ -257,14 +271,14 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
         other = r.peak - s.params - s.optimizer_state - r.activations
         fits = "yes" if r.fits else ("no" if r.peak > p.budget_bytes else
                                      "no: host" if not r.host_fits else "no: disk")
-        rows.append([r.label, f"{r.step_time * 1e3:,.0f}" if r.time else "-",
+        rows.append([r.label, _ms(r.step_time) if r.time else "-",
                      f"{r.tokens_per_s:,.0f}" if r.time else "-",
                      _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
                      _gb(r.activations), _gb(other), _gb(r.peak), fits,
                      _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)]
                     + ([_gb(r.disk_bytes) if r.nvme else "-"] if nvme else []))
     out = "\n".join(head) + "\n" + _table(header, rows)
-    host_note = (f"host memory {_gb(p.host_memory_bytes)} GB per node, "
+    host_note = (f"host memory {_size(p.host_memory_bytes)} per node, "
                  f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
                  else "host memory not checked")
     disk_note = ""
@@ -277,7 +291,7 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             "weights (+ offload_params=nvme: and the param shards, on the device only "
             "during the step) in files on the node's disk, disk/node (the node's "
             f"{p.node_devices} devices' shards; "
-            + (f"disk {_gb(p.disk_bytes)} GB per node, 'no: disk' beyond it"
+            + (f"disk {_size(p.disk_bytes)} per node, 'no: disk' beyond it"
                if p.disk_bytes is not None else "disk not checked: --disk") + "), "
             "host/node only their buffers, nvme_buffer_count x nvme_buffer_size per "
             "process (one process per device counted); their step adds the state read "
@@ -321,7 +335,7 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                         ("yes" if peaks[label].fits else "no") if label in peaks else "-",
                         _gb(inside), _gb(across), f"{inside / unit:.3f}",
                         f"{across / unit:.3f}",
-                        f"{peaks[label].step_time * 1e3:,.0f}"
+                        _ms(peaks[label].step_time)
                         if label in peaks and peaks[label].time else "-"]
                        for label, inside, across in p.links])
         out += ("\n(qwZ int8: 1 byte + a 4-byte scale per 2048 elements; qgZ int4: zero()'s "
