@@ -445,7 +445,7 @@ def test_plan_nvme_rows_and_disk_bandwidth(capsys):
     # --gpus-per-node splits the model planner's links; the formula has none: refused
     (["plan", "--memory", "80GB", "--params", "7.5B", "--devices", "16", "--gpus-per-node",
       "8"], "--gpus-per-node 8"),
-    (["train", "--memory", "1MB"], "runtime reserve 1.00 GB is at or above"),
+    (["train", "--memory", "1MB"], "less than the 1.00 GB runtime reserve"),
     (["train", "--mem-fraction", "0.9"], "--mem-fraction 0.9 goes with --memory"),
     (["train", "--memory", "-1GB"], "'-1GB' is negative"),
 ])
@@ -724,3 +724,18 @@ def test_issue42_right_answers(capsys):
     code, out, _ = _exit_code(["estimate", "--params", "7B", "--grad-dtype", "none",
                                "--optimizer-bytes", "0", "--param-dtype", "1"], capsys)
     assert code == 0 and "0.0x" not in out, out
+
+
+def test_launch_runs_its_help_example_and_a_normal_finish_says_so(capsys):
+    """launch --help's example names a script that exists; run (2 processes x 2 CPU
+    devices) it ends 0 with no line about a process ending while others 'still run'
+    (they end within a moment of each other)."""
+    code, out, _ = _exit_code(["launch", "--help"], capsys)
+    script = re.search(r"example: .*? (examples/\S+\.py)", " ".join(out.split())).group(1)
+    root = Path(__file__).resolve().parents[1]
+    assert (root / script).is_file(), script
+    code, out, err = _exit_code(["launch", "--nproc", "2", "--devices-per-proc", "2",
+                                 str(root / script), "--steps", "4"], capsys)
+    assert code == 0, out[-3000:] + err
+    assert "[0] 2 process(es), 4 devices: done" in out, out[-3000:]
+    assert "still run" not in out and "left first" not in out, out[-3000:]

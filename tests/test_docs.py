@@ -62,12 +62,78 @@ def test_every_documented_name_resolves_after_import_zerojax():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+# a Python block is a complete program (run as it is, in a fresh interpreter) or, after
+# this marker and a line linking the complete program it comes from, a fragment
+FRAGMENT = "<!-- fragment -->"
+BLOCK = re.compile(r"(<!-- fragment -->\n(.*?)\n\n)?```python\n(.*?)```", re.S)
+
+
+def _blocks():
+    """(doc, index, code, the fragment's link line or None) of every Python block."""
+    return [(doc, i, m.group(3), m.group(2) if m.group(1) else None)
+            for doc in DOCS for i, m in enumerate(BLOCK.finditer(doc.read_text()))]
+
+
 def _snippets():
-    found = []
-    for doc in DOCS:
-        for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)):
-            found.append(pytest.param(block, id=f"{doc.name}-{i}"))
-    return found
+    return [pytest.param(code, id=f"{doc.name}-{i}") for doc, i, code, link in _blocks()
+            if link is not None]
+
+
+def _complete():
+    return [pytest.param(code, id=f"{doc.name}-{i}") for doc, i, code, link in _blocks()
+            if link is None]
+
+
+def test_every_block_is_a_program_or_a_linked_fragment():
+    """Each fragment names the complete program it comes from, a file that exists (or
+    the README's quickstart); every block of the docs is one or the other."""
+    blocks = _blocks()
+    text = "".join(doc.read_text() for doc in DOCS)
+    assert len(blocks) == text.count("```python") and len(_complete()) >= 1
+    for doc, i, _code, link in blocks:
+        if link is None:
+            continue
+        targets = re.findall(r"\]\(([^)]+)\)", link)
+        assert targets and "complete program" in link, (doc.name, i, link)
+        for target in targets:
+            if target == "#quickstart":
+                assert "## Quickstart" in (ROOT / "README.md").read_text()
+            else:
+                assert (doc.parent / target).resolve().is_file(), (doc.name, i, target)
+
+
+@pytest.mark.parametrize("code", _complete())
+def test_complete_block_runs_as_written(code, tmp_path):
+    """A complete program of the docs, as a user pastes it: a fresh interpreter, its own
+    XLA_FLAGS (none inherited), in an empty directory."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    if "count" in code:  # the quickstart: the tiny GPT learns to count on 8 devices
+        losses = [float(x) for x in re.findall(r"loss ([\d.]+)", out.stdout)]
+        assert len(losses) == 4 and losses[-1] < losses[0] / 4, out.stdout
+        assert out.stdout.strip().splitlines()[-1].startswith("8 devices"), out.stdout
+
+
+def test_the_fragments_programs_run(tmp_path):
+    """examples/readme_tour.py, the complete program of most README fragments (dropout.py
+    and gpt_tensor_parallel.py run in test_examples.py), and examples/multiprocess.py
+    alone (one process; under the launcher in test_cli.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "readme_tour.py")],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ("padded loss:", "offload: optimizer state in {'pinned_host'}",
+                 "hierarchical:", "checkpoints: steps [2, 4], 16 tensors",
+                 "preemption loop: trained to step 3", "nnx export:"):
+        assert line in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "multiprocess.py"),
+                          "--steps", "6"], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", out.stdout)]
+    assert losses[-1] < losses[0] and "1 process(es), 8 devices: done" in out.stdout
 
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
