@@ -386,3 +386,72 @@ def test_snippet_runs_as_written(code, tmp_path, monkeypatch):
 
 def test_every_snippet_has_a_case():
     assert len(_snippets()) == len(CASES)
+
+
+# --- figures: the tables of benchmarks/README.md that a fast command prints ----------------
+
+BENCH_README = ROOT / "benchmarks" / "README.md"
+
+
+def _md_table(text, first_header):
+    """{header: [cells]} of the markdown table whose first header cell is first_header."""
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_header} |"))
+    rows = []
+    for ln in lines[at:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    header, body = rows[0], rows[2:]
+    return {h: [r[i] for r in body] for i, h in enumerate(header)}
+
+
+def test_benchmark_tables_are_what_their_commands_print(capsys):
+    """Table 1 is what ``zerojax estimate --table1`` prints, line for line; the largest
+    model per option set is what ``python benchmarks/memory_model.py --only answers``
+    prints, cell for cell, in every column the README shows."""
+    from zerojax.cli import main
+
+    assert main(["estimate", "--table1"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    text = BENCH_README.read_text()
+    block = text[text.index("Table 1 (Rajbhandari et al., SC20)"):]
+    block = [ln.rstrip() for ln in block.splitlines()[:len(printed) - 1]]
+    assert block == [ln.rstrip() for ln in printed[:-1]], "\n".join(printed)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_model.py"),
+                          "--only", "answers"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = _md_table(text, "devices x 80 GB")
+    got = _md_table(out.stdout, "devices x 80 GB")
+    assert len(want) >= 11 and len(want["seq"]) == 6, want
+    for column, cells in want.items():
+        assert got[column] == cells, (column, got[column], cells)
+
+
+def test_readme_llama2_70b_figures_are_what_the_named_command_prints(capsys):
+    """The README's offload and NVMe figures for llama2-70b on 8 x 80 GB come from the
+    command it names beside them (seq 2048, batch 2; 512 GB of host memory)."""
+    from zerojax.cli import main
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    command = ("zerojax plan --model llama2-70b --devices 8 --memory 80GB --host-memory "
+               "512GB --seq 2048 --batch 2")
+    assert command in readme
+    assert main(command.split()[1:]) == 0
+    out = capsys.readouterr().out
+    rows = {re.split(r"\s{2,}", ln.strip())[0]: ln for ln in out.splitlines()
+            if ln.strip().startswith("stage 3 + offload_optimizer")}
+    host = rows["stage 3 + offload_optimizer"]
+    params = rows["stage 3 + offload_optimizer + offload_params"]
+    nvme = rows["stage 3 + offload_optimizer=nvme"]
+    both = rows["stage 3 + offload_optimizer=nvme + offload_params=nvme"]
+
+    def step_s(line):  # the step (ms) column, the first after the label
+        return float(re.split(r"\s{2,}", line.strip())[1].replace(",", "")) / 1e3
+
+    assert "45.88" in params and "45.88 GB" in readme
+    assert "no: host" in host and "827.72" in host and "828 GB of state" in readme
+    assert " yes " in nvme and "8.59" in nvme and "8.6 GB of host buffers" in readme
+    assert round(step_s(nvme)) == 380 and "380 s" in readme
+    assert round(step_s(both)) == 442 and "442 s/step" in readme
+    assert "965.67" in both and "966 GB per node" in readme

@@ -173,9 +173,10 @@ def format_table1(rows: Sequence[Table1Row] | None = None) -> str:
     body = [[str(r.dp)] + [_paper_round(r.gb[k]) for k in keys] for r in rows]
     return ("Table 1 (Rajbhandari et al., SC20): model-state GB per device, mixed-precision "
             "Adam (2 + 2 + 12 bytes per parameter)\n" + _table(header, body)
-            + "\n(printed as computed, 3 significant figures, whole GB from 1000 GB; the paper "
-            "rounds the same way below 100 GB, but from 100 GB the paper truncates: it "
-            "prints 4187 for 4187.5, 257 for 257.75)")
+            + "\n(printed as computed, 3 significant figures, half to even, whole GB from "
+            "1000 GB; the paper prints the same below 100 GB but for 41.25, which it "
+            "rounds up to 41.3 (here 41.2), and from 100 GB it truncates: 4187 for "
+            "4187.5, 257 for 257.75)")
 
 
 def table1() -> str:
