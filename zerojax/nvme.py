@@ -154,9 +154,9 @@ hide behind.
 
 Memory: each step ends by handing the freed buffers back to the system
 (``malloc_trim``; glibc kept the I/O threads' freed buffers in its arenas, and the
-process held more than with host offload). Fresh processes, one device, 48 MiB of fp32
-params, Adam (96 MiB of state), after 3 and 30 steps: 319-349 MiB against 430-444 MiB
-with ``offload_optimizer=True`` (``tests/test_nvme.py``).
+process held more than with host offload). Fresh processes, one device, 32 MiB of fp32
+params, Adam (64 MiB of state), after 3 and 30 steps: 309-325 MiB against 380-392 MiB
+with ``offload_optimizer=True`` (455 and 525 MiB before; ``tests/test_nvme.py``).
 Between steps the process holds the params (compute copy, as without
 offload; with ``offload_params="nvme"`` only the leaves below the disk threshold)
 and the small leaves; during a step, the gradients (partitioned, as
