@@ -89,8 +89,7 @@ def test_tokens_per_s_from_timed_steps_and_recommendation(tuned):
 def test_cli_real_clock(capsys):
     assert main(["tune", *TINY, "--stages", "3", "--accum", "1,2", "--steps", "2"]) == 0
     out = capsys.readouterr().out
-    rows = [ln for ln in out.splitlines() if "stage 3" in ln and "MiB" in ln
-            and not ln.startswith("recommendation")]
+    rows = [ln for ln in out.splitlines() if ln.startswith(("* stage 3", "  stage 3"))]
     assert len(rows) == 2, out
     speeds = [float(ln.split()[-1].replace(",", "")) for ln in rows]
     best = rows[speeds.index(max(speeds))]
@@ -122,3 +121,33 @@ def test_bad_input_exits_2_with_one_line(extra, needle, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_candidates_are_measured_once_each():
+    """--stages 3,3 --accum 1,1: one stage-3 configuration, not the same one twice."""
+    args = _args(["--stages", "3,3,2", "--accum", "1,1", "--remat-policies", "dots,dots"])
+    assert [c.label for c in tune_mod.candidates(args)] == ["stage 3, remat dots",
+                                                            "stage 2, remat dots"]
+
+
+def test_a_winner_within_the_noise_is_said_to_be_one():
+    """The spread of each row's timed steps is printed; a recommendation whose mean step
+    time is within the 2-standard-error intervals of another row's says so, naming it;
+    one clearly faster does not."""
+    def row(label, times):
+        return tune_mod.TuneRow(label, {}, 2**20, 0.05, 2**20, times, 256)
+
+    args = _args(["--steps", "4"])
+
+    def text(a, b):
+        rows = [row("stage 0", a), row("stage 2", b)]
+        best = max(rows, key=lambda r: r.tokens_per_s)
+        return tune_mod.format_result(tune_mod.TuneResult(rows, [], 2**30, "x", best,
+                                                          "predicted: test"), args)
+
+    noisy = text([0.10, 0.12, 0.08, 0.10], [0.11, 0.09, 0.13, 0.11])
+    assert "recommendation: stage 0:" in noisy
+    assert "within the noise of it" in noisy and "stage 2 (" in noisy, noisy
+    clear = text([0.100, 0.101, 0.099, 0.100], [0.200, 0.201, 0.199, 0.200])
+    assert "recommendation: stage 0:" in clear and "within the noise" not in clear, clear
+    assert "+/- (ms)" in clear and "measured / predicted step: 2.00-4.00x" in clear, clear

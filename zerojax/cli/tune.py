@@ -61,6 +61,23 @@ class TuneRow:
     def tokens_per_s(self) -> float:
         return self.tokens_per_step * len(self.step_times) / sum(self.step_times)
 
+    @property
+    def spread(self) -> float:
+        """The timed steps' sample standard deviation (seconds; 0 for one step)."""
+        import statistics
+
+        return statistics.stdev(self.step_times) if len(self.step_times) > 1 else 0.0
+
+    def noise(self) -> float:
+        """Half the width of the mean step time's ~95% interval (2 standard errors)."""
+        return 2 * self.spread / len(self.step_times) ** 0.5
+
+
+def within_noise(best: TuneRow, other: TuneRow) -> bool:
+    """The two mean step times differ by less than their combined noise (the intervals
+    of :meth:`TuneRow.noise` overlap)."""
+    return abs(other.step_time - best.step_time) < best.noise() + other.noise()
+
 
 @dataclasses.dataclass
 class TuneResult:
@@ -129,7 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="also try offload_optimizer at stages 1-3")
     g.add_argument("--max-configs", type=positive_int, default=12,
                    help="measure at most this many configurations (in the order listed)")
-    g.add_argument("--steps", type=positive_int, default=3, help="timed steps per config")
+    g.add_argument("--steps", type=positive_int, default=5,
+                   help="timed steps per config: their spread (standard deviation) is "
+                        "printed, and a winner within it is said to be one")
     g.add_argument("--warmup", type=positive_int, default=1,
                    help="untimed steps first (the first call's dispatch and caches)")
     g.add_argument("--no-progress", dest="progress", action="store_false",
@@ -138,10 +157,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def candidates(args: argparse.Namespace) -> list[Candidate]:
-    """The configurations to try, in order (stage-major)."""
-    policies = [p.strip() for p in args.remat_policies.split(",") if p.strip()] or [None]
-    buckets = ([int(b) for b in args.bucket_sizes.split(",") if b.strip()]
-               if args.bucket_sizes else []) or [None]
+    """The configurations to try, in order (stage-major), each once (``--stages 3,3``:
+    one stage 3)."""
+    policies = list(dict.fromkeys(
+        p.strip() for p in args.remat_policies.split(",") if p.strip())) or [None]
+    buckets = list(dict.fromkeys(int(b) for b in args.bucket_sizes.split(",")
+                                 if b.strip())) or [None]
     extras = [({}, "")]
     if args.offload:
         extras.append(({"offload_optimizer": True}, " + offload_optimizer"))
@@ -150,7 +171,8 @@ def candidates(args: argparse.Namespace) -> list[Candidate]:
                    ({"hpz": True, "quantize_weights": "int8"}, " + hpZ + qwZ int8")]
     out = []
     for stage, (extra, name), policy, bucket, accum in itertools.product(
-            args.stages, extras, policies, buckets, args.accum):
+            dict.fromkeys(args.stages), extras, policies, buckets,
+            dict.fromkeys(args.accum)):
         if "offload_optimizer" in extra and stage == 0:
             continue
         if ("hpz" in extra or "replica_axis" in extra) and stage != 3:
@@ -399,30 +421,45 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    """Milliseconds without the unit (the column says ms): 3 significant figures."""
+    return f"{seconds * 1e3:.3g}"
 
 
 def format_result(res: TuneResult, args: argparse.Namespace) -> str:
     from zerojax.cli.args import table
 
     has_time = any(r.predicted_step_time is not None for r in res.rows)
-    header = ["configuration", "predicted peak", "measured peak", "meas/pred",
-              "predicted step", "measured step", "tokens/s"]
+    header = ["configuration", "predicted peak (MiB)", "measured peak (MiB)", "meas/pred",
+              "predicted step (ms)", "measured step (ms)", "+/- (ms)", "meas/pred step",
+              "tokens/s"]
     body = []
     for r in res.rows:
+        pred = r.predicted_step_time
         body.append([
             ("* " if r is res.recommendation else "  ") + r.label,
-            f"{r.predicted_peak / MiB:.2f} MiB", f"{r.peak / MiB:.2f} MiB",
+            f"{r.predicted_peak / MiB:.2f}", f"{r.peak / MiB:.2f}",
             f"{r.peak / r.predicted_peak:.2f}",
-            "-" if r.predicted_step_time is None else _ms(r.predicted_step_time),
-            _ms(r.step_time), f"{r.tokens_per_s:,.0f}"])
+            "-" if pred is None else _ms(pred), _ms(r.step_time), _ms(r.spread),
+            "-" if not pred else f"{r.step_time / pred:.2f}", f"{r.tokens_per_s:,.0f}"])
     lines = [table(header, body)] if body else []
     lines.append(f"\nmeasured: peak from the compiled step's memory_analysis(); step "
                  f"time the mean of {args.steps} timed steps after {args.warmup} warm-up "
-                 f"(block_until_ready); tokens/s = {args.batch} x {args.seq} tokens x steps "
-                 "/ their time")
+                 f"(block_until_ready), +/- their standard deviation; tokens/s = "
+                 f"{args.batch} x {args.seq} tokens x steps / their time")
     if has_time:
         lines.append(res.accelerator)
+        ratios = [r.step_time / r.predicted_step_time for r in res.rows
+                  if r.predicted_step_time]
+        if ratios:
+            lines.append(
+                f"measured / predicted step: {min(ratios):.2f}-{max(ratios):.2f}x. The time "
+                "model counts the matmul FLOPs (6 Psi + attention per token) at the matmul "
+                "rate and the collectives at the bandwidth measured here; it leaves out "
+                "what a small model's step is mostly made of on simulated CPU devices: the "
+                "non-matmul ops (softmax, norms, the optimizer's update, the loss), XLA's "
+                "per-op dispatch, and the devices' sharing of the host's cores between "
+                "compute and the collectives' copies. Its ranking of configurations, not "
+                "its seconds, is what to read on this machine")
     else:
         lines.append("predicted step: '-': the planner has no time model for these rows; "
                      "the predicted peak only")
@@ -436,6 +473,15 @@ def format_result(res: TuneResult, args: argparse.Namespace) -> str:
         r = res.recommendation
         lines.append(f"recommendation: {r.label}: the best measured tokens/s "
                      f"({r.tokens_per_s:,.0f}), peak {r.peak / MiB:.2f} MiB per device")
+        ties = [o for o in res.rows if o is not r and within_noise(r, o)]
+        if ties:
+            lines.append(
+                "within the noise of it (the mean step times differ by less than their "
+                "2-standard-error intervals): " + ", ".join(
+                    f"{o.label} ({o.tokens_per_s:,.0f} tokens/s, {_ms(o.step_time)} "
+                    f"+/- {_ms(o.spread)} ms)" for o in ties)
+                + f"; {r.label}: {_ms(r.step_time)} +/- {_ms(r.spread)} ms. Not a measured "
+                "difference: any of them, or rerun with more --steps to separate them")
     return "\n".join(lines)
 
 
