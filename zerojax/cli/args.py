@@ -148,31 +148,6 @@ def device_count(text: str) -> int:
                         what="devices (2**20, ten times the largest clusters built)")
 
 
-def non_negative_int(text: str) -> int:
-    """A whole number >= 0 (a seed)."""
-    _negative(text, "this number", "0")
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value > 2**63 - 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is above 2**63 - 1; write a smaller one")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (a learning rate): 'inf' and 'nan' are refused."""
-    _negative(text, "this number", "3e-4")
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. 3e-4") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a finite positive number; write e.g. 3e-4")
-    return value
-
-
 def mem_fraction(text: str) -> float:
     """'0.75', '0.95' -> the fraction of a GPU's memory JAX's allocator takes."""
     _negative(text, "a memory fraction", "0.75 (JAX's default) or 0.95")
