@@ -575,7 +575,7 @@ def _export(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
         warnings.simplefilter("always")
         code = _export_checkpoint(args)
-    causes = " ".join(f"({_one_line(w.message)})" for w in caught)
+    causes = " ".join(dict.fromkeys(f"({_one_line(w.message)})" for w in caught))
     text = err.getvalue().rstrip("\n")
     if text and causes and code:  # the error and its cause on one line
         text += " " + causes
