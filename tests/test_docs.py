@@ -455,3 +455,34 @@ def test_readme_llama2_70b_figures_are_what_the_named_command_prints(capsys):
     assert round(step_s(nvme)) == 380 and "380 s" in readme
     assert round(step_s(both)) == 442 and "442 s/step" in readme
     assert "965.67" in both and "966 GB per node" in readme
+
+
+def test_readme_plan_figures_are_what_the_named_commands_print(capsys, monkeypatch):
+    """FastChat's 7B on 4 x 40 GB (JAX's default fraction, then 0.95 from the
+    environment) and gpt3-175b's offloaded host bytes: the README's figures, from the
+    commands it names beside them."""
+    from zerojax.cli import main
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    fastchat = "zerojax plan --model llama2-7b --devices 4 --memory 40GB --seq 2048 --batch 2"
+    gpt3 = "zerojax plan --model gpt3-175b --devices 8 --memory 80GB"
+    assert fastchat in readme and gpt3 in readme
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(fastchat.split()[1:]) == 0
+    out = capsys.readouterr().out
+    assert ("stage 3 + offload_optimizer: the fastest" in out and "1,274 ms/step" in out
+            and "peak 10.34 GB of 29.00 GB per device" in out and "(64%) headroom" in out)
+    assert "29.00 GB planned, stage 3 + offload_optimizer at 10.34 GB (64% headroom" in readme
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert main(fastchat.split()[1:]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: stage 3: the fastest" in out and "539 ms/step" in out
+    assert "peak 30.09 GB of 37.00 GB per device" in out
+    assert "37.00 GB, stage 3 at 30.09 (539 ms/step)" in readme
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert main(gpt3.split()[1:]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines()
+                if ln.strip().startswith("stage 3 + offload_optimizer + offload_params"))
+    assert "2,444.47" in line and "no " in line and ": 2,444 GB)" in readme
