@@ -1341,7 +1341,18 @@ class NvmeTrainStep:
         param_out = plan["param_out"]
         param_by = {e["leaf"]: e for e in store.param_leaves}
 
+        stopped: list = []  # a write failed: no more are begun (the step fails anyway)
+
         def write(b, results):
+            if stopped:
+                return
+            try:
+                write_leaves(results)
+            except BaseException:
+                stopped.append(b)
+                raise
+
+        def write_leaves(results):
             for k, x in results.items():
                 if k in param_out:  # a new param: its file (laid out as stored)
                     e = param_by[param_out[k]]
@@ -1377,6 +1388,8 @@ class NvmeTrainStep:
                 reads = {0: reader.submit(read_slot, 0)}
                 writes = []
                 for b in range(nb):
+                    if stopped:  # a write failed: the step fails with its error below
+                        break
                     if b + 1 < nb:
                         reads[b + 1] = reader.submit(read_slot, b + 1)
                     got = reads.pop(b).result()
