@@ -132,7 +132,7 @@ MODEL_REMAT_POLICIES = ("full", "layer_inputs", "dots", "qkv_proj", "projections
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def check_model_config(config, ints: tuple) -> None:
+def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None:
     """Validate the options a decoder config shares (GPTConfig, LlamaConfig): the
     positive ints named by ``ints``, ``hidden % heads``, the compute dtype, ``remat``,
     ``scan``, ``remat_policy``, ``attention`` (and what cuDNN needs), ``vocab_tiles``
@@ -146,7 +146,7 @@ def check_model_config(config, ints: tuple) -> None:
                              f"({type(value).__name__})")
         if value < 1:
             raise ValueError(f"{cls}.{name} must be >= 1, got {value}")
-    if config.hidden % config.heads:
+    if config.hidden % config.heads and not free_head_dim:
         raise ValueError(
             f"{cls}.hidden ({config.hidden}) must be divisible by heads ({config.heads}) "
             f"so each head gets hidden // heads dims; pick hidden as a multiple of heads")
@@ -380,9 +380,12 @@ def gpt_param_specs(model: GPT, rng: jax.Array | int = 0) -> Any:
 
 
 def _head(model, params):
-    """``(head array, tied)`` of a GPT (the tied embedding) or a Llama (``lm_head``)."""
+    """``(head array, tied)`` of a GPT (the tied embedding) or a Llama (``lm_head``, or
+    its token embedding with ``tie_embeddings``)."""
     if isinstance(model, GPT):
         return params["embed"]["embedding"], True
+    if model.config.tie_embeddings:
+        return params["token_embedder"]["embedding"], True
     return params["decoder"]["logits_dense"]["kernel"], False
 
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -90,6 +91,138 @@ from zerojax.models.gpt import (
 
 _INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
+# model_type -> (the transformers class, its defaults where config.json omits a key)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", dict(sliding_window=None)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=4096)),
+    "qwen2": ("Qwen2ForCausalLM", dict(sliding_window=4096)),
+    "qwen3": ("Qwen3ForCausalLM", dict(sliding_window=4096, head_dim=128)),
+}
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+# config.json keys that do not change the function the model computes (token ids,
+# the init's std, generation settings PretrainedConfig wrote at the top level in 4.x)
+_INERT_KEYS = frozenset("""
+architectures model_type transformers_version torch_dtype dtype bos_token_id eos_token_id
+pad_token_id sep_token_id decoder_start_token_id initializer_range use_cache
+_name_or_path name_or_path tokenizer_class return_dict output_hidden_states
+output_attentions torchscript use_bfloat16 pruned_heads chunk_size_feed_forward
+is_encoder_decoder is_decoder add_cross_attention cross_attention_hidden_size
+tie_encoder_decoder finetuning_task id2label label2id num_labels problem_type prefix
+task_specific_params tf_legacy_loss max_length min_length do_sample early_stopping
+num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
+repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+bad_words_ids num_return_sequences output_scores return_dict_in_generate
+forced_bos_token_id forced_eos_token_id remove_invalid_values
+exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+pretraining_tp
+""".split())
+# keys whose value is computed (read below), per family
+_COMMON_KEYS = frozenset("""
+vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
+num_key_value_heads max_position_embeddings rms_norm_eps hidden_act head_dim
+tie_word_embeddings rope_theta rope_scaling rope_parameters attention_dropout
+""".split())
+_FAMILY_KEYS = {
+    "llama": frozenset({"attention_bias", "mlp_bias", "sliding_window"}),  # window unused
+    "mistral": frozenset({"sliding_window"}),
+    "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
+                        "layer_types", "use_mrope"}),
+    "qwen3": frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
+                        "layer_types", "attention_bias"}),
+}
+
+
+def _read_hf_config(hf) -> dict:
+    if isinstance(hf, dict):
+        return hf
+    path = os.fspath(hf)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope(hf: dict, problems: list) -> tuple[float, tuple | None]:
+    """``(rope_theta, llama3 scaling or None)`` of a config in either spelling:
+    transformers 5's ``rope_parameters`` or 4.x's ``rope_theta`` + ``rope_scaling``;
+    what is not computed goes to ``problems``, naming the key."""
+    params, key = hf.get("rope_parameters"), "rope_parameters"
+    if hf.get("rope_scaling") is not None:  # 4.x (5.x reads it first, as here)
+        params, key = hf["rope_scaling"], "rope_scaling"
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        problems.append(f"{key}={params!r} (a dict of rope_type and its values)")
+        return 10000.0, None
+    params = dict(params)
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        problems.append(f"{key}.rope_theta={theta!r} (a positive number)")
+        theta = 10000.0
+    factor = params.pop("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        problems.append(f"{key}.partial_rotary_factor={factor!r} (rotary embeddings on "
+                        f"the whole head only)")
+    if rope_type not in ROPE_TYPES:
+        problems.append(f"{key}.rope_type={rope_type!r} (computed: "
+                        f"{', '.join(ROPE_TYPES)})")
+        return float(theta), None
+    scaling = None
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings",
+                          hf.get("max_position_embeddings", 2048))
+        lacking = [k for k in _LLAMA3_KEYS if k not in params]
+        if lacking:
+            problems.append(f"{key} (rope_type 'llama3') lacks {', '.join(lacking)}")
+        else:
+            scaling = tuple(float(params.pop(k)) for k in _LLAMA3_KEYS[:3]) + (
+                int(params.pop("original_max_position_embeddings")),)
+    for extra, value in params.items():
+        problems.append(f"{key}.{extra}={value!r} (rope_type {rope_type!r} uses no such "
+                        f"value)")
+    return float(theta), scaling
+
+
+def _window(hf: dict, family: str, layers: int, problems: list) -> int | None:
+    """The sliding attention window every layer uses (``None``: full causal), computed
+    as transformers does: Mistral's ``sliding_window`` (4096 when the key is absent),
+    Qwen's only with ``use_sliding_window`` and for the layers ``layer_types`` (or
+    ``max_window_layers``) marks ``sliding_attention``; Llama has none."""
+    default = FAMILIES[family][1]["sliding_window"]
+    window = hf.get("sliding_window", default)
+    if family == "llama":
+        return None
+    if family in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            window = None
+        types = hf.get("layer_types")
+        if types is None:
+            first = hf.get("max_window_layers", 28)
+            types = ["sliding_attention" if window is not None and i >= first
+                     else "full_attention" for i in range(layers)]
+        kinds = set(types)
+        if not kinds <= {"full_attention", "sliding_attention"} or len(types) != layers:
+            problems.append(f"layer_types={types!r} (one of 'full_attention', "
+                            f"'sliding_attention' per layer)")
+            return None
+        if len(kinds) > 1:
+            problems.append(f"layer_types / max_window_layers={hf.get('max_window_layers')} "
+                            f"with use_sliding_window=True: sliding attention in some "
+                            f"layers only (zerojax's decoder uses one window in every "
+                            f"layer)")
+            return None
+        if kinds == {"full_attention"}:
+            return None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        problems.append(f"sliding_window={window!r} (null or an int >= 1)")
+        return None
+    return window
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -99,11 +232,11 @@ class LlamaConfig:
     used with (HF ``max_position_embeddings``; no parameter depends on it, rotary
     embeddings are computed for the positions at hand). layers: decoder blocks
     (``num_hidden_layers``). hidden: model width (``hidden_size``). heads: query heads
-    (``num_attention_heads``; ``hidden % heads == 0``, head_dim = hidden // heads).
-    kv_heads: key/value heads (``num_key_value_heads``; ``heads % kv_heads == 0``;
-    ``None`` means ``heads``, plain multi-head attention). mlp_hidden: SwiGLU width
-    (``intermediate_size``). rope_theta: the rotary base (10000 for Llama 2, 500000 for
-    Llama 3). norm_eps: RMSNorm epsilon (``rms_norm_eps``; 1e-5 for Llama 2 and 3).
+    (``num_attention_heads``). kv_heads: key/value heads (``num_key_value_heads``;
+    ``heads % kv_heads == 0``; ``None`` means ``heads``, plain multi-head attention).
+    mlp_hidden: SwiGLU width (``intermediate_size``). rope_theta: the rotary base
+    (10000 for Llama 2, 500000 for Llama 3). norm_eps: RMSNorm epsilon
+    (``rms_norm_eps``; 1e-5 for Llama 2 and 3).
 
     dtype, remat, scan, activation_sharding, attention and remat_policy mean what they
     mean for :class:`zerojax.models.gpt.GPTConfig`: the compute dtype (params are
@@ -111,9 +244,25 @@ class LlamaConfig:
     per block, ``nn.scan`` over the blocks, a sharding constraint on the residual
     stream, the attention implementation (``"xla"``, ``"dot_product"``, ``"cudnn"``,
     ``"auto"``) and what a rematerialised block saves. vocab_tiles: ``None``, or the
-    number of sequence tiles :func:`zerojax.models.gpt.lm_loss` computes the untied
-    head and its cross-entropy in (:func:`zerojax.tiling.lm_head_loss`), as for
+    number of sequence tiles :func:`zerojax.models.gpt.lm_loss` computes the head and
+    its cross-entropy in (:func:`zerojax.tiling.lm_head_loss`), as for
     :class:`zerojax.models.gpt.GPTConfig`.
+
+    The family options (what Mistral, Qwen2 / 2.5, Qwen3 and Llama 3.x add; all off by
+    default, the Llama 2 decoder): family: the Hugging Face ``model_type`` written back
+    by :meth:`to_hf` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``; the
+    function is set by the options below). head_dim: the per-head width (``None``:
+    ``hidden // heads``; Qwen3 sets it, ``heads * head_dim`` may differ from
+    ``hidden``). rope_llama3: ``None``, or Llama 3.1's frequency scaling ``(factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings)`` (rope_type
+    ``"llama3"``). sliding_window: ``None``, or the number of positions each query
+    sees, itself included (Mistral: query ``i`` attends to keys ``i - w < j <= i``).
+    qkv_bias: biases on the query, key and value projections (Qwen2). attention_bias:
+    biases on all four attention projections (Llama's / Qwen3's ``attention_bias``).
+    mlp_bias: biases on gate, up and down (Llama's ``mlp_bias``). qk_norm: an RMSNorm
+    over each query and key head before the rotary embedding (Qwen3).
+    tie_embeddings: the head is the token embedding (``tie_word_embeddings``: Llama
+    3.2 1B / 3B, the small Qwen2.5 and Qwen3); no ``logits_dense`` leaf.
     """
 
     vocab: int = 256
@@ -132,16 +281,29 @@ class LlamaConfig:
     attention: str = "xla"
     remat_policy: str = "full"
     vocab_tiles: int | None = None
+    family: str = "llama"
+    head_dim: int | None = None
+    rope_llama3: tuple | None = None
+    sliding_window: int | None = None
+    qkv_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
 
     def __post_init__(self):
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
+        explicit = self.head_dim is not None
+        if not explicit:
+            heads = self.heads if isinstance(self.heads, int) and self.heads > 0 else 1
+            object.__setattr__(self, "head_dim", self.hidden // heads)
         check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "kv_heads",
-                                  "mlp_hidden"))
+                                  "mlp_hidden", "head_dim"), free_head_dim=explicit)
         if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: head_dim = hidden // heads = {self.head_dim} "
-                             f"must be even for rotary embeddings (they rotate pairs of "
-                             f"dims); pick hidden and heads with an even quotient")
+            raise ValueError(f"LlamaConfig: head_dim = {self.head_dim} must be even for "
+                             f"rotary embeddings (they rotate pairs of dims); pick hidden "
+                             f"and heads with an even quotient, or an even head_dim")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig.heads ({self.heads}) must be a multiple of kv_heads "
@@ -152,69 +314,146 @@ class LlamaConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number, got "
                                  f"{value!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+        if self.family not in FAMILIES:
+            raise ValueError(f"LlamaConfig.family must be one of {tuple(FAMILIES)}, got "
+                             f"{self.family!r}")
+        for name in ("qkv_bias", "attention_bias", "mlp_bias", "qk_norm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"LlamaConfig.sliding_window must be None or an int >= 1 (the "
+                             f"positions each query sees), got {w!r}")
+        r = self.rope_llama3
+        if r is not None:
+            if (not isinstance(r, tuple) or len(r) != 4
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                               and v > 0 for v in r) or r[2] <= r[1]):
+                raise ValueError(
+                    f"LlamaConfig.rope_llama3 must be None or (factor, low_freq_factor, "
+                    f"high_freq_factor, original_max_position_embeddings), positive, "
+                    f"high_freq_factor > low_freq_factor, got {r!r}")
 
     # --- Hugging Face config.json ------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf: dict | str | os.PathLike, **overrides) -> LlamaConfig:
-        """The config of a Hugging Face ``LlamaConfig`` (its ``config.json`` as a dict,
-        or the path of the file or of the directory holding it); ``overrides`` set
-        this class's own options (``dtype``, ``remat``, ``seq``, ...). Refuses what
-        :class:`Llama` does not compute: tied embeddings, biases, rope scaling, an
-        activation other than SiLU, a head_dim other than hidden // heads."""
+    def from_hf(cls, hf: dict | str | os.PathLike, *, ignore_keys=(),
+                **overrides) -> LlamaConfig:
+        """The config of a Hugging Face ``config.json`` (a dict, or the path of the file
+        or of the directory holding it) of ``model_type`` llama, mistral, qwen2 or qwen3;
+        ``overrides`` set this class's own options (``dtype``, ``remat``, ``seq``, ...).
+
+        Read by allow-list, in the spelling of ``transformers`` 4.x (``rope_theta``,
+        ``rope_scaling``) or 5.x (``rope_parameters``): every key that changes the
+        function is computed, or refused with a ``ValueError`` naming the key and its
+        value, before any tensor is read: an unknown ``model_type`` or ``rope_type``,
+        rope scaling other than ``llama3``, an activation other than SiLU, dropout,
+        sliding attention in some layers only, a key this decoder does not know.
+        ``ignore_keys``: keys you know do not change the function (they are then not
+        refused). Keys that never do (token ids, ``initializer_range``, generation
+        settings, ``torch_dtype``) are skipped."""
+        hf = _read_hf_config(hf)
         if not isinstance(hf, dict):
-            path = os.fspath(hf)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                hf = json.load(f)
+            raise ValueError(f"LlamaConfig.from_hf: config.json holds {type(hf).__name__}, "
+                             f"not an object")
+        family = hf.get("model_type", "llama")
+        if family not in FAMILIES:
+            raise ValueError(f"LlamaConfig.from_hf: model_type={family!r} is not a family "
+                             f"zerojax's decoder computes ({', '.join(FAMILIES)}); a model "
+                             f"of another family needs its own module")
         needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")
         lacking = [k for k in needed if k not in hf]
         if lacking:
             raise ValueError(f"LlamaConfig.from_hf: the config lacks {', '.join(lacking)}; "
-                             f"pass a LlamaForCausalLM config.json (it has {sorted(hf)})")
-        unsupported = []
-        if hf.get("tie_word_embeddings", False):
-            unsupported.append("tie_word_embeddings=True (Llama's lm_head is untied)")
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key, False):
-                unsupported.append(f"{key}=True (Llama has no biases)")
-        if hf.get("rope_scaling") not in (None, {}):
-            unsupported.append(f"rope_scaling={hf['rope_scaling']!r} (only plain RoPE)")
-        if hf.get("hidden_act", "silu") != "silu":
-            unsupported.append(f"hidden_act={hf['hidden_act']!r} (SwiGLU uses silu)")
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and head_dim != hf["hidden_size"] // hf["num_attention_heads"]:
-            unsupported.append(f"head_dim={head_dim} != hidden_size // num_attention_heads")
-        if unsupported:
-            raise ValueError("LlamaConfig.from_hf: this checkpoint's config has "
-                             + "; ".join(unsupported) + ", which zerojax's Llama does not "
-                             "compute; a model with them needs its own module")
+                             f"pass a {FAMILIES[family][0]} config.json (it has "
+                             f"{sorted(hf)})")
+        problems = []
+        known = _INERT_KEYS | _COMMON_KEYS | _FAMILY_KEYS[family] | set(ignore_keys)
+        for key in hf:
+            if key not in known:
+                problems.append(f"{key}={hf[key]!r} (a key zerojax's {family} decoder does "
+                                f"not compute; if it does not change the function, pass "
+                                f"ignore_keys=({key!r},))")
+        theta, llama3 = _rope(hf, problems)
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+            problems.append(f"hidden_act={hf['hidden_act']!r} (SwiGLU with silu)")
+        if hf.get("attention_dropout") not in (None, 0, 0.0):
+            problems.append(f"attention_dropout={hf['attention_dropout']!r} (zerojax's "
+                            f"decoder has no dropout)")
+        if hf.get("use_mrope", False):
+            problems.append(f"use_mrope={hf['use_mrope']!r} (multimodal rotary "
+                            f"embeddings)")
+        tie = hf.get("tie_word_embeddings", False)
+        head_dim = hf.get("head_dim", FAMILIES[family][1].get("head_dim"))
+        for key, value in (("tie_word_embeddings", tie), ("attention_bias",
+                           hf.get("attention_bias", False)),
+                           ("mlp_bias", hf.get("mlp_bias", False)),
+                           ("use_sliding_window", hf.get("use_sliding_window", False))):
+            if not isinstance(value, bool):
+                problems.append(f"{key}={value!r} (true or false)")
+        if head_dim is not None and (isinstance(head_dim, bool)
+                                     or not isinstance(head_dim, int) or head_dim < 1):
+            problems.append(f"head_dim={head_dim!r} (an int >= 1)")
+            head_dim = None
+        window = _window(hf, family, hf["num_hidden_layers"], problems)
+        if problems:
+            raise ValueError(f"LlamaConfig.from_hf: this {family} config has "
+                             + "; ".join(problems) + ". zerojax's decoder does not compute "
+                             "it; nothing was read")
         kw = dict(vocab=hf["vocab_size"], seq=hf.get("max_position_embeddings", 2048),
                   layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
                   heads=hf["num_attention_heads"],
                   kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                  mlp_hidden=hf["intermediate_size"],
-                  rope_theta=float(hf.get("rope_theta", 10000.0)),
-                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+                  mlp_hidden=hf["intermediate_size"], rope_theta=theta,
+                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)), family=family,
+                  head_dim=head_dim, rope_llama3=llama3, sliding_window=window,
+                  qkv_bias=family == "qwen2",
+                  attention_bias=bool(hf.get("attention_bias", False)),
+                  mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=family == "qwen3",
+                  tie_embeddings=bool(tie))
         return cls(**{**kw, **overrides})
 
     def to_hf(self, torch_dtype: str = "float32") -> dict:
-        """This config as a Hugging Face ``config.json`` for ``LlamaForCausalLM``."""
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "vocab_size": self.vocab, "max_position_embeddings": self.seq,
-                "num_hidden_layers": self.layers, "hidden_size": self.hidden,
-                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-                "head_dim": self.head_dim, "intermediate_size": self.mlp_hidden,
-                "rope_theta": self.rope_theta, "rms_norm_eps": self.norm_eps,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "tie_word_embeddings": False, "rope_scaling": None,
-                "initializer_range": _INIT_STD, "torch_dtype": torch_dtype}
+        """This config as a Hugging Face ``config.json`` of its family (``model_type``
+        and ``architectures`` from ``family``), in the spelling both ``transformers``
+        4.x and 5.x read (``rope_theta`` + ``rope_scaling``). Options the family's
+        class has no key for (Mistral's biases, say) are refused."""
+        arch = FAMILIES[self.family][0]
+        out = {"architectures": [arch], "model_type": self.family,
+               "vocab_size": self.vocab, "max_position_embeddings": self.seq,
+               "num_hidden_layers": self.layers, "hidden_size": self.hidden,
+               "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+               "head_dim": self.head_dim, "intermediate_size": self.mlp_hidden,
+               "rope_theta": self.rope_theta, "rms_norm_eps": self.norm_eps,
+               "hidden_act": "silu", "tie_word_embeddings": self.tie_embeddings,
+               "rope_scaling": None if self.rope_llama3 is None else dict(
+                   zip(("rope_type",) + _LLAMA3_KEYS, ("llama3",) + self.rope_llama3)),
+               "initializer_range": _INIT_STD, "torch_dtype": torch_dtype}
+        fits = {"llama": not self.qkv_bias and not self.qk_norm
+                and self.sliding_window is None,
+                "mistral": not (self.qkv_bias or self.attention_bias or self.mlp_bias
+                                or self.qk_norm),
+                "qwen2": self.qkv_bias and not (self.attention_bias or self.mlp_bias
+                                                or self.qk_norm),
+                "qwen3": self.qk_norm and not (self.qkv_bias or self.mlp_bias)}[self.family]
+        if not fits:
+            raise ValueError(f"LlamaConfig.to_hf: family={self.family!r} ({arch}) cannot "
+                             f"say qkv_bias={self.qkv_bias}, attention_bias="
+                             f"{self.attention_bias}, mlp_bias={self.mlp_bias}, qk_norm="
+                             f"{self.qk_norm}, sliding_window={self.sliding_window}; pick "
+                             f"the family whose config.json has them")
+        if self.family == "llama":
+            out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        elif self.family == "mistral":
+            out["sliding_window"] = self.sliding_window
+        else:
+            out.update(use_sliding_window=self.sliding_window is not None,
+                       sliding_window=self.sliding_window, max_window_layers=0)
+            if self.family == "qwen3":
+                out["attention_bias"] = self.attention_bias
+        return out
 
 
 # --- the model -------------------------------------------------------------------------
@@ -223,9 +462,12 @@ def _init(names: tuple, init=None):
     return nn.with_partitioning(init or nn.initializers.normal(_INIT_STD), names)
 
 
-def _dense(cfg: LlamaConfig, features: int, kernel: tuple, name: str) -> nn.Dense:
-    return nn.Dense(features, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
-                    kernel_init=_init(kernel), name=name)
+def _dense(cfg: LlamaConfig, features: int, kernel: tuple, name: str,
+           bias: bool = False) -> nn.Dense:
+    # a bias is split as the kernel's output dimension (column: over "model")
+    return nn.Dense(features, use_bias=bias, dtype=cfg.dtype, param_dtype=jnp.float32,
+                    kernel_init=_init(kernel),
+                    bias_init=_init(kernel[-1:], nn.initializers.zeros_init()), name=name)
 
 
 class RMSNorm(nn.Module):
@@ -244,11 +486,33 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * y.astype(self.dtype)
 
 
-def rope_tables(t: int, head_dim: int, theta: float, offset: int = 0):
-    """``(cos, sin)``, each float32 ``(t, head_dim)``, for positions ``offset ...
-    offset + t - 1``: HF's ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)``, angles
-    ``pos * inv_freq`` repeated as ``concat(f, f)``."""
+def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None):
+    """The float32 ``(head_dim // 2,)`` rotary frequencies, as ``transformers``'
+    ``modeling_rope_utils`` computes them: ``1 / theta ** (arange(0, d, 2) / d)``
+    (rope_type ``"default"``), then for ``llama3 = (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings)`` (Llama 3.1's scaling)
+    wavelengths ``2 pi / f`` above ``original / low_freq_factor`` divided by ``factor``,
+    below ``original / high_freq_factor`` kept, and those between interpolated with
+    ``s = (original / wavelength - low) / (high - low)``: ``(1 - s) f / factor + s f``."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, old = llama3
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(t: int, head_dim: int, theta: float, offset: int = 0,
+                llama3: tuple | None = None):
+    """``(cos, sin)``, each float32 ``(t, head_dim)``, for positions ``offset ...
+    offset + t - 1``: the frequencies of :func:`rope_inv_freq`, angles ``pos *
+    inv_freq`` repeated as ``concat(f, f)``."""
+    inv_freq = rope_inv_freq(head_dim, theta, llama3)
     pos = jnp.arange(offset, offset + t, dtype=jnp.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -264,21 +528,27 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def causal_attention(q, k, v, impl: str, dtype):
+def causal_attention(q, k, v, impl: str, dtype, window: int | None = None):
     """Causal grouped-query attention: ``q`` ``(b, t, heads, d)``, ``k``/``v`` ``(b, t,
     kv_heads, d)``, query head ``h`` reading key/value head ``h // (heads //
     kv_heads)``; ``impl`` as :func:`zerojax.models.gpt.resolve_attention` returns it.
-    The explicit ``"xla"`` attention keeps float32 scores and groups the query heads
-    instead of repeating the keys and values."""
+    ``window``: query ``i`` sees keys ``i - window < j <= i`` only (Mistral's sliding
+    window, transformers' ``sliding_window_overlay``). The explicit ``"xla"``
+    attention keeps float32 scores and groups the query heads instead of repeating
+    the keys and values."""
     b, t, heads, d = q.shape
     kv = k.shape[2]
     if impl != "xla":  # fused: takes fewer key/value heads as they are
+        local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="cudnn" if impl == "cudnn" else None)
+            q, k, v, is_causal=True, local_window_size=local,
+            implementation="cudnn" if impl == "cudnn" else None)
     qg = q.reshape(b, t, kv, heads // kv, d)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k).astype(jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(d))
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if window is not None:
+        causal = causal & ~jnp.tril(causal, -window)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     att = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
@@ -305,16 +575,23 @@ class SelfAttention(nn.Module):
         cfg = self.config
         b, t, _ = x.shape
         hd = cfg.head_dim
-        q = _dense(cfg, cfg.heads * hd, (None, "model"), "query")(x)
-        k = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "key")(x)
-        v = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "value")(x)
+        bias = cfg.qkv_bias or cfg.attention_bias
+        q = _dense(cfg, cfg.heads * hd, (None, "model"), "query", bias)(x)
+        k = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "key", bias)(x)
+        v = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "value", bias)(x)
         q = checkpoint_name(q, QKV_PROJ).reshape(b, t, cfg.heads, hd)
         k = checkpoint_name(k, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
         v = checkpoint_name(v, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
-        cos, sin = rope_tables(t, hd, cfg.rope_theta)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dims, before the rotation
+            q = RMSNorm(cfg.norm_eps, cfg.dtype, name="query_norm")(q)
+            k = RMSNorm(cfg.norm_eps, cfg.dtype, name="key_norm")(k)
+        cos, sin = rope_tables(t, hd, cfg.rope_theta, llama3=cfg.rope_llama3)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        att = causal_attention(q, k, v, _attention(cfg), cfg.dtype)
-        att = _dense(cfg, cfg.hidden, ("model", None), "out")(att.reshape(b, t, cfg.heads * hd))
+        window = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < t \
+            else None
+        att = causal_attention(q, k, v, _attention(cfg), cfg.dtype, window)
+        att = _dense(cfg, cfg.hidden, ("model", None), "out", cfg.attention_bias)(
+            att.reshape(b, t, cfg.heads * hd))
         return checkpoint_name(att, OUT_PROJ)
 
 
@@ -326,10 +603,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        gate = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_0")(x), MLP_IN)
-        up = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_1")(x), MLP_IN)
+        b = cfg.mlp_bias
+        gate = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_0", b)(x),
+                               MLP_IN)
+        up = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_1", b)(x), MLP_IN)
         h = nn.silu(gate) * up
-        return checkpoint_name(_dense(cfg, cfg.hidden, ("model", None), "wo")(h), MLP_OUT)
+        return checkpoint_name(_dense(cfg, cfg.hidden, ("model", None), "wo", b)(h), MLP_OUT)
 
 
 class DecoderLayer(nn.Module):
@@ -369,7 +648,7 @@ class Decoder(nn.Module):
             for i in range(cfg.layers):
                 x, _ = layer(cfg, name=f"layers_{i}")(x, None)
         x = RMSNorm(cfg.norm_eps, cfg.dtype, name="decoder_norm")(x)
-        if hidden_only:  # the head left to the caller (a tiled loss)
+        if hidden_only or cfg.tie_embeddings:  # the head left to the caller
             return x
         return _dense(cfg, cfg.vocab, (None, "model"), "logits_dense")(x).astype(jnp.float32)
 
@@ -394,7 +673,10 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
                          embedding_init=_init(("model", None)), name="token_embedder")
         x = _constrain(cfg, embed(tokens))
-        return Decoder(cfg, name="decoder")(x, hidden_only)
+        x = Decoder(cfg, name="decoder")(x, hidden_only)
+        if cfg.tie_embeddings and not hidden_only:  # the head is the embedding
+            return embed.attend(x).astype(jnp.float32)
+        return x
 
 
 def _dummy_tokens(model: Llama) -> jax.Array:
@@ -457,18 +739,33 @@ def hf_llama_mapping(config: LlamaConfig) -> list[HFTensor]:
     hd = c.head_dim
     out = [HFTensor("model.embed_tokens.weight", ("token_embedder", "embedding"), None,
                     False, (c.vocab, c.hidden))]
-    per_layer = [  # (hf suffix, params path under the layer, transpose, hf shape)
-        ("self_attn.q_proj.weight", ("self_attention", "query", "kernel"), True,
-         (c.heads * hd, c.hidden)),
-        ("self_attn.k_proj.weight", ("self_attention", "key", "kernel"), True,
-         (c.kv_heads * hd, c.hidden)),
-        ("self_attn.v_proj.weight", ("self_attention", "value", "kernel"), True,
-         (c.kv_heads * hd, c.hidden)),
-        ("self_attn.o_proj.weight", ("self_attention", "out", "kernel"), True,
-         (c.hidden, c.heads * hd)),
-        ("mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), True, (c.mlp_hidden, c.hidden)),
-        ("mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), True, (c.mlp_hidden, c.hidden)),
-        ("mlp.down_proj.weight", ("mlp", "wo", "kernel"), True, (c.hidden, c.mlp_hidden)),
+    attn_bias = c.qkv_bias or c.attention_bias
+    per_layer = []  # (hf suffix, params path under the layer, transpose, hf shape)
+    for proj, name, width in (("q", "query", c.heads), ("k", "key", c.kv_heads),
+                              ("v", "value", c.kv_heads)):
+        per_layer.append((f"self_attn.{proj}_proj.weight", ("self_attention", name, "kernel"),
+                          True, (width * hd, c.hidden)))
+        if attn_bias:
+            per_layer.append((f"self_attn.{proj}_proj.bias", ("self_attention", name, "bias"),
+                              False, (width * hd,)))
+    per_layer.append(("self_attn.o_proj.weight", ("self_attention", "out", "kernel"), True,
+                      (c.hidden, c.heads * hd)))
+    if c.attention_bias:
+        per_layer.append(("self_attn.o_proj.bias", ("self_attention", "out", "bias"), False,
+                          (c.hidden,)))
+    if c.qk_norm:
+        per_layer += [("self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"),
+                       False, (hd,)),
+                      ("self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"),
+                       False, (hd,))]
+    for proj, name, shape in (("gate", "wi_0", (c.mlp_hidden, c.hidden)),
+                              ("up", "wi_1", (c.mlp_hidden, c.hidden)),
+                              ("down", "wo", (c.hidden, c.mlp_hidden))):
+        per_layer.append((f"mlp.{proj}_proj.weight", ("mlp", name, "kernel"), True, shape))
+        if c.mlp_bias:
+            per_layer.append((f"mlp.{proj}_proj.bias", ("mlp", name, "bias"), False,
+                              shape[:1]))
+    per_layer += [
         ("input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), False,
          (c.hidden,)),
         ("post_attention_layernorm.weight", ("post_self_attention_layer_norm", "scale"),
@@ -484,8 +781,9 @@ def hf_llama_mapping(config: LlamaConfig) -> list[HFTensor]:
                                     ("decoder", f"layers_{i}") + sub, None, transpose, shape))
     out.append(HFTensor("model.norm.weight", ("decoder", "decoder_norm", "scale"), None,
                         False, (c.hidden,)))
-    out.append(HFTensor("lm_head.weight", ("decoder", "logits_dense", "kernel"), None, True,
-                        (c.vocab, c.hidden)))
+    if not c.tie_embeddings:  # tied: transformers writes (and reads) no lm_head.weight
+        out.append(HFTensor("lm_head.weight", ("decoder", "logits_dense", "kernel"), None,
+                            True, (c.vocab, c.hidden)))
     return out
 
 

@@ -1,0 +1,171 @@
+"""Golden outputs from ``transformers`` itself for zerojax's decoder families (issue 39).
+
+    # torch + transformers in a throwaway venv (not a zerojax dependency):
+    python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py            # write the fixtures
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --check \\
+        --zerojax-python .venv/bin/python                          # zerojax's exports
+
+Writes, for each family in ``FAMILIES``, a tiny random model made by ``transformers``
+(``AutoModelForCausalLM.from_config``, every weight drawn from a seeded normal so the
+forward is far from uniform) with ``save_pretrained`` in float32 and in bfloat16,
+sharded (``max_shard_size`` small: several files and ``model.safetensors.index.json``),
+into ``tests/fixtures/hf/FAMILY/{fp32,bf16}/``, and ``tests/fixtures/hf/FAMILY/
+logits.npz``: ``tokens`` (2 x 12, positions beyond Mistral's window of 5) and
+``transformers``' float32 logits (eager attention) of each file, the bf16 file read
+back as float32 (what zerojax computes from it). The fixtures are committed;
+tests/test_hf_families.py checks zerojax against them.
+
+``--check``: runs ``--export`` under ``--zerojax-python`` (a Python with zerojax), which
+loads each fixture with :func:`zerojax.models.load_hf_llama`, writes it back with
+:func:`zerojax.export.export_params` (``format="hf"``, several files) and
+``LlamaConfig.to_hf``, and records zerojax's logits; then loads each export with
+``transformers``' ``from_pretrained`` and prints max |logits - zerojax's| and max
+|logits - the recorded ones| per family and dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures",
+                    "hf")
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            rms_norm_eps=1e-5)
+# family name -> (model_type, the config's options); head_dim 16 where the family's
+# configs carry one (8 rotary frequencies: llama3's scaling divides some, smooths one)
+FAMILIES = {
+    "llama2": ("llama", dict(num_key_value_heads=4, rope_theta=10000.0)),
+    "llama3": ("llama", dict(head_dim=16, rope_parameters=dict(
+        rope_type="default", rope_theta=500000.0), attention_bias=True, mlp_bias=True)),
+    "llama3.2": ("llama", dict(head_dim=16, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral": ("mistral", dict(head_dim=16, sliding_window=5, rope_theta=10000.0)),
+    "qwen2": ("qwen2", dict(head_dim=16, tie_word_embeddings=True, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6)),
+    "qwen3": ("qwen3", dict(head_dim=16, attention_bias=True, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6)),
+}
+TOKENS = np.random.default_rng(39).integers(0, BASE["vocab_size"], (2, 12))
+SHARD = {"fp32": "40KB", "bf16": "20KB"}
+
+
+def _randomize(model, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            else:  # ~1 / sqrt(fan-in): activations of order 1 through the layers
+                p.copy_(noise / np.sqrt(p.shape[-1]))
+
+
+def _logits(directory: str) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.as_tensor(TOKENS)).logits
+    return out.float().numpy()
+
+
+def make() -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for seed, (name, (model_type, options)) in enumerate(sorted(FAMILIES.items())):
+        config = AutoConfig.for_model(model_type, **{**BASE, **options})
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize(model, seed)
+        logits = {}
+        for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            out = os.path.join(ROOT, name, dtype)
+            shutil.rmtree(out, ignore_errors=True)
+            model.to(torch_dtype).save_pretrained(out, max_shard_size=SHARD[dtype])
+            for extra in ("generation_config.json",):
+                if os.path.exists(os.path.join(out, extra)):
+                    os.remove(os.path.join(out, extra))
+            logits[dtype] = _logits(out)
+        np.savez(os.path.join(ROOT, name, "logits.npz"), tokens=TOKENS, **logits)
+        files = sorted(os.listdir(os.path.join(ROOT, name, "fp32")))
+        print(f"{name:9s} {model_type:8s} files {files}  |fp32 - bf16 logits| "
+              f"{np.abs(logits['fp32'] - logits['bf16']).max():.3g}")
+
+
+def export(out_root: str) -> None:
+    """Under zerojax's Python: each fixture loaded, exported, and its logits."""
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax.export import export_params
+    from zerojax.models import Llama, LlamaConfig, hf_llama_mapping, load_hf_llama
+
+    for name in sorted(FAMILIES):
+        for dtype in ("fp32", "bf16"):
+            src = os.path.join(ROOT, name, dtype)
+            config = LlamaConfig.from_hf(src)
+            model = Llama(config)
+            params = load_hf_llama(src, model)
+            out = os.path.join(out_root, name, dtype)
+            export_params(params, out, format="hf", mapping=hf_llama_mapping(config),
+                          dtype=jnp.bfloat16 if dtype == "bf16" else None,
+                          max_shard_size=SHARD[dtype])
+            with open(os.path.join(out, "config.json"), "w") as f:
+                json.dump(config.to_hf("bfloat16" if dtype == "bf16" else "float32"), f)
+            logits = jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS))
+            np.save(os.path.join(out, "zerojax_logits.npy"), np.asarray(logits))
+
+
+def check(zerojax_python: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([zerojax_python, os.path.abspath(__file__), "--export", tmp],
+                       check=True, cwd=os.path.join(ROOT, "..", "..", ".."))
+        print(f"{'family':9s} {'dtype':5s} {'|tf(export) - zerojax|':>24s} "
+              f"{'|tf(export) - tf(fixture)|':>28s}")
+        for name in sorted(FAMILIES):
+            recorded = np.load(os.path.join(ROOT, name, "logits.npz"))
+            for dtype in ("fp32", "bf16"):
+                out = os.path.join(tmp, name, dtype)
+                got = _logits(out)
+                ours = np.load(os.path.join(out, "zerojax_logits.npy"))
+                print(f"{name:9s} {dtype:5s} {np.abs(got - ours).max():24.3g} "
+                      f"{np.abs(got - recorded[dtype]).max():28.3g}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="load zerojax's exports of the fixtures in transformers")
+    ap.add_argument("--zerojax-python", default=sys.executable,
+                    help="a Python that imports zerojax (for --check)")
+    ap.add_argument("--export", metavar="DIR", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.export:
+        export(args.export)
+    elif args.check:
+        check(args.zerojax_python)
+    else:
+        make()
+
+
+if __name__ == "__main__":
+    main()
