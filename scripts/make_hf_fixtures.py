@@ -5,6 +5,7 @@
     /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py            # write the fixtures
     /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --check \\
         --zerojax-python .venv/bin/python                          # zerojax's exports
+    python benchmarks/hf_families.py       # zerojax against the fixtures, per mesh
 
 Writes, for each family in ``FAMILIES``, a tiny random model made by ``transformers``
 (``AutoModelForCausalLM.from_config``, every weight drawn from a seeded normal so the
@@ -128,7 +129,7 @@ def export(out_root: str) -> None:
             out = os.path.join(out_root, name, dtype)
             export_params(params, out, format="hf", mapping=hf_llama_mapping(config),
                           dtype=jnp.bfloat16 if dtype == "bf16" else None,
-                          max_shard_size=SHARD[dtype])
+                          max_shard_size=(40 if dtype == "fp32" else 20) << 10)
             with open(os.path.join(out, "config.json"), "w") as f:
                 json.dump(config.to_hf("bfloat16" if dtype == "bf16" else "float32"), f)
             logits = jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS))

@@ -1,5 +1,14 @@
 """A Llama-family decoder with MaxText's parameter names, and the Hugging Face mapping.
 
+The same decoder, with :class:`LlamaConfig`'s family options, computes Mistral (a
+sliding attention window), Qwen2 / Qwen2.5 (q/k/v biases, tied embeddings), Qwen3 (q/k
+RMSNorm per head, an explicit ``head_dim``) and Llama 3.1 / 3.2 (``llama3`` rope
+scaling, tied embeddings) as ``transformers`` does; :meth:`LlamaConfig.from_hf` reads
+their ``config.json`` by allow-list. What follows describes the Llama 2 / 3 default;
+the options add the leaves ``bias`` (under ``query``/``key``/``value``/``out``,
+``wi_0``/``wi_1``/``wo``), ``self_attention/query_norm/scale`` and ``key_norm/scale``
+``(L, head_dim)``, and drop ``logits_dense`` when tied.
+
 ``Llama`` is the decoder of Llama 2 / Llama 3 (Touvron et al., arXiv:2307.09288): a
 token embedding, ``layers`` pre-RMSNorm blocks (causal grouped-query self-attention
 with rotary position embeddings, then a SwiGLU MLP, each with a residual), a final
