@@ -79,6 +79,23 @@ def test_released_configs_computed(name):
     assert LlamaConfig.from_hf(c.to_hf("bfloat16")) == c
 
 
+def test_planner_counts_the_released_configs():
+    """The planner's params tree of a LlamaConfig (zerojax.analysis.report) follows
+    its tied head and explicit head_dim: Llama 3.2 1B exactly, Qwen3 0.6B without its
+    q/k norms (2 x 28 x 128 of 596M) and Qwen2.5 0.5B without its q/k/v biases."""
+    import math
+
+    import jax
+
+    from zerojax.analysis.report import gpt_param_shapes
+
+    for name, missing in (("llama-3.2-1b", 0), ("qwen3-0.6b", 2 * 28 * 128),
+                          ("qwen2.5-0.5b", 24 * (896 + 2 * 128))):
+        hf, count = REAL[name]
+        shapes = gpt_param_shapes(LlamaConfig.from_hf(hf))
+        assert sum(math.prod(s.shape) for s in jax.tree.leaves(shapes)) == count - missing
+
+
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
 

@@ -422,8 +422,9 @@ class _Dims(NamedTuple):
 
     @property
     def qkv(self) -> int:
-        """The QKV projection's width: ``h + 2 kv d`` (3 h without GQA)."""
-        return self.h + 2 * self.kv * self.d
+        """The QKV projection's width: ``a d + 2 kv d`` (3 h without GQA, where ``a d =
+        h``)."""
+        return (self.a + 2 * self.kv) * self.d
 
     @property
     def mlp_values(self) -> int:
@@ -435,16 +436,18 @@ class _Dims(NamedTuple):
 
 def _dims(config) -> _Dims:
     """The shape of a ``GPTConfig``, a :class:`DecoderConfig` or a
-    :class:`~zerojax.models.llama.LlamaConfig` (SwiGLU, untied, rotary, RMSNorm, no
-    biases)."""
+    :class:`~zerojax.models.llama.LlamaConfig` (SwiGLU, rotary, RMSNorm; its
+    ``head_dim`` and ``tie_embeddings``; biases and Qwen3's q/k norms, under 0.01% of
+    the params, not counted)."""
     from zerojax.models.llama import LlamaConfig
 
     h, a = config.hidden, config.heads
     kv = getattr(config, "kv_heads", None) or a
     f = getattr(config, "mlp_hidden", None) or getattr(config, "mlp_ratio", 4) * h
     if isinstance(config, LlamaConfig):
-        return _Dims(h, config.vocab, config.seq, config.layers, a, kv, h // a, f,
-                     gated=True, tied=False, positions=0, rms=True, bias=False)
+        return _Dims(h, config.vocab, config.seq, config.layers, a, kv, config.head_dim, f,
+                     gated=True, tied=config.tie_embeddings, positions=0, rms=True,
+                     bias=False)
     positions = getattr(config, "positions", None)
     return _Dims(h, config.vocab, config.seq, config.layers, a, kv, h // a, f,
                  bool(getattr(config, "gated", False)), bool(getattr(config, "tied", True)),
