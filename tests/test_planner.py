@@ -70,7 +70,7 @@ def test_table1_reproduced():
     # printed as the model computes it (4187.5 -> 4188, where the paper truncates to 4187),
     # and the note says how the paper rounds
     assert "52.5" in text and "4188" in text and "0.117" in text
-    assert "the paper truncates" in text
+    assert "from 100 GB it truncates" in text
 
 
 def test_estimate_memory_is_an_int_with_parts():
