@@ -28,9 +28,10 @@ WORKER = os.path.join(HERE, "..", "tests", "load_worker.py")
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
-def run(ckpt: str, out: str, size_mb: float, buffer: int, nproc: int) -> list[dict]:
+def run(ckpt: str, out: str, size_mb: float, buffer: int, nproc: int,
+        largest_mb: float = 0) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    args = [WORKER, ckpt, out, str(size_mb), str(buffer)]
+    args = [WORKER, ckpt, out, str(size_mb), str(buffer), str(largest_mb)]
     if nproc == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         env["JAX_PLATFORMS"] = "cpu"
@@ -57,6 +58,9 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-mb", type=float, default=16,
                         help="load_params' buffer_bytes, in MiB")
     parser.add_argument("--shard-mb", type=float, default=48, help="largest file, in MiB")
+    parser.add_argument("--largest-mb", type=float, default=0,
+                        help="the largest leaf (the embedding), in MiB (default: a 13th "
+                             "of the checkpoint)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoints")
     args = parser.parse_args(argv)
     import load_worker
@@ -71,11 +75,12 @@ def main(argv=None) -> None:
     try:
         for size in args.sizes:
             ckpt = os.path.join(root, f"ckpt{size:g}")
-            nbytes = load_worker.write_checkpoint(ckpt, size, int(args.shard_mb * mib))
+            nbytes = load_worker.write_checkpoint(ckpt, size, int(args.shard_mb * mib),
+                                                  args.largest_mb)
             files = len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")])
             for nproc in (1, 2):
                 out = tempfile.mkdtemp(dir=root)
-                for r in run(ckpt, out, size, buffer, nproc):
+                for r in run(ckpt, out, size, buffer, nproc, args.largest_mb):
                     print(f"| {nbytes / mib:.0f} MiB | {files} | {nproc} (p{r['process']}) | "
                           f"{r['held'] / mib:.1f} MiB | {r['growth'] / mib:.1f} MiB | "
                           f"{(r['growth'] - r['held']) / mib:+.1f} MiB | {r['seconds']:.2f} | "

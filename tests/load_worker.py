@@ -2,8 +2,8 @@
 ``python -m zerojax.cli.launch --nproc 2 --devices-per-proc 4``), and the measuring part
 of benchmarks/load.py.
 
-``load_worker.py CKPT OUT [BUFFER_BYTES]``: loads the checkpoint CKPT (written by
-:func:`write_checkpoint`) into :func:`like_and_specs`'s leaves sharded over all 8
+``load_worker.py CKPT OUT TOTAL_MB [BUFFER_BYTES [LARGEST_MB]]``: loads the checkpoint
+CKPT (written by :func:`write_checkpoint`) into :func:`like_and_specs`'s leaves sharded over all 8
 devices, sampling this process's resident memory in a thread every 2 ms, and writes
 OUT/p{process}.json: the RSS before, the peak growth during the load (total and
 anonymous), the bytes of the shards this process holds, the load's seconds, and a
@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -25,24 +26,29 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 LAYERS = 6
 
 
-def tensors_spec(total_mb: float) -> dict[str, tuple]:
+def tensors_spec(total_mb: float, largest_mb: float = 0) -> dict[str, tuple]:
     """HF-style names and (out, in) shapes of a checkpoint of about ``total_mb`` MB in
     float32: per layer a wide up projection (PyTorch layout, transposed on load) and a
-    down projection, plus an embedding."""
+    down projection, plus an embedding (of ``largest_mb`` MB when given: the largest
+    leaf, the rest shared by the layers)."""
     d = 512
-    f = max(8, int(total_mb * 2 ** 20 / 4 / (LAYERS * 2 * d + d)) // 8 * 8)
-    out = {"model.embed.weight": (f, d)}
+    if largest_mb:
+        rows = max(8, int(largest_mb * 2 ** 20 / 4 / d) // 8 * 8)
+        f = max(8, int((total_mb - largest_mb) * 2 ** 20 / 4 / (LAYERS * 2 * d)) // 8 * 8)
+    else:
+        f = rows = max(8, int(total_mb * 2 ** 20 / 4 / (LAYERS * 2 * d + d)) // 8 * 8)
+    out = {"model.embed.weight": (rows, d)}
     for i in range(LAYERS):
         out[f"model.layers.{i}.mlp.up.weight"] = (f, d)
         out[f"model.layers.{i}.mlp.down.weight"] = (d, f)
     return out
 
 
-def write_checkpoint(path, total_mb: float, max_shard_size: int) -> int:
+def write_checkpoint(path, total_mb: float, max_shard_size: int, largest_mb: float = 0) -> int:
     """Write the checkpoint (several files); returns its bytes."""
     from zerojax import formats
 
-    spec = tensors_spec(total_mb)
+    spec = tensors_spec(total_mb, largest_mb)
     entries = [(n, np.float32, s) for n, s in spec.items()]
 
     def arrays():
@@ -53,7 +59,7 @@ def write_checkpoint(path, total_mb: float, max_shard_size: int) -> int:
     return sum(int(np.prod(s)) * 4 for s in spec.values())
 
 
-def like_and_specs(total_mb: float):
+def like_and_specs(total_mb: float, largest_mb: float = 0):
     """(like, partition specs, rename): the params as a flax Dense stack would hold them,
     each leaf sharded along its first axis (a stage-3 layout), the up projections
     transposed from PyTorch's (out, in) so their reads are strided columns."""
@@ -63,7 +69,7 @@ def like_and_specs(total_mb: float):
 
     from zerojax.load import Into, transpose
 
-    spec = tensors_spec(total_mb)
+    spec = tensors_spec(total_mb, largest_mb)
     like, specs, rename = {}, {}, {}
     for name, shape in spec.items():
         key = name.replace("model.", "").replace(".weight", "").replace(".", "_")
@@ -122,22 +128,28 @@ def shard_digests(tree) -> dict[str, str]:
     return out
 
 
-def measure(ckpt, total_mb: float, buffer_bytes: int, mesh) -> dict:
+def measure(ckpt, total_mb: float, buffer_bytes: int, mesh, largest_mb: float = 0) -> dict:
     """Load ``ckpt`` into ``mesh``; the figures and shard digests of this process."""
     import jax
     from jax.sharding import NamedSharding
 
     import zerojax
+    from zerojax import formats, hostmem
     from zerojax.formats import _first  # noqa: F401 (imports done before measuring)
 
-    like, specs, rename = like_and_specs(total_mb)
+    like, specs, rename = like_and_specs(total_mb, largest_mb)
     shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-    # warm up: imports, the first device_put, safetensors opened once
-    small = {k: v for k, v in list(like.items())[:1]}
-    jax.block_until_ready(zerojax.load_params(ckpt, small, shardings={
-        k: shardings[k] for k in small}, rename={
-        n: r for n, r in rename.items() if n.startswith("model.embed")} | {
-        n: None for n in rename if not n.startswith("model.embed")}, strict=False))
+    # warm up (imports, the first device_put, the loader's code) on a small file of its
+    # own, so the baseline holds none of the checkpoint's leaves
+    with tempfile.TemporaryDirectory() as tmp:
+        small = os.path.join(tmp, "warm.safetensors")
+        formats.write_file(small, [("w", np.float32, (64, 512))],
+                           iter([np.ones((64, 512), np.float32)]))
+        warm = zerojax.load_params(small, {"w": jax.ShapeDtypeStruct((64, 512), np.float32)},
+                                   shardings={"w": next(iter(shardings.values()))})
+        jax.block_until_ready(warm)
+        del warm
+    hostmem.release_freed_memory()
     before, before_anon = RssSampler.now()
     t0 = time.perf_counter()
     with RssSampler() as rss:
@@ -163,8 +175,9 @@ def main():
     ckpt, out = sys.argv[1], sys.argv[2]
     total_mb = float(sys.argv[3])
     buffer_bytes = int(sys.argv[4]) if len(sys.argv) > 4 else 16 << 20
+    largest_mb = float(sys.argv[5]) if len(sys.argv) > 5 else 0
     mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-    result = measure(ckpt, total_mb, buffer_bytes, mesh)
+    result = measure(ckpt, total_mb, buffer_bytes, mesh, largest_mb)
     result["process"] = jax.process_index()
     with open(os.path.join(out, f"p{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)

@@ -8,8 +8,10 @@ for. Each process builds only its addressable shards (``jax.make_array_from_call
 one read per distinct shard), and each shard reads from disk only the region of the
 file tensor it needs (:func:`zerojax.formats.read_region`: ``os.preadv`` of spans of
 at most ``buffer_bytes``, no memory map): a process opens only the files holding its
-slices and its host memory holds its own shards plus about one buffer, never a whole
-file.
+slices, and its host memory grows by its own shards plus at most two buffers (each
+distinct shard read into one buffer, or built on its device from buffer-sized pieces,
+put on its devices and freed, the freed memory handed back: ``malloc_trim``), never a
+whole file or a whole leaf.
 
 File tensors are matched to params leaves by name (:func:`zerojax.formats.tensor_names`);
 ``rename`` maps a file's names (a Hugging Face model's ``model.layers.0.mlp.up_proj
@@ -40,6 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from zerojax import hostmem
 from zerojax.formats import (
     TensorInfo,
     _check_unique,
@@ -557,6 +560,66 @@ def _index_region(index, shape) -> Region:
     return tuple(tuple(int(v) for v in s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
+def _chunks(region: Region, itemsize: int, buffer: int):
+    """``region`` as runs along its first axis of more than one element, each at most
+    ``buffer`` bytes (one slice of that axis where a slice alone holds more)."""
+    ax = next((k for k, (a, b) in enumerate(region) if b - a > 1), None)
+    if ax is None or _vol(region) * itemsize <= buffer:
+        yield region
+        return
+    a, b = region[ax]
+    step = max(1, buffer // max(1, _vol(region) // (b - a) * itemsize))
+    for s in range(a, b, step):
+        yield region[:ax] + ((s, min(s + step, b)),) + region[ax + 1:]
+
+
+_update = None
+
+
+def _update_in_place(out, chunk, starts):
+    """``out`` with ``chunk`` written at ``starts``, ``out`` donated (in place)."""
+    global _update
+    if _update is None:
+        _update = jax.jit(lambda o, c, *at: jax.lax.dynamic_update_slice(o, c, at),
+                          donate_argnums=0)
+    return _update(out, chunk, *(np.int32(a) for a in starts))
+
+
+def _load_leaf(shape: tuple, dtype: np.dtype, sharding: Sharding, pieces: list[_Piece],
+               reader: _Reader, buffer: int) -> jax.Array:
+    """One leaf as a global array: each distinct addressable shard is read once and
+    put on its devices before the next is read (replicas copied from it). A shard of
+    at most ``buffer`` bytes is read into one host buffer; a larger one is built on its
+    device in place from pieces of at most ``buffer`` bytes (``dynamic_update_slice``,
+    donated). The host holds the shards put so far plus at most two buffers."""
+    by_region: dict[Region, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        by_region.setdefault(_index_region(index, shape), []).append(device)
+    arrays = []
+    for region, devices in by_region.items():
+        local = [b - a for a, b in region]
+        if _vol(region) * dtype.itemsize <= buffer:
+            buf = np.empty(local, dtype)
+            _fill(buf, region, pieces, reader, buffer)
+            first = jax.device_put(buf, devices[0]).block_until_ready()
+            del buf
+        else:  # untouched host pages: the copy costs only the device's buffer
+            first = jax.device_put(np.empty(local, dtype), devices[0])
+            for part in _chunks(region, dtype.itemsize, buffer):
+                buf = np.empty([b - a for a, b in part], dtype)
+                _fill(buf, part, pieces, reader, buffer)
+                chunk = jax.device_put(buf, devices[0])
+                del buf
+                first = _update_in_place(first, chunk, [a - r for (a, _), (r, _)
+                                                        in zip(part, region)])
+                first.block_until_ready()
+                del chunk
+        arrays.append(first)
+        for device in devices[1:]:  # replicas: copies of the shard just put
+            arrays.append(jax.device_put(first, device).block_until_ready())
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
                 rename: Mapping | Callable | None = None,
                 transforms: Mapping | Callable | None = None, strict: bool = True,
@@ -577,7 +640,13 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
     process reads only the regions of the file tensors its addressable shards hold
     (one read per distinct shard: replicas share it), in reads of at most
     ``buffer_bytes`` of the file, and opens only the files holding them; every file's
-    header (a few KB) is read first to check the match.
+    header (a few KB) is read first to check the match. Each distinct shard is put on
+    its devices before the next is read (one of at most ``buffer_bytes`` read into one
+    host buffer, a larger one built on its device in place from pieces of at most
+    ``buffer_bytes``), and freed memory is handed back after each leaf: the process's
+    peak host memory is its shards plus at most ``2 * buffer_bytes`` (tests/test_load.py
+    measures it; compiling the in-place update of a shard larger than the buffer costs
+    some more, once).
 
     ``rename``: file tensor name -> params name (a dict, or a function), ``None`` to
     skip a tensor, an :class:`Into` (part of a leaf, with ops) or a list of them (one
@@ -635,19 +704,9 @@ def load_params(path: str | os.PathLike, like: Any, *, shardings: Any = None,
                                                  for p in pieces[n]))
         for name in order:
             i = names.index(name)
-            cache: dict[Region, np.ndarray] = {}
-
-            def shard(index, i=i, name=name, cache=cache):
-                region = _index_region(index, shapes[i])
-                if region not in cache:
-                    buf = np.empty([b - a for a, b in region], dtypes[i])
-                    _fill(buf, region, pieces[name], reader, buffer_bytes)
-                    cache[region] = buf
-                return cache[region]
-
-            out[i] = jax.make_array_from_callback(shapes[i], shards[i], shard,
-                                                  dtype=dtypes[i])
-            cache.clear()
+            out[i] = _load_leaf(shapes[i], dtypes[i], shards[i], pieces[name], reader,
+                                buffer_bytes)
+            hostmem.release_freed_memory()  # the leaf's buffers back to the system
     finally:
         reader.close()
     leaves = [leaf.replace_boxed(x) if is_box(leaf) and names[k] in pieces else

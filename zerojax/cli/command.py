@@ -7,6 +7,7 @@
     zerojax bench ...                                  # the side-by-side benchmark
     zerojax export CKPT_DIR OUT.safetensors [--step N] # a checkpoint's params, one file
     zerojax export CKPT_DIR OUT_DIR --format hf --mapping llama --hf-config config.json
+    zerojax finetune HF_DIR data.txt --out OUT_DIR     # fine-tune a HF Llama with ZeRO
     zerojax launch --nproc 2 train.py ...              # a multi-process job on this machine
     zerojax tune --stages 1,2,3 --accum 1,2            # measure configurations, pick the fastest
 
@@ -1010,6 +1011,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
                         help="largest file of --format hf (default 5GB)")
     export.set_defaults(func=_export)
+
+    from zerojax.cli import finetune as _finetune
+
+    finetune = command(
+        "finetune", "fine-tune a Hugging Face Llama-family checkpoint (with its "
+        "tokenizer.json) on a text or JSONL file with ZeRO, and export it back to the "
+        "Hugging Face layout", _finetune.DESCRIPTION, _finetune.EPILOG)
+    _finetune.add_arguments(finetune)
+    finetune.set_defaults(func=_finetune.run)
 
     tune = command(
         "tune", "compile and time each configuration the planner says fits on these "

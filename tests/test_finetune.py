@@ -1,0 +1,122 @@
+"""``zerojax finetune`` (issue 39): a tiny Llama checkpoint in bf16 with a BPE
+tokenizer the test trains itself (the ``tokenizers`` library) and a text file ->
+the loss falls, the export reloads bitwise (as bf16 rounds the trained params) and
+its config.json says the files' dtype."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax.cli.command import main
+from zerojax.models import llama
+
+BF16 = ml_dtypes.bfloat16
+WORDS = ("the cat sat on the mat . a dog ran to the park . we like to read books . "
+         "zero shards the optimizer state over data parallel devices . ").split()
+
+
+def _text(n_words: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    # sentences in order with a few words swapped: learnable, not constant
+    words = [WORDS[i % len(WORDS)] for i in range(n_words)]
+    for i in rng.integers(0, n_words, n_words // 20):
+        words[i] = WORDS[rng.integers(len(WORDS))]
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("finetune")
+    text = _text(6000)
+    (root / "data.txt").write_text(text)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=64,
+                                                        special_tokens=["<unk>", "</s>"]))
+    assert tok.get_vocab_size() <= 64
+    cfg = llama.LlamaConfig(vocab=64, seq=32, layers=2, hidden=32, heads=4, kv_heads=2,
+                            mlp_hidden=64)
+    shapes = llama.llama_param_shapes(llama.Llama(cfg))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: (0.05 * rng.normal(size=s.shape)).astype(np.float32),
+                          shapes)
+    params = jax.tree.map(lambda x: np.ones_like(x) if x.ndim <= 2 and x.shape[-1] == 32
+                          and x.size < 100 else x, params)  # norm scales 1
+    ckpt = root / "tiny-llama"
+    llama.save_hf_checkpoint(params, cfg, ckpt, dtype=BF16)
+    hf = json.loads((ckpt / "config.json").read_text())
+    hf["eos_token_id"] = tok.token_to_id("</s>")
+    (ckpt / "config.json").write_text(json.dumps(hf))
+    tok.save(str(ckpt / "tokenizer.json"))
+    return root, ckpt, cfg
+
+
+def test_finetune_trains_and_exports_the_hf_layout_in_the_files_dtype(hf_dir, capsys):
+    root, ckpt, cfg = hf_dir
+    out, ck, png = root / "tuned", root / "ckpt", root / "loss.png"
+    assert main(["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out),
+                 "--steps", "30", "--batch", "8", "--seq", "32", "--lr", "1e-2", "--mp", "2",
+                 "--ckpt-dir", str(ck), "--png", str(png), "--no-progress",
+                 "--max-shard-size", "20000"]) == 0
+    printed = capsys.readouterr().out
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over steps 1-30",
+                                       printed).groups())
+    assert last < first - 1.0, printed  # log(64) = 4.16 at the start
+    print(printed)  # the figures (-s shows them)
+    assert re.search(r"[\d,]+ tokens/s", printed)
+    assert png.stat().st_size > 10_000
+    # config.json: the source's, saying the files' dtype (bf16 as the source files)
+    written_cfg = json.loads((out / "config.json").read_text())
+    assert written_cfg["torch_dtype"] == written_cfg["dtype"] == "bfloat16"
+    assert written_cfg["eos_token_id"] == json.loads((ckpt / "config.json").read_text())[
+        "eos_token_id"]
+    assert (out / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # several files
+    written = llama.read_hf_checkpoint(out)
+    assert {str(x.dtype) for x in written.values()} == {"bfloat16"}
+    # the trained params, as the last checkpoint holds them (fp32), rounded to bf16:
+    # the exported tensors bitwise, and load_hf reads them back bitwise
+    ref_file = zerojax.export_params(ck, root / "ref.safetensors")
+    trained = zerojax.load_params(ref_file, llama.llama_param_shapes(llama.Llama(cfg)))
+    want = llama.hf_from_params(trained, cfg, dtype=BF16)
+    assert sorted(want) == sorted(written)
+    for name, x in want.items():
+        np.testing.assert_array_equal(written[name].view(np.uint16), x.view(np.uint16),
+                                      err_msg=name)
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=4, model=2), stage=3)
+    _, back = zerojax.load_hf(out, opt)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+        np.asarray(a), np.asarray(b).astype(BF16).astype(np.float32)), back, trained)
+    source = llama.read_hf_checkpoint(ckpt)
+    moved = max(float(np.abs(x.astype(np.float32) - source[k].astype(np.float32)).max())
+                for k, x in written.items())
+    assert moved > 1e-3  # the export is the trained model, not the source
+
+
+def test_finetune_refuses_bad_input_naming_it(hf_dir, tmp_path, capsys):
+    root, ckpt, _ = hf_dir
+    (tmp_path / "d.jsonl").write_text('{"text": "the cat"}\n{"body": "x"}\n')
+    args = ["finetune", str(ckpt), str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o"),
+            "--steps", "1", "--png", ""]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert "d.jsonl:2: no string field 'text' (it has ['body']); pass --text-key" in (
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        main(["finetune", str(tmp_path), str(root / "data.txt"), "--out", "o"])
+    assert "has no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["finetune", str(ckpt), str(root / "data.txt"), "--out", "o", "--batch", "6"])
+    assert "--batch 6 must be a multiple of the data degree 8" in capsys.readouterr().err

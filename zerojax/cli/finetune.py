@@ -1,0 +1,279 @@
+"""``zerojax finetune``: fine-tune a Hugging Face Llama-family checkpoint with ZeRO from
+the command line, and export it back to the Hugging Face layout.
+
+The checkpoint directory holds ``config.json``, the safetensors files (one file or an
+index and its files) and ``tokenizer.json`` (read with the ``tokenizers`` library). The
+data is a text file (the whole text, one document) or a JSONL file (one JSON object a
+line, its ``--text-key`` field a document); documents are tokenized, joined with the
+config's ``eos_token_id`` between them when it has one, and batches are random windows
+of ``--seq + 1`` tokens (seeded). The model is loaded straight into the stage's layout
+(:func:`zerojax.models.llama.load_hf`: each leaf split over ``data`` and, with ``--mp``,
+over ``model``), trained with AdamW under a warm-up + cosine schedule (progress bar with
+the loss and tokens/s), saved to ``--ckpt-dir`` every ``--save-every`` steps and at the
+end (a run with the same directory resumes), the loss curve written as a PNG, and the
+params exported to ``OUT`` in the Hugging Face layout (the model's own tensor names,
+files of at most ``--max-shard-size``, ``model.safetensors.index.json``) in the dtype
+the checkpoint's files have (``--dtype`` to choose), with ``config.json`` saying it and
+the tokenizer files copied beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+EPILOG = """\
+examples:
+  zerojax finetune llama-dir data.txt --out tuned --steps 200
+  zerojax finetune llama-dir data.jsonl --out tuned --mp 2 --stage 3 --dtype bfloat16
+  zerojax finetune llama-dir data.txt --out tuned --ckpt-dir ckpt --save-every 50
+"""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="the Hugging Face checkpoint directory (config.json, "
+                   "safetensors files, tokenizer.json)")
+    p.add_argument("data", help="a text file, or a .jsonl file (one JSON object a line)")
+    p.add_argument("--out", required=True,
+                   help="the directory the fine-tuned model is exported to (Hugging Face "
+                        "layout, config.json and tokenizer files beside it)")
+    p.add_argument("--text-key", default="text", help="the JSONL field holding the text")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
+    g.add_argument("--devices", type=int, default=8,
+                   help="CPU: simulated devices (ignored once jax has started); the mesh "
+                        "uses all of jax's devices")
+    g.add_argument("--mp", type=int, default=1,
+                   help="tensor-parallel (Megatron) degree M: data = devices / M")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=100, help="training steps")
+    g.add_argument("--batch", type=int, default=8,
+                   help="global batch in sequences (a multiple of the data degree)")
+    g.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    g.add_argument("--lr", type=float, default=1e-4,
+                   help="peak AdamW learning rate (10%% warm-up, then cosine to a tenth)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the batches")
+    g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the dtype the model computes in (params and master stay float32)")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--ckpt-dir", default=None,
+                   help="save the state here every --save-every steps and at the end; a run "
+                        "with the same directory resumes from its latest step")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="with --ckpt-dir: also save every this many steps")
+    g.add_argument("--png", default="zerojax-finetune-loss.png",
+                   help="where to write the loss curve ('' to skip)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the exported files' dtype (default: the checkpoint's files')")
+    g.add_argument("--max-shard-size", type=int, default=5 << 30, metavar="BYTES",
+                   help="largest exported file")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (print a few loss lines instead)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("devices", "mp", "steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            args.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.devices % args.mp:
+        args.error(f"--devices {args.devices} is not a multiple of --mp {args.mp}")
+    if args.batch % (args.devices // args.mp):
+        args.error(f"--batch {args.batch} must be a multiple of the data degree "
+                   f"{args.devices // args.mp} (--devices / --mp)")
+    if not args.lr > 0:
+        args.error(f"--lr must be positive, got {args.lr}")
+    if args.save_every < 0:
+        args.error(f"--save-every must be >= 0, got {args.save_every}")
+    if not os.path.isdir(args.checkpoint):
+        args.error(f"checkpoint {args.checkpoint!r} is not a directory; pass the Hugging "
+                   "Face checkpoint's directory")
+    for f in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(args.checkpoint, f)):
+            args.error(f"checkpoint {args.checkpoint!r} has no {f}; a Hugging Face model "
+                       "directory as save_pretrained writes it has config.json and "
+                       "tokenizer.json")
+    if not os.path.isfile(args.data):
+        args.error(f"data {args.data!r} is not a file")
+    if os.path.isfile(args.out):
+        args.error(f"--out {args.out!r} is a file; name a directory")
+    if args.png and not args.png.lower().endswith(".png"):
+        args.error(f"--png {args.png!r} must end in .png")
+
+
+def documents(path: str, text_key: str) -> list[str]:
+    """The documents of a text file (one: the whole text) or a JSONL file (each line's
+    ``text_key`` field); a line that is not a JSON object with that string field is
+    refused, naming the line."""
+    with open(path, encoding="utf-8") as f:
+        if not path.endswith((".jsonl", ".json")):
+            return [f.read()]
+        docs = []
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg}); a JSONL file holds one "
+                                 "JSON object a line") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f"{path}:{n}: no string field {text_key!r} (it has "
+                                 f"{keys}); pass --text-key")
+            docs.append(obj[text_key])
+        return docs
+
+
+def token_ids(checkpoint: str, data: str, text_key: str, hf: dict) -> np.ndarray:
+    """The data's token ids (documents joined with the config's ``eos_token_id``)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    ids: list[int] = []
+    for enc in tok.encode_batch(documents(data, text_key), add_special_tokens=False):
+        ids.extend(enc.ids)
+        if isinstance(eos, int):
+            ids.append(eos)
+    out = np.asarray(ids, np.int32)
+    vocab = hf["vocab_size"]
+    if out.size and int(out.max()) >= vocab:
+        raise ValueError(f"tokenizer.json gives id {int(out.max())}, but the model's "
+                         f"vocab_size is {vocab}: the tokenizer is not this model's")
+    return out
+
+
+def files_dtype(checkpoint: str) -> str:
+    """The dtype of the checkpoint's float tensors (the most common one)."""
+    from zerojax.formats import checkpoint_files
+
+    counts: dict[str, int] = {}
+    for info in checkpoint_files(checkpoint).values():
+        if np.dtype(info.dtype).kind == "f" or str(info.dtype) == "bfloat16":
+            counts[str(info.dtype)] = counts.get(str(info.dtype), 0) + 1
+    return max(counts, key=counts.get) if counts else "float32"
+
+
+def save_plot(path: str, losses: list[float], first: int, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(np.arange(first + 1, first + len(losses) + 1), losses, lw=1.2,
+            label=f"training loss, stage {args.stage}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.set_title(f"zerojax finetune {os.path.basename(os.path.abspath(args.checkpoint))}, "
+                 f"data={args.devices // args.mp} x model={args.mp}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    from zerojax.cli import demo
+
+    demo.simulate_devices(args.devices)
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    import zerojax
+    from zerojax.formats import write_hf_config
+    from zerojax.models import gpt, llama
+
+    if len(jax.devices()) != args.devices:
+        args.error(f"--devices {args.devices}, but jax has {len(jax.devices())} devices "
+                   "(it started with another count); pass --devices "
+                   f"{len(jax.devices())}")
+    with open(os.path.join(args.checkpoint, "config.json")) as f:
+        hf = json.load(f)
+    try:
+        ids = token_ids(args.checkpoint, args.data, args.text_key, hf)
+    except ValueError as e:
+        args.error(str(e))
+    if len(ids) < args.seq + 2:
+        args.error(f"{args.data} holds {len(ids)} tokens, fewer than --seq + 2 = "
+                   f"{args.seq + 2}; give more text or a shorter --seq")
+    mesh = zerojax.make_mesh(data=args.devices // args.mp, model=args.mp)
+    opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage)
+    model, params = llama.load_hf(args.checkpoint, opt, seq=args.seq,
+                                  dtype=jnp.dtype(args.compute_dtype))
+    config = model.config
+    print(f"loaded {args.checkpoint}: {llama.llama_param_count(config) / 1e6:.2f}M params, "
+          f"{config.layers} layers, vocab {config.vocab}; {len(ids):,} tokens of "
+          f"{args.data}; stage {args.stage} on data={args.devices // args.mp} x "
+          f"model={args.mp}", flush=True)
+    state = opt.init_state(params)  # the model split carried from load_hf
+    mgr, first = None, 0
+    if args.ckpt_dir is not None:
+        mgr = zerojax.CheckpointManager(args.ckpt_dir)
+        if mgr.latest_step() is not None:
+            state = mgr.restore(opt, like=params)
+            first = int(state.step)
+            print(f"resumed from step {first} of {args.ckpt_dir}")
+    del params
+    step = opt.train_step(gpt.lm_loss(model))
+    losses, times = [], []
+    bar = tqdm(range(first, args.steps), desc=f"finetune stage {args.stage}", unit="step",
+               disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
+               file=sys.stderr, initial=first, total=args.steps)
+    log_every = max(1, args.steps // 5)
+    tokens_per_step = args.batch * args.seq
+    start = time.perf_counter()
+    for i in bar:
+        state, metrics = step(state, demo.batch_at(ids, i, args.batch, args.seq, args.seed))
+        losses.append(float(metrics["loss"]))
+        now = time.perf_counter()
+        times.append(now - start)
+        start = now
+        recent = times[1:][-20:]  # the first step includes compilation
+        tps = f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
+        if mgr is not None and args.save_every and (i + 1) % args.save_every == 0 \
+                and i + 1 < args.steps:
+            mgr.save(i + 1, state)
+        if not args.progress and (i % log_every == 0 or i == args.steps - 1):
+            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s", flush=True)
+    bar.close()
+    if mgr is not None:
+        if first < args.steps:
+            mgr.save(args.steps, state)
+        mgr.wait()
+    measured = times[1:]
+    if losses:
+        tps = tokens_per_step * len(measured) / sum(measured) if measured else float("nan")
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {first + 1}-{args.steps}; "
+              f"{tps:,.0f} tokens/s (after the first step's compilation)")
+        if args.png:
+            save_plot(args.png, losses, first, args)
+            print(f"wrote {args.png}")
+    dtype = args.dtype or files_dtype(args.checkpoint)
+    os.makedirs(args.out, exist_ok=True)
+    index = zerojax.export_params(opt.full_params(state, "split"), args.out, format="hf",
+                                  mapping=llama.hf_llama_mapping(config),
+                                  dtype=jnp.dtype(dtype), max_shard_size=args.max_shard_size)
+    write_hf_config(hf, args.out, dtype)
+    for f in TOKENIZER_FILES:
+        src = os.path.join(args.checkpoint, f)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(args.out, f))
+    print(f"exported {index} ({dtype}; config.json says {dtype})")
+    return 0
