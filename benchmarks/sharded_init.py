@@ -10,6 +10,7 @@ each, stage 3 with Adam on 8 simulated CPU devices; read from the compiled progr
 * state: what one device holds once the state is made (the sharded init's outputs).
 
     python benchmarks/sharded_init.py
+    python benchmarks/sharded_init.py --large   # + a 118M-param Llama (vocab 32000)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from zerojax.models import GPT, GPTConfig  # noqa: E402
 MIB = 2**20
 
 
-def _models():
+def _models(large: bool = False):
     out = [("GPT", GPT(GPTConfig(vocab=512, seq=128, layers=8, hidden=256, heads=8))),
            ("GPT", GPT(GPTConfig(vocab=1024, seq=256, layers=12, hidden=512, heads=8)))]
     try:
@@ -43,6 +44,9 @@ def _models():
                                         kv_heads=4, mlp_hidden=688))),
             ("Llama", Llama(LlamaConfig(vocab=1024, seq=256, layers=12, hidden=512, heads=8,
                                         kv_heads=4, mlp_hidden=1376)))]
+    if large:  # the issue's size: a 32k vocabulary, two leaves of 24.6M params
+        out.append(("Llama", Llama(LlamaConfig(vocab=32000, seq=128, layers=12, hidden=768,
+                                               heads=12, kv_heads=4, mlp_hidden=1792))))
     return out
 
 
@@ -74,12 +78,15 @@ def measure(model, stage: int = 3) -> dict:
 
 
 def main() -> None:
+    import sys
+
+    large = "--large" in sys.argv[1:]
     print(f"stage 3, Adam, 8 CPU devices, jax {jax.__version__}\n")
     print("| model | params | state / device (MiB) | sharded init peak (MiB) | "
           "peak / state | eager init, device 0 (MiB) | then init_state (MiB) | "
           "eager path / sharded |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
-    for name, model in _models():
+    for name, model in _models(large):
         m = measure(model)
         eager = max(m["eager_init"], m["init_state"])
         print(f"| {name} {model.config.layers} x {model.config.hidden} | {m['psi'] / 1e6:.2f}M | "

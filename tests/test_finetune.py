@@ -19,45 +19,14 @@ from zerojax.cli.command import main
 from zerojax.models import llama
 
 BF16 = ml_dtypes.bfloat16
-WORDS = ("the cat sat on the mat . a dog ran to the park . we like to read books . "
-         "zero shards the optimizer state over data parallel devices . ").split()
-
-
-def _text(n_words: int, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    # sentences in order with a few words swapped: learnable, not constant
-    words = [WORDS[i % len(WORDS)] for i in range(n_words)]
-    for i in rng.integers(0, n_words, n_words // 20):
-        words[i] = WORDS[rng.integers(len(WORDS))]
-    return " ".join(words)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    import finetune_case
 
     root = tmp_path_factory.mktemp("finetune")
-    text = _text(6000)
-    (root / "data.txt").write_text(text)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=64,
-                                                        special_tokens=["<unk>", "</s>"]))
-    assert tok.get_vocab_size() <= 64
-    cfg = llama.LlamaConfig(vocab=64, seq=32, layers=2, hidden=32, heads=4, kv_heads=2,
-                            mlp_hidden=64)
-    shapes = llama.llama_param_shapes(llama.Llama(cfg))
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: (0.05 * rng.normal(size=s.shape)).astype(np.float32),
-                          shapes)
-    params = jax.tree.map(lambda x: np.ones_like(x) if x.ndim <= 2 and x.shape[-1] == 32
-                          and x.size < 100 else x, params)  # norm scales 1
-    ckpt = root / "tiny-llama"
-    llama.save_hf_checkpoint(params, cfg, ckpt, dtype=BF16)
-    hf = json.loads((ckpt / "config.json").read_text())
-    hf["eos_token_id"] = tok.token_to_id("</s>")
-    (ckpt / "config.json").write_text(json.dumps(hf))
-    tok.save(str(ckpt / "tokenizer.json"))
+    ckpt, cfg = finetune_case.write_case(root)
     return root, ckpt, cfg
 
 
