@@ -36,7 +36,7 @@ def test_finetune_trains_and_exports_the_hf_layout_in_the_files_dtype(hf_dir, ca
     assert main(["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out),
                  "--steps", "30", "--batch", "8", "--seq", "32", "--lr", "1e-2", "--mp", "2",
                  "--ckpt-dir", str(ck), "--png", str(png), "--no-progress",
-                 "--max-shard-size", "20000"]) == 0
+                 "--max-shard-size", "20KB"]) == 0
     printed = capsys.readouterr().out
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over steps 1-30",
                                        printed).groups())
@@ -89,3 +89,10 @@ def test_finetune_refuses_bad_input_naming_it(hf_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["finetune", str(ckpt), str(root / "data.txt"), "--out", "o", "--batch", "6"])
     assert "--batch 6 must be a multiple of the data degree 8" in capsys.readouterr().err
+    for flag, value, words in (("--lr", "inf", "is not finite"), ("--steps", "0", "must be >= 1"),
+                               ("--max-shard-size", "20000", "no unambiguous unit")):
+        with pytest.raises(SystemExit) as e:
+            main(["finetune", str(ckpt), str(root / "data.txt"), "--out", "o", flag, value])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and words in err and "Traceback" not in err, err

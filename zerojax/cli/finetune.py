@@ -42,6 +42,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from zerojax.cli.args import byte_size, device_count, positive_int
+    from zerojax.cli.demo import finite_float
+
     p.add_argument("checkpoint", help="the Hugging Face checkpoint directory (config.json, "
                    "safetensors files, tokenizer.json)")
     p.add_argument("data", help="a text file, or a .jsonl file (one JSON object a line)")
@@ -51,17 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-key", default="text", help="the JSONL field holding the text")
     g = p.add_argument_group("parallelism")
     g.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
-    g.add_argument("--devices", type=int, default=8,
+    g.add_argument("--devices", type=device_count, default=8,
                    help="CPU: simulated devices (ignored once jax has started); the mesh "
                         "uses all of jax's devices")
-    g.add_argument("--mp", type=int, default=1,
+    g.add_argument("--mp", type=positive_int, default=1,
                    help="tensor-parallel (Megatron) degree M: data = devices / M")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=100, help="training steps")
-    g.add_argument("--batch", type=int, default=8,
+    g.add_argument("--steps", type=positive_int, default=100, help="training steps")
+    g.add_argument("--batch", type=positive_int, default=8,
                    help="global batch in sequences (a multiple of the data degree)")
-    g.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    g.add_argument("--lr", type=float, default=1e-4,
+    g.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    g.add_argument("--lr", type=finite_float, default=1e-4,
                    help="peak AdamW learning rate (10%% warm-up, then cosine to a tenth)")
     g.add_argument("--seed", type=int, default=0, help="seed of the batches")
     g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -76,16 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the loss curve ('' to skip)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the exported files' dtype (default: the checkpoint's files')")
-    g.add_argument("--max-shard-size", type=int, default=5 << 30, metavar="BYTES",
-                   help="largest exported file")
+    g.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
+                   help="largest exported file (e.g. 2GB)")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (print a few loss lines instead)")
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("devices", "mp", "steps", "batch", "seq"):
-        if getattr(args, name) < 1:
-            args.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**32:
+        args.error(f"--seed {args.seed} must be in [0, 2**32) (numpy's seeds); write e.g. 0")
     if args.devices % args.mp:
         args.error(f"--devices {args.devices} is not a multiple of --mp {args.mp}")
     if args.batch % (args.devices // args.mp):
@@ -269,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     index = zerojax.export_params(opt.full_params(state, "split"), args.out, format="hf",
                                   mapping=llama.hf_llama_mapping(config),
-                                  dtype=jnp.dtype(dtype), max_shard_size=args.max_shard_size)
+                                  dtype=jnp.dtype(dtype),
+                                  max_shard_size=round(args.max_shard_size))
     write_hf_config(hf, args.out, dtype)
     for f in TOKENIZER_FILES:
         src = os.path.join(args.checkpoint, f)
