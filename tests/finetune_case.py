@@ -36,8 +36,8 @@ def write_case(root, n_words: int = 6000, vocab: int = 64, layers: int = 2,
     (root / "data.txt").write_text(data)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([data], trainers.BpeTrainer(vocab_size=vocab,
-                                                        special_tokens=["<unk>", "</s>"]))
+    tok.train_from_iterator([data], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "</s>"], show_progress=False))
     assert tok.get_vocab_size() <= vocab
     cfg = llama.LlamaConfig(vocab=vocab, seq=32, layers=layers, hidden=hidden, heads=4,
                             kv_heads=2, mlp_hidden=2 * hidden)
