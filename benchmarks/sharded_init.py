@@ -11,6 +11,7 @@ each, stage 3 with Adam on 8 simulated CPU devices; read from the compiled progr
 
     python benchmarks/sharded_init.py
     python benchmarks/sharded_init.py --large   # + a 118M-param Llama (vocab 32000)
+    python benchmarks/sharded_init.py --families  # + Llama 3.2, Mistral, Qwen2, Qwen3
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from zerojax.models import GPT, GPTConfig  # noqa: E402
 MIB = 2**20
 
 
-def _models(large: bool = False):
+def _models(large: bool = False, families: bool = False):
     out = [("GPT", GPT(GPTConfig(vocab=512, seq=128, layers=8, hidden=256, heads=8))),
            ("GPT", GPT(GPTConfig(vocab=1024, seq=256, layers=12, hidden=512, heads=8)))]
     try:
@@ -44,6 +45,19 @@ def _models(large: bool = False):
                                         kv_heads=4, mlp_hidden=688))),
             ("Llama", Llama(LlamaConfig(vocab=1024, seq=256, layers=12, hidden=512, heads=8,
                                         kv_heads=4, mlp_hidden=1376)))]
+    if families:  # what the Hugging Face families add: biases, q/k norms, a tied head
+        for hidden, layers, mlp in ((256, 8, 688), (512, 12, 1376)):
+            base = dict(vocab=512 * hidden // 256, seq=128, layers=layers, hidden=hidden,
+                        heads=8, kv_heads=4, mlp_hidden=mlp)
+            out += [("Llama 3.2", Llama(LlamaConfig(**base, family="llama",
+                                                    tie_embeddings=True,
+                                                    rope_llama3=(32.0, 1.0, 4.0, 64)))),
+                    ("Mistral", Llama(LlamaConfig(**base, family="mistral",
+                                                  sliding_window=64))),
+                    ("Qwen2", Llama(LlamaConfig(**base, family="qwen2", qkv_bias=True,
+                                                tie_embeddings=True))),
+                    ("Qwen3", Llama(LlamaConfig(**base, family="qwen3", qk_norm=True,
+                                                head_dim=hidden // 4)))]
     if large:  # the issue's size: a 32k vocabulary, two leaves of 24.6M params
         out.append(("Llama", Llama(LlamaConfig(vocab=32000, seq=128, layers=12, hidden=768,
                                                heads=12, kv_heads=4, mlp_hidden=1792))))
@@ -81,12 +95,13 @@ def main() -> None:
     import sys
 
     large = "--large" in sys.argv[1:]
+    families = "--families" in sys.argv[1:]
     print(f"stage 3, Adam, 8 CPU devices, jax {jax.__version__}\n")
     print("| model | params | state / device (MiB) | sharded init peak (MiB) | "
           "peak / state | eager init, device 0 (MiB) | then init_state (MiB) | "
           "eager path / sharded |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
-    for name, model in _models(large):
+    for name, model in _models(large, families):
         m = measure(model)
         eager = max(m["eager_init"], m["init_state"])
         print(f"| {name} {model.config.layers} x {model.config.hidden} | {m['psi'] / 1e6:.2f}M | "
