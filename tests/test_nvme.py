@@ -120,6 +120,22 @@ def test_trains_bitwise_as_host_offload(case, runs):
     assert t["read_bytes"] == t["written_bytes"] == disk > 0
 
 
+def test_the_tier_rounds_alike_at_every_bucket_size(runs, tmp_path):
+    """With bucketed collectives the in-memory step reads a gradient as a (1, m) row of
+    its bucket and XLA:CPU contracts Adam's other product into the FMA (so it is ulp-level
+    apart from itself unbucketed: docs/architecture.md); the tier's bucket programs are
+    the same at every bucket_size: with bucket_size=1000 it trains bitwise as host
+    offload without buckets."""
+    axes, options = CASES["stage1_fp32"]
+    (_, want, _, want_losses), _, _ = runs("stage1_fp32")
+    _, got, _, losses = _train(zerojax.make_mesh(**axes), dict(options, bucket_size=1000),
+                               offload_optimizer="nvme", nvme_path=str(tmp_path),
+                               nvme_buffer_size=16384)
+    assert [float(x) for x in losses] == [float(x) for x in want_losses]
+    assert _same(want.params, got.params)
+    assert _same(want.opt_state, nvme.read_state(got))
+
+
 def test_files_hold_what_the_docs_say(runs):
     (_, want, _, _), (_, got, _, _), d = runs("stage1_bf16")
     root = d / "zerojax-nvme-p0"

@@ -41,7 +41,13 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   correction, 1 ulp apart: issue 40). Not bitwise: an explicit ``bucket_size``
   (bucketed collectives): from the second step, ulp-level differences (measured with
   a (64, 64) kernel, data=8, ``bucket_size=1000``: 284 of 4,096 params up to 1.49e-8
-  at step 2; host offload equals the device step there); cause not pinned down.
+  at step 2; host offload equals the device step there). The cause is the in-memory
+  step, not the tier: with bucketed collectives its update reads a gradient as a
+  ``(1, m)`` row of the bucket through a bitcast, and XLA:CPU then contracts Adam's
+  ``0.9 * mu`` into the FMA instead of ``0.1 * g`` (every element of that kernel's
+  ``mu``: ``fma(0.9, mu, 0.1 * g)`` at ``bucket_size=1000``, ``fma(0.1, g, 0.9 * mu)``
+  unset); the tier's bucket programs are the same programs at either setting and
+  give the unset form (docs/architecture.md).
 * ``leaf-params-<j>.bin`` (``offload_params="nvme"`` only; the manifest's ``"params"``
   entries, each with ``"tree": "params"`` and its path in ``TrainState.params``): the
   j-th leaf of the stage-3 params as the state stores it (the compute copy: in
