@@ -610,7 +610,12 @@ def test_train_refuses_an_unwritable_ckpt_dir_and_a_resume_of_other_shapes(tmp_p
             "0.05", "--png", "", "--sample", "0", "--no-summary", "--no-progress"]
     code, out, err = _exit_code(tiny + ["--hidden", "16"], capsys)
     assert code == 0, err
-    code, _, err = _exit_code(tiny + ["--hidden", "32", "--steps", "2"], capsys)
+    # a resume trains the steps left (2 of 3) and says over how many its mean is (issue
+    # 42: it said "the last 5" over 2)
+    code, out, err = _exit_code(tiny + ["--hidden", "16", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert "(mean of the last 2 steps)" in out, out
+    code, _, err = _exit_code(tiny + ["--hidden", "32", "--steps", "4"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds a run this one cannot resume" in err and "(1, 32)" in err, err
     assert "Traceback" not in err
