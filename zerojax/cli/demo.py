@@ -353,9 +353,7 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
         now = time.perf_counter()
         times.append(now - start)
         start = now
-        recent = times[1:][-20:]  # the first step includes compilation
-        # tokens/s over the last steps; "-" until one has run after the compilation
-        tps = f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
+        tps = tokens_per_s(times, tokens_per_step)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
         if mgr is not None:  # asked before the step's line: a SIGTERM after the first
             done = i + 1     # line is always a preemption notice, never fatal
@@ -375,6 +373,13 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
         mgr.wait()  # on disk before anything is reported
     return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
             "times": times, "first": first, "preempted": preempted}
+
+
+def tokens_per_s(times: list, tokens_per_step: int) -> str:
+    """Tokens/s over the last 20 step times, the first (which includes the compilation)
+    left out; "-" until one step has run after it. Shared by train and finetune."""
+    recent = times[1:][-20:]
+    return f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
 
 
 def held_out_loss(model, params, corpus: Corpus, args, batches: int = 8) -> float:

@@ -246,8 +246,7 @@ def run(args: argparse.Namespace) -> int:
         now = time.perf_counter()
         times.append(now - start)
         start = now
-        recent = times[1:][-20:]  # the first step includes compilation
-        tps = f"{tokens_per_step * len(recent) / sum(recent):,.0f}" if recent else "-"
+        tps = demo.tokens_per_s(times, tokens_per_step)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
         if mgr is not None and args.save_every and (i + 1) % args.save_every == 0 \
                 and i + 1 < args.steps:
