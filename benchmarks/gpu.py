@@ -272,7 +272,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak dense bf16 TFLOP/s (default: from its name)")
     p.add_argument("--rows", default=None,
-                   help="comma-separated row names to run (default: all): "
+                   help="row names to run, separated by ';' (names hold commas; a ',' "
+                        "separates them when no ';' is given) (default: all): "
                         + "; ".join(ROWS))
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     p.add_argument("--dry-run", action="store_true",
@@ -303,11 +304,14 @@ def parse_args(argv=None):
         p.error("--warmup must be >= 0")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    sep = ";" if args.rows is not None and (";" in args.rows or args.rows.strip() in ROWS) \
+        else ","
     args.row_names = list(ROWS) if args.rows is None else [
-        r.strip() for r in args.rows.split(",") if r.strip()]
+        r.strip() for r in args.rows.split(sep) if r.strip()]
     unknown = [r for r in args.row_names if r not in ROWS]
     if unknown:
-        p.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
+        p.error(f"--rows: unknown {unknown}; choose from {list(ROWS)} (separate names "
+                "that hold a comma with ';')")
     # what a row process is given: the resolved model and timing flags
     args.passthrough = [
         "--preset", args.preset, *[x for f in ("layers", "hidden", "heads", "vocab", "seq",

@@ -46,6 +46,13 @@ def test_defaults_are_the_1b_model_and_mfu_formula():
     assert gpu.flops_per_token(1000, 2, 64, 32) == 6 * 1000 + 12 * 2 * 64 * 32
     with pytest.raises(SystemExit):
         gpu.parse_args(["--rows", "zerojax stage 9"])
+    # row names hold commas: ';' separates them, one name alone is itself
+    assert gpu.parse_args(["--rows", "zerojax stage 3, Pa+cpu;jax.jit + optax"]).row_names \
+        == ["zerojax stage 3, Pa+cpu", "jax.jit + optax"]
+    assert gpu.parse_args(["--rows", "zerojax stage 3, param_dtype=bf16"]).row_names \
+        == ["zerojax stage 3, param_dtype=bf16"]
+    assert gpu.parse_args(["--rows", "zerojax stage 0,zerojax stage 3"]).row_names \
+        == ["zerojax stage 0", "zerojax stage 3"]
 
 
 @pytest.fixture(scope="module")
