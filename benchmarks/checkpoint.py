@@ -260,6 +260,8 @@ def main() -> None:
             if s not in SIZES:
                 ap.error(f"unknown size {s!r}; choose from {sorted(SIZES)}")
         sizes = {s: SIZES[s] for s in names}
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)  # a --dir that does not exist yet is made
     root = tempfile.mkdtemp(prefix="zerojax-ckpt-", dir=args.dir)
     results = {}
     try:
