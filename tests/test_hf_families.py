@@ -47,8 +47,12 @@ LOGIT_BOUND = 2.5e-5
 TX = optax.sgd(0.1, momentum=0.9)
 # the families trained one step here: each brings leaves or uses of its own (biases,
 # a tied head used twice, q/k norms, the window's gradient); Llama 2's step is
-# tests/test_llama.py's (stage 3 on data=8, Adam)
-STEPPED = ("llama3", "llama3.2", "mistral", "qwen2", "qwen3")
+# tests/test_llama.py's (stage 3 on data=8, Adam). Qwen2's step (q/k/v biases, a tied
+# head) runs no code these do not: its q/k/v biases are Llama 3's attention_bias
+# projections (one `bias = qkv_bias or attention_bias` in models/llama.py), its tied
+# head Llama 3.2's; its forward is checked against transformers' logits above and its
+# export below (dropped from the steps for CI time, issue 43: ~10 s a leg).
+STEPPED = ("llama3", "llama3.2", "mistral", "qwen3")
 
 
 def _fixture(name, dtype):
