@@ -66,8 +66,8 @@ def test_estimate_takes_the_optimizers_own_state(capsys):
 
 def test_estimate_activations_and_model_parallel(capsys):
     code, out, _ = _exit_code(
-        ["estimate", "--layers", "48", "--hidden", "1600", "--seq", "1024", "--batch", "32",
-         "--mp", "2", "--stage", "3", "-N", "8"], capsys)
+        ["estimate", "--layers", "48", "--hidden", "1600", "--seq", "1024",
+         "--batch-per-device", "32", "--mp", "2", "--stage", "3", "-N", "8"], capsys)
     assert code == 0
     # Psi counted from the shape: 12 L H^2 + V H
     assert f"({12 * 48 * 1600**2 + 50257 * 1600:,})" in out
@@ -155,8 +155,8 @@ def test_cli_errors_are_one_line_naming_the_value_and_the_fix(argv, value, capsy
 def test_plan_a_model_on_a_model_axis_with_pa(capsys):
     """--mp plans data x model devices for the model planner too, --remat-policy the
     activations (Pa: partitioned checkpoints)."""
-    base = ["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048", "--batch", "8",
-            "--model", "llama-7b"]
+    base = ["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048",
+            "--batch-per-device", "8", "--model", "llama-7b"]
     code, out, _ = _exit_code(base + ["--mp", "2", "--remat-policy", "partitioned"], capsys)
     assert code == 0, out
     assert "4 data x 2 model = 8 devices" in out and "remat_policy='partitioned'" in out
@@ -182,8 +182,8 @@ def test_plan_answers_the_question_in_one_command(capsys):
     set, the table by part for it, and the recommendation (benchmarks/memory_model.py
     compiles the scaled-down answer)."""
     code, out, _ = _exit_code(["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048",
-                               "--batch", "8", "--optimizer", "adamw", "--param-dtype", "bf16",
-                               "--largest"], capsys)
+                               "--batch-per-device", "8", "--optimizer", "adamw",
+                               "--param-dtype", "bf16", "--largest"], capsys)
     assert code == 0, out
     largest = dict(re.findall(r"^\s*(stage \d(?: \+ \S+)*)\s+\d+\s+\d+\s+\d+\s+(\S+)$",
                               out, re.M))
@@ -291,7 +291,7 @@ def test_console_script_runs():
 # --- issue 32: the memory JAX gives, one meaning of --devices, host memory, inputs ------
 
 FASTCHAT = ["plan", "--model", "llama2-7b", "--devices", "4", "--memory", "40GB", "--seq",
-            "2048", "--batch", "2"]  # FastChat's 7B on 4 x 40 GB, 2 x 2048, remat
+            "2048", "--batch-per-device", "2"]  # FastChat's 7B on 4 x 40 GB, 2 x 2048, remat
 
 
 def _recommended(out):
@@ -361,7 +361,7 @@ def test_offload_beyond_host_memory_does_not_fit(capsys):
     its state needs TBs of pinned host memory per node (the node's 8 shards); above
     --host-memory those rows do not fit."""
     argv = ["plan", "--model", "gpt3-175b", "--devices", "16", "--memory", "80GB", "--seq",
-            "2048", "--batch", "1", "--mem-fraction", "0.95"]
+            "2048", "--batch-per-device", "1", "--mem-fraction", "0.95"]
     full = "stage 3 + offload_optimizer + offload_params"
 
     def row(out):
@@ -384,7 +384,8 @@ def test_plan_nvme_rows_and_disk_bandwidth(capsys):
     the NVMe row fits with its buffers as host/node and 12 Psi on disk/node; the
     --disk-bandwidth figure is the one printed and used; bad values exit 2, one line."""
     argv = ["plan", "--model", "llama2-70b", "--devices", "8", "--gpus-per-node", "8",
-            "--memory", "80GB", "--seq", "4096", "--batch", "1", "--host-memory", "512GB"]
+            "--memory", "80GB", "--seq", "4096", "--batch-per-device", "1", "--host-memory",
+            "512GB"]
 
     def cells(out, label):
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(label + " "))
@@ -492,9 +493,11 @@ def test_plan_tables_say_how_the_columns_make_the_peak(capsys):
     rows = [dict(zip(header, re.split(r"\s{2,}", ln.strip()))) for ln in lines[at + 2:at + 10]]
     assert [r["option set"] for r in rows][:4] == [f"stage {s}" for s in range(4)], out
 
-    def gb_value(cell):  # "13.48", "4e-09", "0": every size column in GB, one unit
-        assert re.fullmatch(r"[\d,.e+-]+", cell), cell
-        return float(cell.replace(",", ""))
+    def gb_value(cell):  # "13.48", "0.00123", "0" in GB; "4 bytes": a tiny cell, named
+        m = re.fullmatch(r"([\d,.]+)(?: (bytes|KB|MB))?", cell)
+        assert m, cell
+        scale = {None: 1, "bytes": 1e-9, "KB": 1e-6, "MB": 1e-3}[m[2]]
+        return float(m[1].replace(",", "")) * scale
 
     for r in rows:
         parts = [gb_value(r[c]) for c in ("params (GB)", "optim (GB)", "act (GB)",
@@ -681,8 +684,15 @@ ISSUE42_ERRORS = [
      ["--mapping noattr", "MODULE:ATTR"]),
     (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping",
       "test_cli:wrong_mapping"], ["--mapping test_cli:wrong_mapping",
-                                  "does not fit the checkpoint"]),
+                                  "does not fit the checkpoint",
+                                  "tensor(s) in --mapping test_cli:wrong_mapping that the "
+                                  "params tree lacks", "Pass the --mapping"]),
+    (["export", "{ckpt}", "{out}", "--format", "hf", "--mapping",
+      "test_cli:wrong_shape_mapping"], ["--mapping test_cli:wrong_shape_mapping",
+                                        "shape(s) that differ", "w (mapping (4, 16), params "
+                                        "(8, 8))", "Pass the --mapping"]),
 ]
+LIBRARY_WORDS = ("`like`", "like's", "rename", "strict=False", "dtype=", "max_shard_size")
 
 
 def wrong_mapping():
@@ -690,6 +700,13 @@ def wrong_mapping():
     from zerojax.export import FileTensor
 
     return [FileTensor("model.embed.weight", (4, 4), "not_a_leaf")]
+
+
+def wrong_shape_mapping():
+    """A --mapping whose tensor w has the wrong shape for the tiny checkpoint's (8, 8)."""
+    from zerojax.export import FileTensor
+
+    return [FileTensor("w", (4, 16), "w"), FileTensor("b", (8,), "b")]
 
 
 @pytest.mark.parametrize("argv, words", ISSUE42_ERRORS,
@@ -705,11 +722,14 @@ def test_issue42_each_case_is_a_clear_error(argv, words, tiny_checkpoint, tmp_pa
     message = err.strip().splitlines()[-1]
     for word in words:
         assert word in message, (word, message)
+    for word in LIBRARY_WORDS:  # the flags' names, not the library's arguments
+        assert word not in message, (word, message)
 
 
 def test_issue42_right_answers(capsys):
-    """--version; --model N still works in train, deprecated with a message; the plan's
-    size columns in one unit (GB); estimate's ratio without a division by zero."""
+    """--version; --model N still works in train, deprecated with a message, as --batch
+    in plan/estimate (now --batch-per-device); the plan's size columns in one unit each,
+    small sizes without an exponent; estimate's ratio without a division by zero."""
     code, out, _ = _exit_code(["--version"], capsys)
     assert code == 0 and re.fullmatch(r"zerojax \S+ \(jax \S+, Python \S+\)\n", out), out
     parser = __import__("zerojax.cli.command", fromlist=["x"]).build_parser()
@@ -720,12 +740,32 @@ def test_issue42_right_answers(capsys):
     # a tiny card: every size column in GB (no MiB or bytes mixed in)
     code, out, _ = _exit_code(["plan", "--memory", "80MB", "--runtime-reserve", "0",
                                "--devices", "8", "--layers", "2", "--hidden", "64", "--heads",
-                               "4", "--seq", "64", "--batch", "2"], capsys)
+                               "4", "--seq", "64", "--batch-per-device", "2"], capsys)
     assert code == 0, out
     rows = [ln for ln in out.splitlines() if ln.strip().startswith("stage ")]
     assert rows and not any("MiB" in ln or " B " in ln for ln in rows), out
     assert "MiB GB" not in out and "GB GB" not in out
     assert re.search(r"^ +stage 0 +[\d.]+ ", out, re.M), out  # step in ms, not "0"
+    # small sizes readable: no exponent in any row, a column of MB named so, the offload
+    # rows' 4-byte device optimizer state (the step counter) in a GB column as "4 bytes"
+    assert not any(re.search(r"\de-\d", ln) for ln in rows), out
+    assert "params (MB)" in out and "optim (GB)" in out, out
+    offload = [ln for ln in rows if "offload_optimizer" in ln]
+    assert offload and all(" 4 bytes " in ln for ln in offload), out
+    code, out, _ = _exit_code(["estimate", "--params", "1K", "--devices", "8"], capsys)
+    assert code == 0 and "total (KB)" in out, out
+    assert re.search(r"^0 DDP +2\.00 +2\.00 +12\.00 +16\.00 ", out, re.M), out
+    code, out, _ = _exit_code(["plan", "--memory", "80GB", "--params", "1K",
+                               "--optimizer-bytes", "4", "--devices", "8"], capsys)
+    assert code == 0 and re.search(r"^ +0 DDP +2\.00 +2\.00 +4\.00 +0 +8\.00 ", out, re.M)
+    assert "optim (KB)" in out and "e-0" not in out, out
+    # --batch in plan/estimate: the deprecated alias of --batch-per-device, with a notice
+    for cmd in (["plan", "--memory", "80GB"], ["estimate"]):
+        assert parser.parse_args([*cmd, "--batch", "3"]).batch_per_device == 3
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "deprecated" in err[0] and "--batch-per-device 3" in err[0]
+        assert parser.parse_args([*cmd, "--batch-per-device", "3"]).batch_per_device == 3
+        assert not capsys.readouterr().err
     code, out, _ = _exit_code(["estimate", "--params", "7B", "--devices", "1048576"], capsys)
     assert code == 0 and "MiB" not in out, out
     code, out, _ = _exit_code(["estimate", "--params", "7B", "--grad-dtype", "none",

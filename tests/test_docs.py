@@ -429,7 +429,7 @@ def test_readme_llama2_70b_figures_are_what_the_named_command_prints(capsys):
 
     readme = " ".join((ROOT / "README.md").read_text().split())
     command = ("zerojax plan --model llama2-70b --devices 8 --memory 80GB --host-memory "
-               "512GB --seq 2048 --batch 2")
+               "512GB --seq 2048 --batch-per-device 2")
     assert command in readme
     assert main(command.split()[1:]) == 0
     out = capsys.readouterr().out
@@ -458,7 +458,8 @@ def test_readme_plan_figures_are_what_the_named_commands_print(capsys, monkeypat
     from zerojax.cli import main
 
     readme = " ".join((ROOT / "README.md").read_text().split())
-    fastchat = "zerojax plan --model llama2-7b --devices 4 --memory 40GB --seq 2048 --batch 2"
+    fastchat = ("zerojax plan --model llama2-7b --devices 4 --memory 40GB --seq 2048 "
+                "--batch-per-device 2")
     gpt3 = "zerojax plan --model gpt3-175b --devices 8 --memory 80GB"
     assert fastchat in readme and gpt3 in readme
     for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):

@@ -740,7 +740,7 @@ def test_plan_model_refuses_splits_that_cannot_be_made(capsys):
                                                          "--model", "llama-7b"]):
         with pytest.raises(SystemExit) as e:
             main(["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048",
-                  "--batch", "8", *argv])
+                  "--batch-per-device", "8", *argv])
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "not" in err[0], err
@@ -841,7 +841,8 @@ def test_plan_cli_takes_the_llama_presets(capsys):
     the table; the old name llama-7b plans the same model and says so."""
     from zerojax.cli import main
 
-    argv = ["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048", "--batch", "8"]
+    argv = ["plan", "--devices", "8", "--memory", "80GB", "--seq", "2048",
+            "--batch-per-device", "8"]
     assert main([*argv, "--model", "llama2-7b"]) == 0
     out = capsys.readouterr().out
     assert "Psi = 6.74B (6,738,415,616)" in out and "SwiGLU MLP 11008" in out

@@ -200,6 +200,21 @@ def _file_region(piece) -> tuple[tuple, tuple]:
     return tuple(region), tuple(ops)
 
 
+# _plan's words when it checks a mapping against the params leaves (the file tensors
+# are the mapping's, the leaves the checkpoint's or the params tree's): no load_params
+# argument (like, rename, strict) named
+EXPORT_WORDS = {
+    "like": "the params tree", "likes": "the params tree's", "file": "the mapping",
+    "file_short": "mapping", "like_short": "params", "ops": "the mapping's ops",
+    "hint_shapes": " Pass the mapping of the model that was saved: each file tensor's ops "
+                   "must give its params leaf's shape.",
+    "hint_rename": " Pass the mapping of the model that was saved: every file tensor from a "
+                   "params leaf, every params leaf in some file tensor.",
+    "hint": " Pass the mapping of the model that was saved, or none (the params' own "
+            "names).",
+}
+
+
 def _pieces_by_file(mapping: list[FileTensor], leaves: list[_Leaf], dtype, where: str):
     """Each file tensor with its pieces (params leaf region -> file region), checked:
     every leaf exported once, every file tensor filled exactly once."""
@@ -208,7 +223,8 @@ def _pieces_by_file(mapping: list[FileTensor], leaves: list[_Leaf], dtype, where
     if len(files) != len(mapping):
         raise ValueError(f"mapping names a file tensor twice: {_first(ft.name for ft in mapping)}")
     pieces = ld._plan(files, [x.name for x in leaves], [x.shape for x in leaves],
-                      [x.dtype for x in leaves], rename_of(mapping), None, True, where)
+                      [x.dtype for x in leaves], rename_of(mapping), None, True, where,
+                      EXPORT_WORDS)
     by_file: dict[str, list] = {ft.name: [] for ft in mapping}
     for ps in pieces.values():
         for p in ps:

@@ -388,10 +388,28 @@ def _offset(at, shape, target_shape, what) -> tuple:
     return at
 
 
+# The words of _plan's errors: load_params' (a file into `like`), or export_params' (the
+# checkpoint's params leaves into the file tensors of a mapping), so neither names the
+# other's arguments.
+LOAD_WORDS = {
+    "like": "`like`", "likes": "like's", "file": "the file", "file_short": "file",
+    "like_short": "like", "ops": "rename and transforms",
+    "hint_shapes": " Give `like` the shapes the file holds, or transforms that re-lay each "
+                   "tensor out to like's shape.",
+    "hint_rename": " Map every file tensor to a leaf of `like` in rename (or to None to "
+                   "skip it), or pass strict=False to load only the tensors both have.",
+    "hint": " Pass the params tree that was exported (or a rename map), or strict=False to "
+            "load only the tensors both have.",
+}
+
+
 def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
-          dtypes: list[np.dtype], rename, transforms, strict: bool, path: str):
+          dtypes: list[np.dtype], rename, transforms, strict: bool, path: str,
+          words: dict | None = None):
     """Every piece (file tensor -> part of a leaf), checked before anything is read:
-    shapes after the ops, offsets, casts, each leaf covered exactly once."""
+    shapes after the ops, offsets, casts, each leaf covered exactly once. ``words``:
+    what the errors call the two sides (default :data:`LOAD_WORDS`)."""
+    w = LOAD_WORDS if words is None else words
     leaf = {n: i for i, n in enumerate(names)}
     pieces: dict[str, list[_Piece]] = {}
     extra, shape_errors, cast_errors, misshapen = [], [], [], set()
@@ -420,28 +438,30 @@ def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
                     a < 0 or a + n > m for a, n, m in zip(at, shape, shapes[i])):
                 misshapen.add(into.name)
                 if not ops and into.at is None and into.name == fname:
-                    shape_errors.append(f"{fname} (file {info.shape}, like {shapes[i]})")
+                    shape_errors.append(f"{fname} ({w['file_short']} {info.shape}, "
+                                        f"{w['like_short']} {shapes[i]})")
                     continue
                 ops_s = f", after {', '.join(map(repr, ops))}: {shape}" if ops else ""
                 at_s = f" at {at}" if into.at is not None else ""
-                shape_errors.append(f"{fname} (file {info.shape}{ops_s}{at_s}; like "
-                                    f"{into.name} {shapes[i]})")
+                shape_errors.append(f"{fname} ({w['file_short']} {info.shape}{ops_s}{at_s}; "
+                                    f"{w['like_short']} {into.name} {shapes[i]})")
                 continue
             if not _cast_ok(info.dtype, dtypes[i]):
-                cast_errors.append(f"{fname} ({info.dtype} in the file, {dtypes[i]} in "
-                                   f"like's {into.name})")
+                cast_errors.append(f"{fname} ({info.dtype} in {w['file']}, {dtypes[i]} in "
+                                   f"{w['likes']} {into.name})")
                 continue
             pieces.setdefault(into.name, []).append(
                 _Piece(fname, info, ops, into.name, at, shape))
     problems = []
     if cast_errors:
         raise ValueError(
-            f"{path}: {len(cast_errors)} tensor(s) whose dtype cannot be cast to like's: "
-            f"{_first(cast_errors)}. A float tensor does not load into an integer leaf, nor "
-            "a complex one into a float leaf; give `like` the file's kind of dtype.")
+            f"{path}: {len(cast_errors)} tensor(s) whose dtype cannot be cast to "
+            f"{w['likes']}: {_first(cast_errors)}. A float tensor does not load into an "
+            f"integer leaf, nor a complex one into a float leaf; give {w['like']} "
+            f"{w['file']}'s kind of dtype.")
     if shape_errors:
-        problems.append(f"{len(shape_errors)} shape(s) that differ (after rename and "
-                        f"transforms): {_first(shape_errors)}")
+        problems.append(f"{len(shape_errors)} shape(s) that differ (after {w['ops']}): "
+                        f"{_first(shape_errors)}")
     for name, ps in pieces.items():  # each leaf covered exactly once
         i = leaf[name]
         covered = sum(math.prod(p.shape) for p in ps)
@@ -457,24 +477,23 @@ def _plan(files: dict[str, TensorInfo], names: list[str], shapes: list[tuple],
                             f"{math.prod(shapes[i])} elements, from {srcs})")
     missing = [n for n in names if n not in pieces and n not in misshapen]
     if strict and extra:
-        problems.append(f"{len(extra)} tensor(s) in the file that `like` lacks: {_first(extra)}")
+        problems.append(f"{len(extra)} tensor(s) in {w['file']} that {w['like']} lacks: "
+                        f"{_first(extra)}")
     if strict and missing:
-        problems.append(f"{len(missing)} leaf/leaves of `like` that the file lacks: "
-                        f"{_first(missing)}")
+        problems.append(f"{len(missing)} leaf/leaves of {w['like']} that {w['file']} "
+                        f"lacks: {_first(missing)}")
     if not problems and not pieces:
-        problems.append(f"no tensor in common (the file has {_first(files)}; `like` has "
-                        f"{_first(names)})")
+        problems.append(f"no tensor in common ({w['file']} has {_first(files)}; "
+                        f"{w['like']} has {_first(names)})")
     if problems:
         if shape_errors and not (extra or missing):
-            hint = (" Give `like` the shapes the file holds, or transforms that re-lay each "
-                    "tensor out to like's shape.")
+            hint = w["hint_shapes"]
         elif rename is not None and (extra or missing):
-            hint = (" Map every file tensor to a leaf of `like` in rename (or to None to skip "
-                    "it), or pass strict=False to load only the tensors both have.")
+            hint = w["hint_rename"]
         else:
-            hint = (" Pass the params tree that was exported (or a rename map), or "
-                    "strict=False to load only the tensors both have.")
-        raise ValueError(f"{path} does not match `like`: " + "; ".join(problems) + "." + hint)
+            hint = w["hint"]
+        raise ValueError(f"{path} does not match {w['like']}: " + "; ".join(problems) + "."
+                         + hint)
     return pieces
 
 

@@ -240,16 +240,11 @@ def human_count(n: float) -> str:
 
 
 def gb(n: float) -> str:
-    """A size with its unit, for a sentence: GB from 0.01 GB, MiB below."""
-    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 2**20:.2f} MiB"
-
-
-def gb_cell(n: float) -> str:
-    """A size in GB without its unit, for a column headed (GB): one unit per column,
-    three significant figures below 0.01 GB."""
-    if n == 0:
-        return "0"
-    return f"{n / GB:,.2f}" if abs(n) >= 0.01 * GB else f"{n / GB:.3g}"
+    """A size with its unit, for a sentence: GB from 0.01 GB, MiB from 0.01 MiB, bytes
+    below."""
+    if n >= 0.01 * GB:
+        return f"{n / GB:.2f} GB"
+    return f"{n / 2**20:.2f} MiB" if n >= 0.01 * 2**20 else f"{n:.3g} bytes"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

@@ -30,7 +30,6 @@ from zerojax.cli.args import (
     disk_bandwidth,
     dtype_bytes,
     gb,
-    gb_cell,
     grad_dtype_bytes,
     human_count,
     mem_fraction,
@@ -59,13 +58,14 @@ to host memory.
 examples:
   zerojax estimate --params 7.5B --devices 64
   zerojax estimate --params 1.5B --devices 8 --stage 3 --layers 48 --hidden 1600 \\
-      --seq 1024 --batch 32
+      --seq 1024 --batch-per-device 32
   zerojax estimate --table1
 """
 
 
 def _estimate(args: argparse.Namespace) -> int:
     import zerojax
+    from zerojax.cli.plan_text import size_columns
 
     if args.table1:
         extra = sorted(_given(args) - {"table1"})
@@ -106,11 +106,12 @@ def _estimate(args: argparse.Namespace) -> int:
     for stage in args.stage:
         est = zerojax.estimate_memory(psi, args.devices, stage, param_bytes=p, grad_bytes=g,
                                       optimizer_bytes=k, mp=args.mp)
-        rows.append([f"{stage} {STAGE_NAMES[stage]}", gb_cell(est.params),
-                     gb_cell(est.grads), gb_cell(est.optimizer_state), gb_cell(est.total),
+        rows.append([f"{stage} {STAGE_NAMES[stage]}", est.params, est.grads,
+                     est.optimizer_state, est.total,
                      f"{base / est.total:.1f}x" if est.total else "-"])
-    print(table(["stage", "params (GB)", "gradients (GB)", "optimizer (GB)", "total (GB)",
-                 "less than DDP"], rows))
+    header = ["stage", "params", "gradients", "optimizer", "total", "less than DDP"]
+    size_columns(header, rows, (1, 2, 3, 4))
+    print(table(header, rows))
     if args.layers:
         _activations(args)
     return 0
@@ -179,7 +180,7 @@ def _optimizer_bytes(args: argparse.Namespace, param_bytes: int) -> float:
 def _activations(args: argparse.Namespace) -> None:
     from zerojax.analysis.memory import estimate_activations
 
-    h, b, t, n_layers, e, m = (args.hidden, args.batch, args.seq, args.layers,
+    h, b, t, n_layers, e, m = (args.hidden, args.batch_per_device, args.seq, args.layers,
                                args.act_dtype, args.mp)
 
     def act(**kw):
@@ -229,9 +230,9 @@ Two questions:
 Sizes need a unit: 80GB (1e9 bytes) or 80GiB (2**30 bytes); a bare number is refused.
 
 examples:
-  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --optimizer adamw \\
-      --param-dtype bf16 --largest
-  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch 8 --model llama2-7b
+  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch-per-device 8 \\
+      --optimizer adamw --param-dtype bf16 --largest
+  zerojax plan --devices 8 --memory 80GB --seq 2048 --batch-per-device 8 --model llama2-7b
   zerojax plan --devices 64 --memory 80GB --layers 48 --hidden 7168 --heads 56
   zerojax plan --budget 32GB --devices 64             # the paper's Table 2 column
   zerojax plan --budget 80GB --devices 1024 --params 1T
@@ -308,7 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
                    if args.activations is not None else
                    "activations not counted: model states only (the paper's formula); give "
                    "--activations SIZE, or the model's shape (--model, --layers/--hidden/"
-                   "--heads) with --seq and --batch for a train step's peak")
+                   "--heads) with --seq and --batch-per-device for a train step's peak")
         print(f"\n({counted})")
         if not fits:
             print("model states fit at no stage: add devices (--devices), model "
@@ -420,7 +421,7 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
         host = HOST_MEMORY_DEFAULT
     try:
         result = plan_model(model, devices=dp, budget_bytes=memory.usable,
-                            seq=args.seq, batch=args.batch,
+                            seq=args.seq, batch=args.batch_per_device,
                             optimizer=args.optimizer or "adamw",
                             param_dtype=precision, devices_per_node=per_node,
                             largest=args.largest, reserve_bytes=round(args.reserve),
@@ -662,12 +663,11 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     except (ValueError, TypeError, ImportError, AttributeError) as e:
-        if mapping is not None:  # the library's words (like=, rename=) are not the CLI's
+        if mapping is not None:  # export_params' words: the mapping, the params
             print(f"zerojax export: --mapping {args.mapping} does not fit the checkpoint's "
-                  f"params: {_one_line(e)} Pass the --mapping of the model that was saved "
-                  "(or none: the params' own names).", file=sys.stderr)
+                  f"params: {_flag_words(_one_line(e), args)}", file=sys.stderr)
             return 2
-        print(f"zerojax export: {_one_line(e)}", file=sys.stderr)
+        print(f"zerojax export: {_flag_words(_one_line(e), args)}", file=sys.stderr)
         return 1
     if args.format == "hf":
         import json
@@ -705,6 +705,18 @@ def _hf_config_problem(path: str) -> str | None:
     if not isinstance(value, dict):
         return f"holds a JSON {type(value).__name__}, not an object"
     return None
+
+
+def _flag_words(text: str, args: argparse.Namespace) -> str:
+    """export_params' message in the command line's words: its arguments (``mapping``,
+    ``dtype=``, ``max_shard_size``, ``format=``) named as the flags that set them."""
+    for word, flag in (("Pass the mapping", "Pass the --mapping"),
+                       ("the mapping", f"--mapping {args.mapping}"),
+                       ("mapping names", f"--mapping {args.mapping} names"),
+                       ("max_shard_size", "--max-shard-size"), ("dtype=", "--dtype "),
+                       ("format=", "--format ")):
+        text = text.replace(word, flag)
+    return text
 
 
 def _export_mapping(args: argparse.Namespace, step: int):
@@ -800,6 +812,26 @@ def _pool_arguments(p: argparse.ArgumentParser, *, whole_card: bool = False) -> 
                         "1GB, an assumption from those figures, not a measurement)")
 
 
+class _DeprecatedBatch(_Store):
+    """``zerojax plan/estimate --batch B``: the old name of --batch-per-device, kept
+    with a one-line notice (--batch is the global batch in train, tune and bench)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: --batch is deprecated here: it is sequences per device, "
+              f"now --batch-per-device {values} (--batch is the global batch in zerojax "
+              "train, tune and bench)", file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _batch_per_device_arguments(g, default: int) -> None:
+    """plan's and estimate's --batch-per-device, with --batch as a deprecated alias."""
+    g.add_argument("--batch-per-device", type=positive_int, default=default, metavar="B",
+                   help="sequences per device (per data shard) in a step")
+    g.add_argument("--batch", dest="batch_per_device", type=positive_int,
+                   action=_DeprecatedBatch, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors as one line (the value and the fix), exit status 2; --help has the usage."""
 
@@ -866,8 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layers", type=positive_int, default=None, help="transformer layers")
     g.add_argument("--hidden", type=positive_int, default=None, help="hidden size")
     g.add_argument("--seq", type=positive_int, default=1024, help="sequence length")
-    g.add_argument("--batch", type=positive_int, default=1,
-                   help="sequences per device (micro-batch)")
+    _batch_per_device_arguments(g, default=1)
     g.add_argument("--vocab", type=positive_int, default=50257,
                    help="vocabulary size (counts the embedding when --params is not given)")
     g.add_argument("--act-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
@@ -904,7 +935,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="search the largest model (layers L, hidden 128 L, 128-wide heads) "
                         "each stage and option set fits")
     g.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence")
-    g.add_argument("--batch", type=positive_int, default=8, help="sequences per device")
+    _batch_per_device_arguments(g, default=8)
     g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=None,
                    help="the optax optimizer whose state is planned (default: adamw; with "
                         "--params: --optimizer-bytes from its own state, eval_shape of its "

@@ -31,7 +31,8 @@ from zerojax.analysis.plan import (
 )
 
 __all__ = ["NOT_COUNTED", "describe_shape", "format_memory", "format_model_plan",
-           "format_plan", "format_table1", "human", "recommendation", "table1"]
+           "format_plan", "format_table1", "human", "recommendation", "size_columns",
+           "table1"]
 
 GB = 1e9  # the paper's GB
 
@@ -58,21 +59,60 @@ def human(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _gb(n: float | None) -> str:
-    """A table cell in GB (1e9 bytes), the one unit of every size column: two decimals,
-    three significant figures below 0.01 GB; '-' for nothing."""
+SIZE_UNITS = (("GB", GB), ("MB", 1e6), ("KB", 1e3), ("bytes", 1.0))
+
+
+def _column_unit(values: Sequence[float | None]) -> tuple[str, float]:
+    """The one unit of a size column: GB (1e9 bytes, the paper's) when its largest value
+    is at least 0.01 GB (or all are 0), else the largest of MB, KB, bytes (decimal) in
+    which it is at least 1."""
+    top = max((abs(v) for v in values if v), default=0.0)
+    if top == 0 or top >= 0.01 * GB:
+        return SIZE_UNITS[0]
+    return next(u for u in SIZE_UNITS[1:] if top >= u[1] or u[0] == "bytes")
+
+
+def _size_cell(n: float | None, scale: float) -> str:
+    """``n`` bytes in a column of ``scale`` bytes per unit: two decimals; three
+    significant figures below 0.01 units (0.00123, never an exponent); below 1e-4 units
+    (a 4-byte scalar in a GB column) in its own unit, named: '4 bytes', '6.65 KB';
+    '-' for nothing."""
     if n is None:
         return "-"
     if n == 0:
         return "0"
-    return f"{n / GB:,.2f}" if abs(n) >= 0.01 * GB else f"{n / GB:.3g}"
+    x = n / scale
+    if scale == 1.0:
+        return f"{x:,.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+    if abs(x) >= 0.01:
+        return f"{x:,.2f}"
+    if abs(x) >= 1e-4:
+        return f"{x:.{2 - math.floor(math.log10(abs(x)))}f}"
+    unit, own = _column_unit([n])
+    return f"{_size_cell(n, own)} {unit}"
+
+
+def size_columns(header: list[str], rows: list[list], columns: Sequence[int]) -> None:
+    """Format the size columns of a table in place: each of ``columns`` (indices; its
+    cells bytes or None) gets one unit, from its largest value, named in its heading
+    (``params`` -> ``params (GB)``, or ``(MB)`` / ``(KB)`` / ``(bytes)`` for a column of
+    small sizes; a 4-byte optimizer state reads ``4`` there, or ``4 bytes`` in a column
+    of GB, not ``4e-09``)."""
+    for i in columns:
+        unit, scale = _column_unit([r[i] for r in rows])
+        header[i] = f"{header[i]} ({unit})"
+        for r in rows:
+            r[i] = _size_cell(r[i], scale)
 
 
 def _size(n: float) -> str:
-    """A size in a sentence, with its unit: GB from 0.01 GB, MiB below."""
+    """A size in a sentence, with its unit: GB from 0.01 GB, MiB from 0.01 MiB, bytes
+    below."""
     if n == 0:
         return "0 GB"
-    return f"{n / GB:,.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 2**20:,.2f} MiB"
+    if abs(n) >= 0.01 * GB:
+        return f"{n / GB:,.2f} GB"
+    return f"{n / 2**20:,.2f} MiB" if abs(n) >= 0.01 * 2**20 else f"{n:.3g} bytes"
 
 
 def _ms(seconds: float) -> str:
@@ -143,19 +183,19 @@ def format_plan(p: Plan) -> str:
             f"{p.optimizer_bytes:.4g}"
             + (f"; Psi = {human(p.num_params)} ({p.num_params:,})"
                if p.num_params is not None else ""))
-    header = ["stage", "params (GB)", "grads (GB)", "optim (GB)", "act+buf (GB)",
-              "total (GB)", "fits", "comm/step", "comm (GB)", "largest model"]
+    header = ["stage", "params", "grads", "optim", "act+buf", "total", "fits", "comm/step",
+              "comm", "largest model"]
     rows = []
     for s in p.stages:
         m = s.model_states
         rows.append([
             f"{s.stage} {s.name}",
-            _gb(m.params if m else None), _gb(m.grads if m else None),
-            _gb(m.optimizer_state if m else None),
-            _gb(s.activations + s.buffers + s.reserve),
-            _gb(s.total), "-" if s.fits is None else ("yes" if s.fits else "no"),
+            m.params if m else None, m.grads if m else None,
+            m.optimizer_state if m else None, s.activations + s.buffers + s.reserve,
+            s.total, "-" if s.fits is None else ("yes" if s.fits else "no"),
             "-" if s.comm_elements is None else f"{3 if s.stage == 3 else 2} Psi",
-            _gb(s.comm_bytes), human(s.max_params)])
+            s.comm_bytes, human(s.max_params)])
+    size_columns(header, rows, (1, 2, 3, 4, 5, 8))
     out = head + "\n" + _table(header, rows)
     out += ("\n(total = params + grads + optim + act+buf: the paper's model states, each "
             "whole for the step, plus --activations, one --bucket-size buffer and "
@@ -224,7 +264,7 @@ def recommendation(p: ModelPlan) -> str:
                f"{_size(p.host_memory_bytes)}" if not least.host_fits else "")
             + (f" and {_size(least.disk_bytes)} of disk per node of "
                f"{_size(p.disk_bytes)}" if not least.disk_fits else "")
-            + f"; add devices, shorten --seq or --batch (activations "
+            + f"; add devices, shorten --seq or --batch-per-device (activations "
             f"{_size(least.activations)}), or use a smaller model")
 
 
@@ -260,12 +300,11 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             else "explicit, float32 s x s scores materialised per layer being recomputed"))
     if memory_note:
         head.append(memory_note)
-    header = ["option set", "step (ms)", "tokens/s", "params (GB)", "grads (GB)",
-              "optim (GB)", "act (GB)", "other (GB)", "peak (GB)", "fits", "traffic (GB)",
-              "host (GB)", "host/node (GB)"]
+    header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
+              "other", "peak", "fits", "traffic", "host", "host/node"]
     nvme = any(r.nvme for r in p.rows)
     if nvme:
-        header.append("disk/node (GB)")
+        header.append("disk/node")
     rows = []
     for r in p.rows:
         s = r.states
@@ -274,10 +313,10 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                                      "no: host" if not r.host_fits else "no: disk")
         rows.append([r.label, _ms(r.step_time) if r.time else "-",
                      f"{r.tokens_per_s:,.0f}" if r.time else "-",
-                     _gb(s.params), _gb(s.grads), _gb(s.optimizer_state),
-                     _gb(r.activations), _gb(other), _gb(r.peak), fits,
-                     _gb(r.traffic_bytes), _gb(r.host_traffic_bytes), _gb(r.host_bytes)]
-                    + ([_gb(r.disk_bytes) if r.nvme else "-"] if nvme else []))
+                     s.params, s.grads, s.optimizer_state, r.activations, other, r.peak,
+                     fits, r.traffic_bytes, r.host_traffic_bytes, r.host_bytes]
+                    + ([r.disk_bytes if r.nvme else None] if nvme else []))
+    size_columns(header, rows, [3, 4, 5, 6, 7, 8, 10, 11, 12] + ([13] if nvme else []))
     out = "\n".join(head) + "\n" + _table(header, rows)
     host_note = (f"host memory {_size(p.host_memory_bytes)} per node, "
                  f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
@@ -330,15 +369,15 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                 "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
                 f"{precision}):\n")
         peaks = {r.label: r for r in p.link_rows}
-        out += _table(["option set", "peak (GB)", "fits", "inside a node (GB)",
-                       "across nodes (GB)", "inside (Psi)", "across (Psi)", "step (ms)"],
-                      [[label, _gb(peaks[label].peak) if label in peaks else "-",
-                        ("yes" if peaks[label].fits else "no") if label in peaks else "-",
-                        _gb(inside), _gb(across), f"{inside / unit:.3f}",
-                        f"{across / unit:.3f}",
-                        _ms(peaks[label].step_time)
-                        if label in peaks and peaks[label].time else "-"]
-                       for label, inside, across in p.links])
+        header = ["option set", "peak", "fits", "inside a node", "across nodes",
+                  "inside (Psi)", "across (Psi)", "step (ms)"]
+        rows = [[label, peaks[label].peak if label in peaks else None,
+                 ("yes" if peaks[label].fits else "no") if label in peaks else "-",
+                 inside, across, f"{inside / unit:.3f}", f"{across / unit:.3f}",
+                 _ms(peaks[label].step_time) if label in peaks and peaks[label].time
+                 else "-"] for label, inside, across in p.links]
+        size_columns(header, rows, (1, 3, 4))
+        out += _table(header, rows)
         out += ("\n(qwZ int8: 1 byte + a 4-byte scale per 2048 elements; qgZ int4: zero()'s "
                 "default, block 256 + stochastic rounding, half a byte + a 4-byte scale per "
                 "256 (1/8 + 1/256 of fp32's bytes); measured loss cost on the demo's "
