@@ -6,7 +6,12 @@ its config.json says the files' dtype."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import ml_dtypes
@@ -96,3 +101,38 @@ def test_finetune_refuses_bad_input_naming_it(hf_dir, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and words in err and "Traceback" not in err, err
+
+
+def test_finetune_stops_for_preemption_and_resumes(hf_dir, tmp_path, capsys):
+    """SIGTERM during a fine-tune with --ckpt-dir (as zerojax train): the step it reached
+    saved, exit 0, no export; the same command resumes from that step and exports."""
+    root, ckpt, _ = hf_dir
+    out, ck = tmp_path / "tuned", tmp_path / "ckpt"
+    argv = ["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out), "--batch", "8",
+            "--seq", "16", "--ckpt-dir", str(ck), "--png", "", "--no-progress"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # --devices 8 sets them in the fresh process
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "zerojax.cli", *argv, "--steps", "5000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("  step     0"):  # the loop runs (and asks each step)
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    log = "".join(lines)
+    match = re.search(r"zerojax finetune: stopped for preemption \(SIGTERM\) at step (\d+)",
+                      log)
+    assert match, log[-3000:]
+    at = int(match.group(1))
+    assert 1 <= at < 5000, log[-3000:]
+    assert not out.exists()  # exported only at the end
+    took = time.monotonic() - t0
+    assert main([*argv, "--steps", str(at + 1)]) == 0
+    printed = capsys.readouterr().out
+    assert f"resumed from step {at} of" in printed, printed
+    assert f"over steps {at + 1}-{at + 1}" in printed, printed
+    assert (out / "model.safetensors.index.json").exists()
+    print(f"zerojax finetune: stopped at step {at} ({took:.1f} s), resumed one step")

@@ -328,7 +328,6 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
     ``args.save_every`` steps and at the end, and stop at a preemption (SIGTERM) after
     saving that step (``"preempted"``: the step)."""
     import jax
-    from tqdm.auto import tqdm
 
     import zerojax
 
@@ -340,15 +339,31 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
         state = mgr.restore(opt, like=like)  # boxed shapes: the model split read from them
         first = int(state.step)
         print(f"resumed from step {first} of {mgr.directory}")
+    state, losses, times, preempted = run_steps(
+        step, state, lambda i: batch_at(corpus.train, i, args.batch, args.seq, args.seed),
+        first, args, mgr, f"stage {stage} ({STAGE_NAMES[stage]})")
+    return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
+            "times": times, "first": first, "preempted": preempted}
+
+
+def run_steps(step, state, batch_of, first: int, args, mgr, desc: str) -> tuple:
+    """The training loop of ``zerojax train`` and ``zerojax finetune``: steps ``first``
+    to ``args.steps`` on ``batch_of(i)`` with a progress bar (or ``--no-progress``
+    lines); with a CheckpointManager ``mgr``: each step asks ``mgr.reached_preemption``
+    (SIGTERM -> save that step and stop), saves every ``args.save_every`` steps and at
+    the end, and waits for the saves. Returns ``(state, losses, times, preempted)``
+    (``preempted``: the step saved at a preemption, else None)."""
+    from tqdm.auto import tqdm
+
     tokens_per_step = args.batch * args.seq
     losses, times, preempted = [], [], None
-    bar = tqdm(range(first, args.steps), desc=f"stage {stage} ({STAGE_NAMES[stage]})",
-               unit="step", disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
-               file=sys.stderr, initial=first, total=args.steps)
+    bar = tqdm(range(first, args.steps), desc=desc, unit="step", disable=not args.progress,
+               dynamic_ncols=True, mininterval=0.5, file=sys.stderr, initial=first,
+               total=args.steps)
     log_every = max(1, args.steps // 5)
     start = time.perf_counter()
     for i in bar:
-        state, metrics = step(state, batch_at(corpus.train, i, args.batch, args.seq, args.seed))
+        state, metrics = step(state, batch_of(i))
         losses.append(float(metrics["loss"]))  # waits for the step
         now = time.perf_counter()
         times.append(now - start)
@@ -371,8 +386,7 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
         mgr.save(args.steps, state)
     if mgr is not None:
         mgr.wait()  # on disk before anything is reported
-    return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
-            "times": times, "first": first, "preempted": preempted}
+    return state, losses, times, preempted
 
 
 def tokens_per_s(times: list, tokens_per_step: int) -> str:

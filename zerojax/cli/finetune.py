@@ -9,12 +9,13 @@ config's ``eos_token_id`` between them when it has one, and batches are random w
 of ``--seq + 1`` tokens (seeded). The model is loaded straight into the stage's layout
 (:func:`zerojax.models.llama.load_hf`: each leaf split over ``data`` and, with ``--mp``,
 over ``model``), trained with AdamW under a warm-up + cosine schedule (progress bar with
-the loss and tokens/s), saved to ``--ckpt-dir`` every ``--save-every`` steps and at the
-end (a run with the same directory resumes), the loss curve written as a PNG, and the
-params exported to ``OUT`` in the Hugging Face layout (the model's own tensor names,
-files of at most ``--max-shard-size``, ``model.safetensors.index.json``) in the dtype
-the checkpoint's files have (``--dtype`` to choose), with ``config.json`` saying it and
-the tokenizer files copied beside them.
+the loss and tokens/s), saved to ``--ckpt-dir`` every ``--save-every`` steps, at the
+end and at a SIGTERM (a preemption: that step saved, exit 0; a run with the same
+directory resumes; the loop is ``zerojax train``'s, ``demo.run_steps``), the loss
+curve written as a PNG, and the params exported to ``OUT`` in the Hugging Face layout
+(the model's own tensor names, files of at most ``--max-shard-size``,
+``model.safetensors.index.json``) in the dtype the checkpoint's files have (``--dtype``
+to choose), with ``config.json`` saying it and the tokenizer files copied beside them.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
-import time
 
 import numpy as np
 
@@ -71,8 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the dtype the model computes in (params and master stay float32)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--ckpt-dir", default=None,
-                   help="save the state here every --save-every steps and at the end; a run "
-                        "with the same directory resumes from its latest step")
+                   help="save the state here every --save-every steps, at the end, and "
+                        "when the run gets SIGTERM (a scheduler's preemption notice: it then "
+                        "saves that step and exits 0, the export left for the resumed run); "
+                        "a run with the same directory resumes from its latest step")
     g.add_argument("--save-every", type=int, default=0,
                    help="with --ckpt-dir: also save every this many steps")
     g.add_argument("--png", default="zerojax-finetune-loss.png",
@@ -195,7 +196,6 @@ def run(args: argparse.Namespace) -> int:
     demo.simulate_devices(args.devices)
     import jax
     import jax.numpy as jnp
-    from tqdm.auto import tqdm
 
     import zerojax
     from zerojax.formats import write_hf_config
@@ -226,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
     state = opt.init_state(params)  # the model split carried from load_hf
     mgr, first = None, 0
     if args.ckpt_dir is not None:
+        from zerojax import preemption
+
+        preemption.install()  # SIGTERM: save the step, exit 0 (as zerojax train)
         mgr = zerojax.CheckpointManager(args.ckpt_dir)
         if mgr.latest_step() is not None:
             state = mgr.restore(opt, like=params)
@@ -233,31 +236,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"resumed from step {first} of {args.ckpt_dir}")
     del params
     step = opt.train_step(gpt.lm_loss(model))
-    losses, times = [], []
-    bar = tqdm(range(first, args.steps), desc=f"finetune stage {args.stage}", unit="step",
-               disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
-               file=sys.stderr, initial=first, total=args.steps)
-    log_every = max(1, args.steps // 5)
+    state, losses, times, preempted = demo.run_steps(
+        step, state, lambda i: demo.batch_at(ids, i, args.batch, args.seq, args.seed),
+        first, args, mgr, f"finetune stage {args.stage}")
+    if preempted is not None:
+        mgr.close()
+        print(f"zerojax finetune: stopped for preemption (SIGTERM) at step {preempted}; "
+              f"saved it to {mgr.directory}. Run the same command again to resume (the "
+              "export comes at the end).", flush=True)
+        return 0
     tokens_per_step = args.batch * args.seq
-    start = time.perf_counter()
-    for i in bar:
-        state, metrics = step(state, demo.batch_at(ids, i, args.batch, args.seq, args.seed))
-        losses.append(float(metrics["loss"]))
-        now = time.perf_counter()
-        times.append(now - start)
-        start = now
-        tps = demo.tokens_per_s(times, tokens_per_step)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
-        if mgr is not None and args.save_every and (i + 1) % args.save_every == 0 \
-                and i + 1 < args.steps:
-            mgr.save(i + 1, state)
-        if not args.progress and (i % log_every == 0 or i == args.steps - 1):
-            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s", flush=True)
-    bar.close()
-    if mgr is not None:
-        if first < args.steps:
-            mgr.save(args.steps, state)
-        mgr.wait()
     measured = times[1:]
     if losses:
         tps = tokens_per_step * len(measured) / sum(measured) if measured else float("nan")
