@@ -1,7 +1,9 @@
 """Step time of a multi-process run (2 processes x 4 CPU devices, gloo collectives
 between processes, started by ``python -m zerojax.cli.launch``) against one process with 8
 devices, on the reference GPT, stages 0-3; and the time of one all-reduce of Psi
-float32 elements in each setting, which is what the difference is made of.
+float32 elements in each setting, which is what the difference is made of. Below the
+table: the per-step row exchange's own cost (``distributed.check_rows``, through the
+coordination service) and a ``reached_preemption`` call's, 1 and 2 processes.
 
     python benchmarks/multihost.py            # runs both settings, prints one table
 """
@@ -58,6 +60,16 @@ t0 = time.perf_counter()
 for _ in range(steps):
     allreduce(x).block_until_ready()
 out["allreduce_psi"] = (time.perf_counter() - t0) / steps
+p = zd._progress  # the per-step row exchange of the steps above (host batches)
+out["exchange"] = (p["exchange_s"] - p["exchange_wait_s"]) / max(p["exchanges"], 1)
+out["exchange_wait"] = p["exchange_wait_s"] / max(p["exchanges"], 1)
+out["exchanges"] = p["exchanges"]
+from zerojax import preemption
+preemption.reached_preemption(0)  # installs the handler
+t0 = time.perf_counter()
+for i in range(1, 20001):
+    preemption.reached_preemption(i)
+out["preemption_call"] = (time.perf_counter() - t0) / 20000
 if jax.process_index() == 0:
     print("RESULT" + json.dumps(out), flush=True)
 """
@@ -100,6 +112,11 @@ def main() -> None:
               f"{two[key] / one[key]:.2f} | {(two[key] - one[key]) * 1e3 / n:.2f} |")
     print(f"| whole run incl. start-up (s) | | {one['wall']:.1f} | {two['wall']:.1f} | "
           f"{two['wall'] / one['wall']:.2f} | |")
+    print(f"\nper step call, process 0 (2 x 4): the row exchange's own requests "
+          f"{two['exchange'] * 1e3:.2f} ms a step ({two['exchanges']} steps; waiting for "
+          f"the later peer {two['exchange_wait'] * 1e3:.2f} ms more, not counted); "
+          f"mgr.reached_preemption {two['preemption_call'] * 1e6:.2f} us a call with 2 "
+          f"processes, {one['preemption_call'] * 1e6:.2f} us with 1 (20,000 calls)")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ TIMED = (
     (1, True, 2**16),
     (1, True, 2**14),
 )
+# --bucket-sweep: stage 3 (prefetch on) from unbucketed to 2**14-element buckets
+SWEEP = tuple((3, True, b) for b in (None, 2**18, 2**17, 2**16, 2**15, 2**14))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_mlp_flags(parser)
     add_run_flags(parser, steps=10, warmup=2)
+    parser.add_argument("--bucket-sweep", action="store_true",
+                        help="only the step-time table, for stage 3 at bucket_size None, "
+                             "2**18 ... 2**14 (the time follows the collectives' count)")
     args = parser.parse_args(argv)
     check_counts(parser, args, ("width", "layers", "batch", "devices", "steps"))
     return args
@@ -79,7 +84,7 @@ def main(argv=None) -> None:
     import optax
 
     import zerojax
-    from zerojax.analysis import collective_counts, compiled_memory, device_bytes
+    from zerojax.analysis import compiled_memory, device_bytes
 
     mesh, params, psi, loss_fn, batch = mlp_problem(False, args.width, args.layers,
                                                     args.batch)
@@ -88,7 +93,7 @@ def main(argv=None) -> None:
 
     # -- 1. bf16 mixed precision: model state and peak per stage ---------------------
     mixed = {}
-    for stage in STAGES:
+    for stage in () if args.bucket_sweep else STAGES:
         opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage, param_dtype=jnp.bfloat16)
         state = opt.init_state(params)
         step = opt.train_step(loss_fn)
@@ -100,11 +105,19 @@ def main(argv=None) -> None:
         }
         del state
 
+    if not args.bucket_sweep:
+        print_mixed(mixed, args, n, psi, platform, jax.__version__)
+    timed(args, mesh, params, psi, loss_fn, batch, n, platform)
+
+
+def print_mixed(mixed, args, n, psi, platform, version) -> None:
+    import zerojax
+
     print(f"bf16 mixed precision, N={n}: MLP (layers written out), width {args.width}, "
           f"{args.layers} layers, Psi = {psi:,} parameters; batch {args.batch}; "
           f"{n} {platform} devices; adam, param_dtype=bfloat16 (fp32 master weights in "
           f"the optimizer state); formula = 2 Psi params + 12 Psi optimizer state, "
-          f"partitioned per stage; jax {jax.__version__}")
+          f"partitioned per stage; jax {version}")
     print()
     print("| stage | Ψ | model state / device (MiB) | formula (MiB) | measured / formula "
           "| peak / device (MiB) | peak vs 0 |")
@@ -117,9 +130,17 @@ def main(argv=None) -> None:
               f"| {run['peak'] / mixed[0]['peak']:.2f} |")
     print()
 
-    # -- 2. step time of prefetch and bucket options --------------------------------
+
+def timed(args, mesh, params, psi, loss_fn, batch, n, platform) -> None:
+    """-- 2. step time of prefetch and bucket options (or --bucket-sweep's)."""
+    import jax
+    import optax
+
+    import zerojax
+    from zerojax.analysis import collective_counts, compiled_memory
+
     runs = []
-    for stage, prefetch, bucket in TIMED:
+    for stage, prefetch, bucket in SWEEP if args.bucket_sweep else TIMED:
         opt = zerojax.zero(optax.adam(1e-3), mesh, stage=stage, prefetch=prefetch,
                            bucket_size=bucket)
         state = opt.init_state(params)
