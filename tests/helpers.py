@@ -125,3 +125,32 @@ def cached_gpt_params(model, seed=0):
     takes seconds) and handed out as fresh arrays each call (a donated state never
     deletes the cached copy)."""
     return jax.tree.map(jnp.asarray, _host_gpt_params(model.config, seed))
+
+
+def cli_env() -> dict:
+    """The environment of a fresh ``python -m zerojax.cli`` process: unbuffered, CPU,
+    without this process's XLA_FLAGS (``--devices`` sets the count there)."""
+    import os
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def sigterm_at_first_step(argv: list, timeout: float = 300) -> tuple[int, str]:
+    """Run ``python -m zerojax.cli ARGV`` (a training command with --no-progress), send
+    it SIGTERM once its first step's line ("  step     0") is printed; its exit status
+    and output."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "zerojax.cli", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=cli_env())
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("  step     0"):  # the loop runs (and asks each step)
+            proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout), "".join(lines)

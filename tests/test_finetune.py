@@ -6,11 +6,7 @@ its config.json says the files' dtype."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -110,19 +106,11 @@ def test_finetune_stops_for_preemption_and_resumes(hf_dir, tmp_path, capsys):
     out, ck = tmp_path / "tuned", tmp_path / "ckpt"
     argv = ["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out), "--batch", "8",
             "--seq", "16", "--ckpt-dir", str(ck), "--png", "", "--no-progress"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # --devices 8 sets them in the fresh process
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "zerojax.cli", *argv, "--steps", "5000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("  step     0"):  # the loop runs (and asks each step)
-            proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 0, "".join(lines)[-3000:]
-    log = "".join(lines)
+    from helpers import sigterm_at_first_step
+
+    t0 = time.monotonic()  # a fresh process: --devices 8 (the default) sets the count
+    code, log = sigterm_at_first_step([*argv, "--steps", "5000"])
+    assert code == 0, log[-3000:]
     match = re.search(r"zerojax finetune: stopped for preemption \(SIGTERM\) at step (\d+)",
                       log)
     assert match, log[-3000:]

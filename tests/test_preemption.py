@@ -161,21 +161,15 @@ TRAIN = ["--steps", "600", "--layers", "1", "--hidden", "32", "--heads", "2", "-
 
 @pytest.mark.slow
 def test_zerojax_train_stops_for_preemption_and_resumes(tmp_path):
-    cmd = [sys.executable, "-m", "zerojax.cli", "train", *TRAIN, "--ckpt-dir",
-           str(tmp_path / "ckpt")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    from helpers import cli_env, sigterm_at_first_step
+
+    argv = ["train", *TRAIN, "--ckpt-dir", str(tmp_path / "ckpt")]
+    cmd = [sys.executable, "-m", "zerojax.cli", *argv]
+    env = cli_env()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("  step     0"):  # the loop runs (and asks each step)
-            proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    code, log = sigterm_at_first_step(argv)
+    assert code == 0, log[-3000:]
     took1 = time.monotonic() - t0
-    log = "".join(lines)
     match = re.search(r"zerojax train: stopped for preemption \(SIGTERM\) at step (\d+)", log)
     assert match, log[-3000:]
     at = int(match.group(1))
