@@ -85,3 +85,32 @@ def time_interleaved(runs, warmup: int, steps: int) -> None:
             jax.block_until_ready((run["state"], metrics))
             if i >= warmup:
                 run["times"].append(time.perf_counter() - start)
+
+
+def launch_worker(worker: str, nproc: int, per: int, args: list, timeout: float = 1200
+                  ) -> dict:
+    """Run the program text ``worker`` in ``nproc`` processes x ``per`` CPU devices
+    (``python -m zerojax.cli.launch``) with ``args``; the JSON its process 0 printed
+    after ``RESULT``, with ``wall`` (seconds, start-up included) added."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(worker)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "zerojax.cli.launch", "--nproc", str(nproc),
+                               "--devices-per-proc", str(per), f.name, *map(str, args)],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+        wall = time.perf_counter() - t0
+    finally:
+        os.remove(f.name)
+    if proc.returncode:
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    line = next(x for x in proc.stdout.splitlines() if "RESULT" in x)
+    result = json.loads(line.split("RESULT", 1)[1])
+    result["wall"] = wall
+    return result

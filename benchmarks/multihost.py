@@ -11,10 +11,8 @@ coordination service) and a ``reached_preemption`` call's, 1 and 2 processes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
+
+from _common import launch_worker
 
 CFG = dict(vocab=128, seq=64, layers=4, hidden=128, heads=4)
 BATCH, STEPS, WARMUP = 32, 20, 3
@@ -76,25 +74,7 @@ if jax.process_index() == 0:
 
 
 def run(nproc: int, per: int) -> dict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multihost_worker.py")
-    with open(path, "w") as f:
-        f.write(_WORKER)
-    try:
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "zerojax.cli.launch", "--nproc", str(nproc),
-                               "--devices-per-proc", str(per), path, json.dumps(CFG),
-                               str(BATCH), str(STEPS), str(WARMUP)],
-                              capture_output=True, text=True, env=env, timeout=1200)
-        wall = time.perf_counter() - t0
-    finally:
-        os.remove(path)
-    if proc.returncode:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    line = next(x for x in proc.stdout.splitlines() if "RESULT" in x)
-    result = json.loads(line.split("RESULT", 1)[1])
-    result["wall"] = wall
-    return result
+    return launch_worker(_WORKER, nproc, per, [json.dumps(CFG), BATCH, STEPS, WARMUP])
 
 
 def main() -> None:

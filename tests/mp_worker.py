@@ -1,10 +1,11 @@
 """The program each process runs in tests/test_multiprocess.py (started by
 ``zerojax launch`` / ``python -m zerojax.launch``). Modes:
 
-* ``train OUT CKPT_SAVE CKPT_LOAD``: the CONFIGS (stages 1, 2, 3; 2 and 3 with offload)
-  for 10 steps on the awkward model, each process feeding its slice of the global
-  batch (host arrays on even steps, a global jax.Array on odd ones); process 0 writes
-  the final full params of each to OUT/stage{name}.npz. The offloaded stage 3 saves its
+* ``train OUT CKPT_SAVE CKPT_LOAD``: the CONFIGS (stages 1, 2, 3; 2 and 3 with offload;
+  0, 2 and 3 with deterministic_reduce) for 10 steps on the awkward model, each process
+  feeding its slice of the global batch (host arrays on even steps, a global jax.Array
+  on odd ones); process 0 writes the final full params of each to OUT/stage{name}.npz
+  and its 10 losses to OUT/losses{name}.npy. The offloaded stage 3 saves its
   state to OUT/offloaded; plain stage 3 saves its final state to CKPT_SAVE (every
   process writes its own shards), and restores CKPT_LOAD (saved by one process) and
   writes its full params to OUT/restored.npz. Process 0 prints the per-step row
@@ -49,7 +50,10 @@ assert jax.process_count() == 2 and len(jax.devices()) == 8, (jax.process_count(
 # (stage, options) trained in "train" mode, named as test_multiprocess.CONFIGS names them
 CONFIGS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),
            "2-offload": (2, {"offload_optimizer": True}),
-           "3-offload": (3, {"offload_optimizer": True, "offload_params": True})}
+           "3-offload": (3, {"offload_optimizer": True, "offload_params": True}),
+           "0-det": (0, {"deterministic_reduce": True}),
+           "2-det": (2, {"deterministic_reduce": True, "bucket_size": 512}),
+           "3-det": (3, {"deterministic_reduce": True, "max_grad_norm": 0.5})}
 
 
 def make(stage, **options):
@@ -79,13 +83,17 @@ if mode == "train":
         state = opt.init_state(awkward_params())
         step = opt.train_step(awkward_loss)
         rows = NamedSharding(opt.mesh, P("data"))
+        losses = []
         for i, b in enumerate(regression_batches(10)):
             local = zd.split_batch(b)
             if i % 2:  # odd steps: a global jax.Array the user assembled, taken as it is
                 local = jax.tree.map(
                     lambda x, rows=rows: jax.make_array_from_process_local_data(rows, x), local)
             state, metrics = step(state, local)
+            losses.append(np.asarray(metrics["loss"]))
         save_npz(os.path.join(out, f"stage{name}.npz"), opt.full_params(state))
+        if jax.process_index() == 0:
+            np.save(os.path.join(out, f"losses{name}.npy"), np.stack(losses))
         print(f"stage {name} loss {float(metrics['loss']):.6f}", flush=True)
         if name == "3-offload":  # an offloaded state, saved by both processes
             with CheckpointManager(os.path.join(out, "offloaded")) as offloaded:

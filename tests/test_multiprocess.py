@@ -55,6 +55,10 @@ def launch(*args, timeout=420, env=None, how="module"):
 CONFIGS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),  # as mp_worker.CONFIGS
            "2-offload": (2, {"offload_optimizer": True}),
            "3-offload": (3, {"offload_optimizer": True, "offload_params": True})}
+# mp_worker.CONFIGS' last three: every sum over the batch in device order
+DETERMINISTIC = {"0-det": (0, {"deterministic_reduce": True}),
+                 "2-det": (2, {"deterministic_reduce": True, "bucket_size": 512}),
+                 "3-det": (3, {"deterministic_reduce": True, "max_grad_norm": 0.5})}
 
 
 def make(stage, **options):
@@ -88,9 +92,9 @@ def two_process_run(tmp_path_factory):
 
 
 def test_the_row_exchange_runs_every_step(two_process_run):
-    # 5 configs x 10 steps, host batches and global jax.Arrays alike, every one checked
+    # 8 configs x 10 steps, host batches and global jax.Arrays alike, every one checked
     line = next(x for x in two_process_run[2].splitlines() if "row exchange:" in x)
-    assert "row exchange: 50 steps" in line, line
+    assert f"row exchange: {10 * (len(CONFIGS) + len(DETERMINISTIC))} steps" in line, line
     cost_ms = float(line.split(", ")[1].split(" ms")[0])
     print(f"per-step row exchange (coordination service, 2 processes): {line}")
     # its own requests (set, directory read, delete): 0.5 ms on an idle machine, 67 ms
@@ -123,6 +127,31 @@ def test_two_processes_match_one_process(two_process_run, name):
     # 2-process vs 1-process ~1e-7 after 10 adam steps; core adam parity 2e-6
     assert max_rel_err(one, got) <= 2e-6
     assert max_rel_err(ref, got) <= 2e-6
+
+
+@pytest.mark.parametrize("name", list(DETERMINISTIC))
+def test_deterministic_reduce_two_processes_bitwise_like_one(two_process_run, name):
+    # issue 41: with deterministic_reduce, gloo only moves the bytes (all-to-all,
+    # all-gather) and every device adds the same values in the same order, so 2
+    # processes x 4 devices train as 1 process x 8: losses and params, bit for bit
+    d, _, out = two_process_run
+    assert f"[0] stage {name} loss" in out and f"[1] stage {name} loss" in out
+    got = [np.load(d / f"losses{name}.npy"), *leaves(d / f"stage{name}.npz")]
+    stage, options = DETERMINISTIC[name]
+    opt = make(stage, **options)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    losses = []
+    for b in regression_batches(10):
+        state, metrics = step(state, b)
+        losses.append(np.asarray(metrics["loss"]))
+    want = [np.stack(losses), *map(np.asarray, jax.tree.leaves(opt.full_params(state)))]
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    if "max_grad_norm" not in options:  # and right: plain Adam on one device
+        assert max_rel_err(jax.tree.leaves(_reference()), want[1:]) <= 2e-6
+    print(f"{name}: 2 processes x 4 = 1 x 8 bitwise ({len(want) - 1} leaves, 10 losses)")
 
 
 def test_save_in_two_processes_restore_in_one_and_back(two_process_run):

@@ -8,6 +8,12 @@ Volumes, per device, in elements of the full tensor (the paper's convention):
   * ``reduce_scatter_local``: Psi (the gradient is summed and each device keeps 1/N);
   * ``gather_local``: Psi (each device receives the N-1 other shards);
   * ``all_reduce_local``: 2 Psi (a reduce-scatter followed by an all-gather).
+
+``deterministic_reduce`` (:data:`ORDERED`): every cross-device sum of the step is an
+all-to-all followed by a local sum in device-index order (:func:`ordered_sum_scatter`,
+:func:`ordered_all_reduce`, :func:`ordered_psum`), so its rounding does not depend on
+the backend's reduction algorithm (gloo's ring across processes, NCCL's trees) or on
+how the devices are spread over processes. Same volumes as above.
 """
 
 from __future__ import annotations
@@ -58,6 +64,90 @@ def after(x: jax.Array, probe) -> jax.Array:
     p = jnp.real(probe) if jnp.iscomplexobj(probe) else probe
     zero = jnp.where(jnp.isfinite(p), jnp.abs(p) * jnp.zeros((), p.dtype), jnp.zeros((), p.dtype))
     return x - zero.astype(x.dtype)
+
+
+# ``grad_bits`` / ``bits`` value of the gradient reductions under deterministic_reduce
+# (ZeroConfig.grad_bits): the exact sums, each as an all-to-all + an ordered local sum.
+ORDERED = "ordered"
+
+
+def _ordered(bits) -> bool:
+    return isinstance(bits, str) and bits == ORDERED
+
+
+def _quantized(bits) -> bool:
+    return bits is not None and not _ordered(bits)
+
+
+def _axes_size(axis) -> int:
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _sum_rows(rows: jax.Array) -> jax.Array:
+    """``rows[0] + rows[1] + ... + rows[n-1]``, added in that order (16-bit floats in
+    float32, rounded once at the end, as XLA:CPU's promoted collectives do)."""
+    dt = rows.dtype
+    wide = (jnp.float32 if jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize < 4
+            else dt)
+    acc = rows[0].astype(wide)
+    for i in range(1, rows.shape[0]):
+        acc = acc + rows[i].astype(wide)
+    return acc.astype(dt)
+
+
+def _all_to_all(x: jax.Array, axis) -> jax.Array:
+    """``all_to_all(x, axis, 0, 0, tiled=True)``: row block i goes to device i, and the
+    result's row block i came from device i. 16-bit floats travel as their bits."""
+    if jnp.dtype(x.dtype) in _BITS:
+        raw = jax.lax.bitcast_convert_type(x, _BITS[jnp.dtype(x.dtype)])
+        out = jax.lax.all_to_all(raw, axis, 0, 0, tiled=True)
+        return jax.lax.bitcast_convert_type(out, x.dtype)
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+def ordered_sum_scatter(x: jax.Array, dim: int, axis) -> jax.Array:
+    """``psum_scatter(x, axis, scatter_dimension=dim, tiled=True)`` as an all-to-all of
+    the N slices of ``dim`` (each device sends slice j to device j: (N-1)/N of ``x``,
+    a ring reduce-scatter's volume) and a sum of the N received slices in device-index
+    order (``axis`` a tuple: first axis major, as ``psum_scatter``'s). The rounding is
+    the same on any backend and any split of the devices over processes. The
+    received slices are one ``x``-sized buffer, held until they are summed."""
+    n = _axes_size(axis)
+    if n == 1:
+        return x
+    moved = jnp.moveaxis(x, dim, 0)
+    if moved.shape[0] % n:
+        raise ValueError(f"ordered_sum_scatter: dimension {dim} of shape {x.shape} does not "
+                         f"divide by the {n} devices of {axis!r}; pad it first.")
+    rows = moved.reshape(n, moved.shape[0] // n, *moved.shape[1:])
+    return jnp.moveaxis(_sum_rows(_all_to_all(rows, axis)), 0, dim)
+
+
+def ordered_all_reduce(x: jax.Array, axis) -> jax.Array:
+    """``psum(x, axis)`` as :func:`ordered_sum_scatter` of the flattened (zero-padded)
+    ``x`` and an all-gather of the sums: 2 Psi per device, as a ring all-reduce, and
+    bit-identical values on every device."""
+    n = _axes_size(axis)
+    if n == 1:
+        return x
+    flat = x.reshape(-1)
+    flat = jnp.pad(flat, (0, -flat.size % n))
+    part = ordered_sum_scatter(flat, 0, axis)
+    return all_gather_bits(part, axis, 0)[:x.size].reshape(x.shape)
+
+
+def ordered_psum(x: jax.Array, axis) -> jax.Array:
+    """``psum`` of a small value (a loss, a weight, a squared norm): every device
+    all-gathers the N values and adds them in device-index order."""
+    if _axes_size(axis) == 1:
+        return x
+    return _sum_rows(jax.lax.all_gather(x, axis, axis=0, tiled=False))
+
+
+def psum(x: jax.Array, axis, ordered: bool = False) -> jax.Array:
+    """``jax.lax.psum(x, axis)``; ``ordered`` (deterministic_reduce): :func:`ordered_psum`."""
+    return ordered_psum(x, axis) if ordered else jax.lax.psum(x, axis)
 
 
 def all_reduce_local(x: jax.Array, axis: str) -> jax.Array:
@@ -178,19 +268,20 @@ def _cat(parts: list):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def reduce_scatter_buckets(xs: list, dims: list[int], axis: str, bucket_size: int | None
-                           ) -> list:
+def reduce_scatter_buckets(xs: list, dims: list[int], axis: str, bucket_size: int | None,
+                           ordered: bool = False) -> list:
     """:func:`reduce_scatter_local` of each ``xs[j]`` along ``dims[j]``, fused into
-    buffers of at most ``bucket_size`` elements (None: one collective per leaf)."""
+    buffers of at most ``bucket_size`` elements (None: one collective per leaf).
+    ``ordered``: each one an :func:`ordered_sum_scatter`."""
+    scatter = ordered_sum_scatter if ordered else reduce_scatter_local
     if bucket_size is None:
-        return [reduce_scatter_local(x, d, axis) for x, d in zip(xs, dims)]
+        return [scatter(x, d, axis) for x, d in zip(xs, dims)]
     n = jax.lax.axis_size(axis)
     moved = [jnp.moveaxis(x, d, 0) for x, d in zip(xs, dims)]
     rows = [m.reshape(n, -1) for m in moved]
     out: list = [None] * len(xs)
     for idx in _by_dtype(xs).values():
-        pieces = _run_buckets(rows, idx, bucket_size // n, lambda buf: jax.lax.psum_scatter(
-            buf, axis, scatter_dimension=0, tiled=True))
+        pieces = _run_buckets(rows, idx, bucket_size // n, lambda buf: scatter(buf, 0, axis))
         for j in idx:
             shard_shape = (moved[j].shape[0] // n, *moved[j].shape[1:])
             out[j] = jnp.moveaxis(_cat(pieces[j]).reshape(shard_shape), 0, dims[j])
@@ -215,15 +306,18 @@ def gather_buckets(shards: list, dims: list[int], axis: str, bucket_size: int | 
     return out
 
 
-def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None) -> list:
+def all_reduce_buckets(xs: list, axis: str, bucket_size: int | None,
+                       ordered: bool = False) -> list:
     """:func:`all_reduce_local` of each ``xs[j]``, fused into buffers of at most
-    ``bucket_size`` elements (None: one collective per leaf)."""
+    ``bucket_size`` elements (None: one collective per leaf). ``ordered``: each one
+    an :func:`ordered_all_reduce`."""
+    reduce = ordered_all_reduce if ordered else all_reduce_local
     if bucket_size is None:
-        return [all_reduce_local(x, axis) for x in xs]
+        return [reduce(x, axis) for x in xs]
     rows = [x.reshape(1, -1) for x in xs]
     out: list = [None] * len(xs)
     for idx in _by_dtype(xs).values():
-        pieces = _run_buckets(rows, idx, bucket_size, lambda buf: jax.lax.psum(buf, axis))
+        pieces = _run_buckets(rows, idx, bucket_size, lambda buf: reduce(buf, axis))
         for j in idx:
             out[j] = _cat(pieces[j]).reshape(xs[j].shape)
     return out
@@ -277,10 +371,12 @@ def grad_reduce_scatter(xs: list, dims: list[int], axis, bucket_size: int | None
     ``bits`` (ZeRO++ qgZ, ``quantize_gradients``): an all-to-all of int8 (or packed
     int4) blocks plus float32 scales, summed in float32 after dequantization
     (:func:`zerojax.quant.quantized_reduce_scatter`; hierarchical, inner axis first,
-    when ``axis`` is a tuple such as ``("replica", "data")``). None: exact."""
-    if bits is not None:
+    when ``axis`` is a tuple such as ``("replica", "data")``). None: exact.
+    :data:`ORDERED` (``deterministic_reduce``): exact, each reduce-scatter an
+    :func:`ordered_sum_scatter`."""
+    if _quantized(bits):
         return [_quantized_reduce_scatter(x, d, axis, bits) for x, d in zip(xs, dims)]
-    return reduce_scatter_buckets(xs, dims, axis, bucket_size)
+    return reduce_scatter_buckets(xs, dims, axis, bucket_size, ordered=_ordered(bits))
 
 
 def _nan_to_inf(x: jax.Array) -> jax.Array:
@@ -354,9 +450,9 @@ def reduce_across(shards: list, dims: list[int], axis: str, op: str,
     if not _live_axes(axis):
         return list(shards)
     if op == "all_reduce":
-        if bits is not None:
+        if _quantized(bits):
             return [_quantized_all_reduce(x, axis, bits) for x in shards]
-        return all_reduce_buckets(shards, axis, bucket_size)
+        return all_reduce_buckets(shards, axis, bucket_size, ordered=_ordered(bits))
     if op == "reduce_scatter":
         return grad_reduce_scatter(shards, dims, axis, bucket_size, bits)
     raise ValueError(f"reduce_across: op={op!r} is not 'all_reduce' or 'reduce_scatter'.")
@@ -512,7 +608,8 @@ def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
 
 
 __all__ = [
-    "model_local", "after", "all_reduce_local", "reduce_scatter_local", "gather_local",
+    "model_local", "after", "ORDERED", "ordered_sum_scatter", "ordered_all_reduce",
+    "ordered_psum", "psum", "all_reduce_local", "reduce_scatter_local", "gather_local",
     "all_gather_bits",
     "make_param_use", "param_gather", "grad_reduce_scatter", "reduce_across",
     "refresh_secondary", "primary_slice",

@@ -195,6 +195,22 @@ class ZeroConfig:
         reduce-scatter bytes (int8: 0.2505); int4 at block 2048 + round-to-nearest
         (the default before, ``quantize_gradients_block=2048,
         quantize_gradients_rounding="nearest"``) sends 0.1255 and ends +0.063 above.
+      deterministic_reduce: every sum the step takes over the batch (data) axes (the
+        gradient reduce-scatters and all-reduces, the loss, a weighted loss's weight,
+        the squared norm for ``max_grad_norm`` and the overflow check) is an
+        all-to-all followed by a local sum in device-index order
+        (:func:`zerojax.collectives.ordered_sum_scatter`): the same traffic as a ring
+        reduce-scatter, and a rounding that depends on neither the backend's reduction
+        algorithm nor how the devices are spread over processes: 2 processes x 4 CPU
+        devices (gloo) train the tests' model bitwise as 1 process x 8 devices with
+        the option (without: ~1e-7 apart). Bitwise also needs the same per-device
+        arithmetic, which XLA:CPU varies with the devices per process on larger
+        kernels (docs/multihost.md). On one process it is within float32 rounding of
+        the default, not bitwise. Sums the compiler inserts
+        itself are not covered: over a ``model`` axis, or inside the optax
+        transformation (``optax.clip_by_global_norm`` in a chain; use
+        ``max_grad_norm``). With ``quantize_gradients``, the gradients take qgZ's own
+        all-to-all and the rest is ordered.
     """
 
     stage: int = 1
@@ -227,6 +243,7 @@ class ZeroConfig:
     quantize_gradients: str | None = None
     quantize_gradients_block: int | None = None
     quantize_gradients_rounding: str | None = None
+    deterministic_reduce: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -272,7 +289,7 @@ class ZeroConfig:
                       "overflows tolerated before the scale backs off")
         if self.bucket_size is not None:
             _positive_int("bucket_size", self.bucket_size, "elements per collective buffer")
-        for name in ("prefetch", "donate", "has_aux"):
+        for name in ("prefetch", "donate", "has_aux", "deterministic_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("offload_optimizer", "offload_params"):
@@ -386,8 +403,13 @@ class ZeroConfig:
     def grad_bits(self) -> Any:
         """qgZ's gradient reduce-scatters (None: exact): a
         :class:`zerojax.quant.GradQuant` (bits, block, rounding), the options left None
-        filled in from :data:`zerojax.quant.GRAD_DEFAULTS`."""
+        filled in from :data:`zerojax.quant.GRAD_DEFAULTS`; with ``deterministic_reduce``
+        and no quantization, :data:`zerojax.collectives.ORDERED` (exact, in device order)."""
         if self.quantize_gradients is None:
+            if self.deterministic_reduce:
+                from zerojax.collectives import ORDERED
+
+                return ORDERED
             return None
         from zerojax.quant import grad_quant
 

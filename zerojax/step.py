@@ -163,6 +163,9 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                        and mesh.shape[a] > 1), None)
     model_size = int(mesh.shape[model_axis]) if model_axis else 1
     widen = model_axis is not None and mesh.devices.flat[0].platform == "cpu"
+    # deterministic_reduce: every sum over the batch axes in device-index order
+    # (C.ORDERED rides in cfg.grad_bits to the gradient reduce-scatters)
+    ordered = cfg.deterministic_reduce
 
     def grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng=None):
         leaves, treedef = jax.tree.flatten(params)
@@ -246,7 +249,7 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
 
                 out, vjp, (loss, weight, aux) = jax.vjp(g, *primals, has_aux=True)
                 if weighted:
-                    w = jax.lax.psum(weight, batch_axes)  # this micro-batch's global weight
+                    w = C.psum(weight, batch_axes, ordered)  # this micro-batch's global weight
                     c = jnp.where(w > 0, 1.0 / jnp.where(w > 0, w, 1.0), 0.0)
                 else:
                     w, c = None, jnp.asarray(1.0 / (n * k), jnp.float32)
@@ -338,7 +341,8 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             reduced = list(range(len(g))) if stage == 0 else replicated
             specs = tuple(lays[i].model_spec for i in reduced)
             out = C.model_local(
-                lambda *xs: tuple(C.all_reduce_buckets(list(xs), batch_axes, bucket)), specs,
+                lambda *xs: tuple(C.all_reduce_buckets(list(xs), batch_axes, bucket, ordered)),
+                specs,
                 specs,
             )(*[g[i].astype(red_dtypes[i]) for i in reduced])
             # stage 1: every partitioned leaf; stages 2-3: the leaves used more than once
@@ -382,9 +386,9 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             # replicated leaves, identical everywhere
             part_sq = sq([fin[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
             rep_sq = sq([fin[i] for i in (replicated if stage > 0 else range(len(g)))])
-            sum_sq = ((jax.lax.psum(part_sq, zero_axis) if stage > 0 and sharded else 0.0)
+            sum_sq = ((C.psum(part_sq, zero_axis, ordered) if stage > 0 and sharded else 0.0)
                       + rep_sq)
-            loss_sum = jax.lax.psum(loss_sum, batch_axes)
+            loss_sum = C.psum(loss_sum, batch_axes, ordered)
             if weighted:
                 loss = jnp.where(w_total > 0, loss_sum / jnp.where(w_total > 0, w_total, 1.0),
                                  0.0)
