@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import collectives as C, nvme, offload, partition as part
 from zerojax.config import ZeroConfig
 from zerojax.mesh import REPLICA, check_mesh, constrain
+from zerojax.nvme_step import NvmeTrainStep
 from zerojax.state import LossScaleState, MasterState, TrainState
 from zerojax.step import TrainStep, build_train_step
 
@@ -763,6 +764,8 @@ class ZeroOptimizer:
         if not isinstance(weighted, bool):
             raise ValueError(f"weighted={weighted!r} must be True or False.")
         aux = self.config.has_aux if has_aux is None else has_aux
+        if nvme.is_nvme(self.config):  # the state on disk: the gradient, then the update
+            return NvmeTrainStep(loss_fn, self, bool(aux), weighted)  # bucket by bucket
         return build_train_step(loss_fn, self, bool(aux), weighted)
 
     def _weights(self, state: TrainState):

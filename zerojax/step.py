@@ -791,8 +791,9 @@ def _check_bucket_count(logical: Any, opt) -> None:
 def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
                      ) -> TrainStep:
     cfg, mesh, axis = opt.config, opt.mesh, opt.zero_axis
-    if nvme.is_nvme(cfg):  # the state on disk: the gradient, then the update bucket by bucket
-        return nvme.NvmeTrainStep(loss_fn, opt, has_aux, weighted)
+    if nvme.is_nvme(cfg):  # the tier's step sits above this module (imports run one way)
+        raise ValueError("offload_optimizer='nvme' runs zerojax.nvme_step.NvmeTrainStep: "
+                         "build the step with opt.step(loss_fn).")
     stage = cfg.stage
     hpz = opt.mode == "hpz"
     mixed = cfg.param_dtype is not None
