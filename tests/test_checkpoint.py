@@ -29,7 +29,7 @@ from helpers import (
 )
 
 import zerojax
-from zerojax import checkpoint
+from zerojax import checkpoint, checkpoint_reader
 from zerojax.checkpoint import CheckpointError, CheckpointManager, export_params, load_params
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -613,10 +613,10 @@ def test_chunk_table_reads_every_key_of_a_deep_ocdbt_tree(tmp_path):
 def test_chunk_crcs_match_the_bytes_across_read_buffers(tmp_path, monkeypatch):
     data = os.urandom(1000)
     (tmp_path / "f").write_bytes(data)
-    monkeypatch.setattr(checkpoint, "_CHUNK", 7)  # segments straddle many reads
-    monkeypatch.setattr(checkpoint, "_buffers", type(checkpoint._buffers)())
+    monkeypatch.setattr(checkpoint_reader, "_CHUNK", 7)  # segments straddle many reads
+    monkeypatch.setattr(checkpoint_reader, "_buffers", type(checkpoint_reader._buffers)())
     segments = [(500, 499), (0, 13), (13, 1), (14, 300), (990, 20)]  # the last is cut short
-    size, crc, crcs = checkpoint._crc(str(tmp_path / "f"), segments)
+    size, crc, crcs = checkpoint_reader._crc(str(tmp_path / "f"), segments)
     assert (size, crc) == (1000, zlib.crc32(data))
     assert crcs == [zlib.crc32(data[o:o + n]) for o, n in segments]
 

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from zerojax import hostmem, load as ld
-from zerojax.checkpoint import CheckpointManager, _resolve
+from zerojax.checkpoint_reader import CheckpointReader, resolve
 from zerojax.formats import (  # noqa: F401 (tensor_names, load_params, *hf_config*: re-exported)
     _RESERVED,
     _check_stored,
@@ -354,9 +354,9 @@ class _CheckpointSource:
     """A checkpoint step's params leaves, read with orbax a batch at a time."""
 
     def __init__(self, directory, step, verify):
-        self.step, root, meta = _resolve(directory, step)
+        self.step, root, meta = resolve(directory, step)
         if verify:
-            CheckpointManager(directory, max_to_keep=None, _reader=True).verify(self.step)
+            CheckpointReader(directory).verify(self.step)
         self.state_dir = epath.Path(root) / "state"
         self.key = "master" if meta["has_master"] else "params"
         self.handler = ocp.PyTreeCheckpointHandler()  # a Checkpointer's restore is a barrier
