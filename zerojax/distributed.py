@@ -125,6 +125,18 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} must be an integer.") from None
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """Environment variable ``name`` as a number of seconds (``default`` when unset)."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be a number of "
+                         "seconds.") from None
+
+
 def _cluster_detected() -> bool:
     """Whether JAX's own cluster detection finds a multi-process environment that
     :mod:`zerojax.launchers` does not read (Cloud TPU; Kubernetes through its API).
@@ -277,23 +289,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if heartbeat_timeout is None:
         heartbeat_timeout = _env_int(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
     if progress_timeout is None:
-        env = os.environ.get(ENV_PROGRESS)
-        try:
-            progress_timeout = float(env) if env not in (None, "") else DEFAULT_PROGRESS_TIMEOUT
-        except ValueError:
-            raise ValueError(f"environment variable {ENV_PROGRESS}={env!r} must be a number "
-                             "of seconds.") from None
+        progress_timeout = _env_seconds(ENV_PROGRESS, DEFAULT_PROGRESS_TIMEOUT)
     if (isinstance(progress_timeout, bool) or not isinstance(progress_timeout, int | float)
             or not progress_timeout >= 0):
         raise ValueError(f"progress_timeout={progress_timeout!r} must be a number of seconds "
                          ">= 0 (0 turns the check off).")
     if stall_floor is None:
-        env = os.environ.get(ENV_STALL)
-        try:
-            stall_floor = float(env) if env not in (None, "") else STALL_FLOOR
-        except ValueError:
-            raise ValueError(f"environment variable {ENV_STALL}={env!r} must be a number "
-                             "of seconds.") from None
+        stall_floor = _env_seconds(ENV_STALL, STALL_FLOOR)
     if (isinstance(stall_floor, bool) or not isinstance(stall_floor, int | float)
             or not stall_floor > 0):
         raise ValueError(f"stall_floor={stall_floor!r} must be a number of seconds > 0.")
