@@ -53,7 +53,9 @@ def _graph() -> dict[str, dict[str, list[str]]]:
     """``{importer: {imported: ["file:line", ...]}}`` between zerojax's modules: every
     ``import`` and ``from ... import`` at any depth (inside functions too), relative ones
     resolved; ``from zerojax import x`` counts as importing the module ``zerojax.x``
-    where that is a module, else the package ``zerojax``."""
+    where that is a module, else the package ``zerojax``. Importing ``zerojax.a.b`` from
+    outside ``zerojax.a`` runs ``zerojax/a/__init__.py`` too: an edge to ``zerojax.a``
+    as well (the top package ``zerojax``, which every import runs first, is left out)."""
     modules = _modules()
     graph: dict[str, dict[str, list[str]]] = {}
     for name, path in modules.items():
@@ -70,8 +72,16 @@ def _graph() -> dict[str, dict[str, list[str]]]:
                            for a in node.names]
             else:
                 continue
+            parents = set()
             for target in targets:
                 while target and target not in modules:  # zerojax.x.attr -> zerojax.x
+                    target = target.rpartition(".")[0]
+                parent = target.rpartition(".")[0]
+                while parent.count(".") >= 1 and not (name + ".").startswith(parent + "."):
+                    parents.add(parent)  # a subpackage's __init__ (zerojax.models)
+                    parent = parent.rpartition(".")[0]
+            for target in [*targets, *sorted(parents)]:
+                while target and target not in modules:
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
@@ -124,6 +134,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
     assert "zerojax.step" in graph["zerojax.nvme_step"]  # module level
     assert "zerojax.nvme" in graph["zerojax.config"]     # inside ZeroConfig.__post_init__
     assert "zerojax.cli.command" in graph["zerojax.cli.__main__"]  # relative or not
+    assert "zerojax.models" in graph["zerojax.analysis.plan"]  # models/__init__.py runs
     assert len(_modules()) > 40 and sum(map(len, graph.values())) > 100
 
 

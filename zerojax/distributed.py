@@ -115,26 +115,17 @@ EXIT_FAILURE = 1  # a rank that raised or stalled
 _initialized = False
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer.") from None
-
-
-def _env_seconds(name: str, default: float) -> float:
-    """Environment variable ``name`` as a number of seconds (``default`` when unset)."""
+def _env_number(name: str, kind: type = int, default: float | None = None) -> float | None:
+    """Environment variable ``name`` as an int (``kind=float``: a number of seconds);
+    ``default`` when it is unset or empty."""
     value = os.environ.get(name)
     if value in (None, ""):
         return default
     try:
-        return float(value)
+        return kind(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be a number of "
-                         "seconds.") from None
+        what = "an integer" if kind is int else "a number of seconds"
+        raise ValueError(f"environment variable {name}={value!r} must be {what}.") from None
 
 
 def _cluster_detected() -> bool:
@@ -287,15 +278,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _initialized = True
         return jax.process_count() > 1
     if heartbeat_timeout is None:
-        heartbeat_timeout = _env_int(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
+        heartbeat_timeout = _env_number(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
     if progress_timeout is None:
-        progress_timeout = _env_seconds(ENV_PROGRESS, DEFAULT_PROGRESS_TIMEOUT)
+        progress_timeout = _env_number(ENV_PROGRESS, float, DEFAULT_PROGRESS_TIMEOUT)
     if (isinstance(progress_timeout, bool) or not isinstance(progress_timeout, int | float)
             or not progress_timeout >= 0):
         raise ValueError(f"progress_timeout={progress_timeout!r} must be a number of seconds "
                          ">= 0 (0 turns the check off).")
     if stall_floor is None:
-        stall_floor = _env_seconds(ENV_STALL, STALL_FLOOR)
+        stall_floor = _env_number(ENV_STALL, float, STALL_FLOOR)
     if (isinstance(stall_floor, bool) or not isinstance(stall_floor, int | float)
             or not stall_floor > 0):
         raise ValueError(f"stall_floor={stall_floor!r} must be a number of seconds > 0.")
@@ -305,9 +296,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             raise ValueError(f"{name}={value!r} must be a positive number of seconds (int).")
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
+        num_processes = _env_number(ENV_NUM_PROCESSES)
     if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
+        process_id = _env_number(ENV_PROCESS_ID)
     if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
         _initialized = True  # one process on purpose (ZEROJAX_NUM_PROCESSES=1), whatever
         return False         # a launcher's variables say
