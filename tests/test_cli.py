@@ -250,6 +250,23 @@ def test_train_on_a_data_by_model_mesh(capsys):
     assert "data=4 x model=2" in out
 
 
+def test_train_with_seq_parallel(capsys):
+    """zerojax train --seq-parallel P: data x seq mesh, the model's sequence split;
+    refusals name the flags (seq and heads not divisible, too many devices)."""
+    code, out, _ = _exit_code(
+        ["train", "--seq-parallel", "2", "--steps", "2", "--layers", "1", "--hidden", "32",
+         "--heads", "2", "--seq", "16", "--batch", "8", "--corpus-mb", "0.2", "--png", "",
+         "--sample", "0", "--no-summary", "--no-progress"], capsys)
+    assert code == 0, out
+    assert "data=4 x seq=2 x model=1" in out
+    for args, msg in ((["--seq", "15"], "--seq 15 is not a multiple of --seq-parallel 2"),
+                      (["--heads", "1", "--hidden", "32"],
+                       "--heads 1 / --mp 1 is not a multiple of --seq-parallel 2"),
+                      (["--data", "8"], "--data 8 x --mp 1 x --seq-parallel 2 = 16 devices")):
+        code, _, err = _exit_code(["train", "--seq-parallel", "2", *args], capsys)
+        assert code == 2 and msg in err, err
+
+
 def test_corpus_is_the_standard_library_and_deterministic():
     a, b = demo.load_corpus(0.5), demo.load_corpus(0.5)
     assert a.chars == b.chars and (a.train == b.train).all()

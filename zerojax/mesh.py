@@ -9,12 +9,14 @@ from jax.sharding import AxisType, Mesh
 DATA = "data"
 MODEL = "model"
 REPLICA = "replica"  # the outer (node) axis of hierarchical sharding
+SEQ = "seq"  # sequence parallelism (Ulysses): the sequence dimension split over it
 
 
 def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
-              devices=None) -> Mesh:
-    """A ``jax.sharding.Mesh`` with axes ``("data", "model")``, or
-    ``("replica", "data", "model")`` when ``replica`` is given.
+              seq: int | None = None, devices=None) -> Mesh:
+    """A ``jax.sharding.Mesh`` with axes ``("data", "model")``, ``("replica", "data",
+    "model")`` when ``replica`` is given, and ``"seq"`` after ``"data"`` when ``seq``
+    is given (``("data", "seq", "model")``).
 
     Args:
       data: data-parallel degree (with ``replica``: devices per node); -1 takes all
@@ -27,6 +29,14 @@ def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
         ``model`` devices are consecutive in ``devices`` (on a multi-host pod, one
         replica per node). The batch is split over ``replica`` x ``data``; plain ZeRO
         partitions over both (``PartitionSpec(("replica", "data"))``).
+      seq: sequence parallelism (DeepSpeed-Ulysses): None (the default) no ``seq``
+        axis, the meshes of before; an int P: a ``seq`` axis of size P inside
+        ``data`` (each sequence group's devices consecutive). The batch is split over
+        ``data`` (and ``replica``) along its batch dimension and over ``seq`` along
+        its sequence dimension (dim 1); ZeRO treats the ``seq`` devices as data
+        parallel for the model states (stages 1-3 partition over ``("data",
+        "seq")``, the gradient reduction spans both). A model built with
+        ``seq_axis="seq"`` runs its attention Ulysses-style over it.
       devices: the devices to use (default: ``jax.devices()``, all processes).
 
     Raises:
@@ -42,34 +52,43 @@ def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
         raise ValueError(
             f"make_mesh: replica={replica!r} must be a positive int (the number of nodes "
             "the model state is replicated over) or None for no replica axis.")
-    r = 1 if replica is None else replica
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ValueError(
+            f"make_mesh: seq={seq!r} must be a positive int (the sequence-parallel degree: "
+            "devices each sequence is split over) or None for no seq axis.")
+    r = (1 if replica is None else replica) * (1 if seq is None else seq)
     if model == -1 and data == -1:
         raise ValueError("make_mesh: only one of data, model may be -1.")
     if data == -1:
         if n % (model * r):
             raise ValueError(
                 f"make_mesh: {n} devices do not divide by "
-                f"{'' if replica is None else f'replica={r} x '}model={model}; "
+                f"{_outer(replica, seq)}model={model}; "
                 f"choose degrees whose product divides {n}."
             )
         data = n // (model * r)
     if model == -1:
         if n % (data * r):
-            raise ValueError(f"make_mesh: {n} devices do not divide by data={data}"
-                             f"{'' if replica is None else f' x replica={r}'}.")
+            raise ValueError(f"make_mesh: {n} devices do not divide by "
+                             f"{_outer(replica, seq)}data={data}.")
         model = n // (data * r)
     if data * model * r != n:
-        what = f"data={data} x model={model}" if replica is None else (
-            f"replica={r} x data={data} x model={model}")
+        what = f"{_outer(replica, seq)}data={data} x model={model}"
         raise ValueError(
             f"make_mesh: {what} = {data * model * r} but there are {n} "
             "devices; pass data=-1 to use the rest, or pass devices=... with that many."
         )
-    if replica is None:
-        return Mesh(np.array(devs).reshape(data, model), (DATA, MODEL),
-                    axis_types=(AxisType.Auto, AxisType.Auto))
-    return Mesh(np.array(devs).reshape(r, data, model), (REPLICA, DATA, MODEL),
-                axis_types=(AxisType.Auto,) * 3)
+    names = ((REPLICA,) if replica is not None else ()) + (DATA,) + (
+        (SEQ,) if seq is not None else ()) + (MODEL,)
+    sizes = ((replica,) if replica is not None else ()) + (data,) + (
+        (seq,) if seq is not None else ()) + (model,)
+    return Mesh(np.array(devs).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _outer(replica: int | None, seq: int | None) -> str:
+    """``"replica=R x seq=P x "`` for the degrees given (make_mesh's messages)."""
+    return "".join(f"{name}={val} x " for name, val in (("replica", replica), ("seq", seq))
+                   if val is not None)
 
 
 def check_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:

@@ -52,8 +52,8 @@ class NvmeTrainStep:
         self._opt, self._cfg = opt, cfg
         self._has_aux = has_aux
         self._grad_fn = S.build_grad_fn(loss_fn, opt, has_aux, weighted)
-        self._plain = S.TrainStep(None, opt.mesh, opt.batch_size, opt.batch_axes,
-                                  cfg.accum_steps, None)
+        self._plain = S.TrainStep(None, opt.mesh, opt.row_size, opt.row_axes,
+                                  cfg.accum_steps, None, seq=S.seq_of(opt))
         # the gradients come out in the layout XLA gives them (Layout.AUTO: a kernel's
         # gradient column-major as its dot made it), as the one-program step hands them
         # to its update; each bucket program is then compiled for that layout (jit

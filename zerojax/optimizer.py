@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import collectives as C, nvme, offload, partition as part
 from zerojax.config import ZeroConfig
-from zerojax.mesh import REPLICA, check_mesh, constrain
+from zerojax.mesh import REPLICA, SEQ, check_mesh, constrain
 from zerojax.nvme_step import NvmeTrainStep
 from zerojax.state import LossScaleState, MasterState, TrainState
 from zerojax.step import TrainStep, build_train_step
@@ -268,7 +268,11 @@ class ZeroOptimizer:
           all-gather over ``replica`` away and the primary a local slice of it);
         * ``data_size``: the number of shards of that layout (N of the formulas);
         * ``batch_axes`` / ``batch_size``: the axes the batch is split over and their
-          device count (``data``, or ``("replica", "data")``);
+          device count (``data``, or ``("replica", "data")``; ``seq`` last with
+          sequence parallelism), the axes the loss and weights are summed over;
+        * ``row_axes`` / ``row_size``: those splitting the batch dimension (all but
+          ``seq``); ``seq_axis`` / ``seq_size``: the axis splitting the sequence
+          dimension (dim 1 of every batch leaf) and its size (None / 1 without one);
         * ``replica_axis``: the node axis of HSDP / hpZ (None for plain ZeRO);
         * ``param_axis`` / ``param_size``: where stage-3 params are held between steps
           and gathered from, and where gradients are reduce-scattered first (hpZ:
@@ -292,18 +296,35 @@ class ZeroOptimizer:
                 f"{shape[rep]} in mesh {shape}: with one node the secondary copy is the "
                 f"partition itself. Use plain stage 3 (drop hpz), or make_mesh(replica=R, "
                 f"data=D) with R > 1.")
-        self.batch_axes = (rep, data) if rep is not None else data
+        # sequence parallelism: a ``seq`` axis is data parallel for the model states
+        # (ZeRO partitions over it, the gradient reduction spans it) and splits the
+        # batch along its sequence dimension (dim 1) instead of the batch dimension
+        seq = SEQ if SEQ in shape and data != SEQ else None
+        if seq is not None and rep is not None and (cfg.hpz or cfg.replica_axis is not None):
+            given = "hpz=True" if cfg.hpz else f"replica_axis={cfg.replica_axis!r}"
+            raise ValueError(
+                f"{given} on a mesh with a {seq!r} axis (sequence parallelism) is not "
+                f"implemented: HSDP / hpZ keep the states whole over {rep!r} and the seq "
+                f"devices would need a level of their own. Use plain ZeRO over replica x "
+                f"data x seq (drop {given}), or make_mesh(...) without seq.")
+        self.seq_axis = seq
+        self.seq_size = int(shape[seq]) if seq is not None else 1
+        self.row_axes = (rep, data) if rep is not None else data  # the batch dimension
+        self.batch_axes = (*((rep,) if rep is not None else ()), data, seq) if seq else (
+            self.row_axes)
         if rep is None:
-            self.zero_axis, self.replica_axis, self.mode = data, None, "plain"
+            self.zero_axis, self.replica_axis, self.mode = (
+                (data, seq) if seq else data), None, "plain"
         elif cfg.hpz:
             self.zero_axis, self.replica_axis, self.mode = (data, rep), rep, "hpz"
         elif cfg.replica_axis is not None:
             self.zero_axis, self.replica_axis, self.mode = data, rep, "hsdp"
         else:  # plain ZeRO over every device of a mesh with a replica axis
-            self.zero_axis, self.replica_axis, self.mode = (rep, data), None, "plain"
+            self.zero_axis, self.replica_axis, self.mode = self.batch_axes, None, "plain"
         self.param_axis = data if cfg.hpz else self.zero_axis
         self.data_size = _axes_size(mesh, self.zero_axis)
         self.batch_size = _axes_size(mesh, self.batch_axes)
+        self.row_size = _axes_size(mesh, self.row_axes)
         self.param_size = _axes_size(mesh, self.param_axis)
 
     def param_layouts(self, layouts: Any) -> Any:

@@ -95,10 +95,38 @@ def _batch_dim(accum_steps: int) -> int:
     return 0 if accum_steps == 1 else 1
 
 
-def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1, where: str = "") -> None:
+def batch_spec(axis, accum_steps: int = 1, seq: tuple | None = None) -> P:
+    """Where a global batch leaf goes: ``axis`` (the data axes) on its batch dimension
+    (dim 0, or dim 1 after the micro-batches) and, with sequence parallelism (``seq =
+    (axis name, size)``), the ``seq`` axis on the dimension after it (the sequence)."""
+    dims = (axis,) + ((seq[0],) if seq else ())
+    return P(*dims) if accum_steps == 1 else P(None, *dims)
+
+
+def check_batch(batch: Any, n: int, axis: str, accum_steps: int = 1, where: str = "",
+                seq: tuple | None = None) -> None:
     """Every batch leaf must be ``(batch, ...)`` (or ``(accum_steps, batch, ...)``) with
-    ``batch`` divisible by the data degree."""
+    ``batch`` divisible by the data degree; with sequence parallelism (``seq = (axis
+    name, P)``) ``(batch, t, ...)`` with ``t`` divisible by P."""
     bdim = _batch_dim(accum_steps)
+    if seq is not None:
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            shape = getattr(x, "shape", None)
+            name = jax.tree_util.keystr(path)
+            if shape is None or len(shape) <= bdim + 1:
+                raise ValueError(
+                    f"batch leaf {name} has shape {shape}: with sequence parallelism "
+                    f"({seq[0]}={seq[1]}) every batch leaf is (batch, sequence, ...)"
+                    f"{' after accum_steps' if bdim else ''}, split over {seq[0]!r} along "
+                    f"dim {bdim + 1}; give per-token leaves (a per-example value repeated "
+                    f"along the sequence).")
+            if shape[bdim + 1] % seq[1]:
+                raise ValueError(
+                    f"batch leaf {name} has shape {tuple(shape)}: its sequence length "
+                    f"{shape[bdim + 1]} (dim {bdim + 1}) does not divide by the sequence-"
+                    f"parallel degree {seq[0]}={seq[1]}; use a sequence length that is a "
+                    f"multiple of {seq[1]} (pad it, with loss weights 0 on the padding), "
+                    f"or a smaller seq degree.")
     first = None  # (leaf name, batch size) of the first leaf
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         name = jax.tree_util.keystr(path)
@@ -155,7 +183,9 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     # all-reduce of replicated leaves); ``across``: the second level of the gradient
     # reduction over the replica axis (HSDP: all-reduce; hpZ: reduce-scatter).
     axis, zero_axis, batch_axes = opt.param_axis, opt.zero_axis, opt.batch_axes
-    n = opt.batch_size  # devices the batch is split over
+    n = opt.batch_size  # devices the batch is split over (seq included)
+    rows, seq_n = opt.row_size, opt.seq_size  # ... along its batch / sequence dimension
+    seq = (opt.seq_axis, seq_n) if opt.seq_axis is not None else None
     n_in = opt.param_size  # shards of ``axis``
     across = {"hsdp": "all_reduce", "hpz": "reduce_scatter"}.get(opt.mode)
     batch_names = set(batch_axes if isinstance(batch_axes, tuple) else (batch_axes,))
@@ -187,10 +217,14 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
         # The loss traced once, here (outside the shard_map), on whole-shape params and
         # one device's micro-batch; its sharding annotations are then made valid in the
         # per-device body, where "data" is manual.
+        def local_shape(shape):
+            b = shape[1:] if k > 1 else shape
+            if seq is None:
+                return (b[0] // rows, *b[1:])
+            return (b[0] // rows, b[1] // seq_n, *b[2:])
+
         local_struct = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                (x.shape[1] // n, *x.shape[2:]) if k > 1 else (x.shape[0] // n, *x.shape[1:]),
-                x.dtype), batch)
+            lambda x: jax.ShapeDtypeStruct(local_shape(x.shape), x.dtype), batch)
         full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
         keyed = rng is not None
 
@@ -209,7 +243,10 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
                     f"signature, or call the step without rng.") from None
 
         key_struct = [jax.ShapeDtypeStruct(rng.shape, rng.dtype)] if keyed else []
-        closed, out_shape = jax.make_jaxpr(call_loss, return_shape=True)(
+        # with sequence parallelism the loss's collectives over ``seq`` (Ulysses'
+        # all-to-alls) are traced with that axis bound, and run in the body
+        closed, out_shape = jax.make_jaxpr(
+            call_loss, return_shape=True, axis_env=[seq] if seq else None)(
             full_structs, local_struct, *key_struct)
         _split_out(out_shape, has_aux, weighted)
         out_tree = jax.tree.structure(out_shape)
@@ -397,10 +434,10 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
             return tuple(g), loss, aux, sum_sq
 
-        batch_spec = P(batch_axes) if k == 1 else P(None, batch_axes)
+        in_batch = batch_spec(opt.row_axes, k, seq)
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
-            body, mesh=mesh, in_specs=(param_specs, batch_spec, P(), P()),
+            body, mesh=mesh, in_specs=(param_specs, in_batch, P(), P()),
             out_specs=(grad_specs, P(), P(batch_axes), P()), axis_names=manual,
             check_vma=False,
         )(tuple(leaves), batch, scale_arg, rng)
@@ -483,11 +520,11 @@ class TrainStep:
     ``jitted`` is the underlying ``jax.jit`` function ``(state, batch, rng)``.
     """
 
-    def __init__(self, jitted, mesh, n: int, axis: str, accum_steps: int, opt=None):
+    def __init__(self, jitted, mesh, n: int, axis: str, accum_steps: int, opt=None,
+                 seq: tuple | None = None):
         self.jitted = jitted
-        spec = P(axis) if accum_steps == 1 else P(None, axis)
-        self._batch_sharding = NamedSharding(mesh, spec)
-        self._n, self._axis, self._k = n, axis, accum_steps
+        self._batch_sharding = NamedSharding(mesh, batch_spec(axis, accum_steps, seq))
+        self._n, self._axis, self._k, self._seq = n, axis, accum_steps, seq
         self._opt = opt
         self._checked: set = set()  # state signatures already checked
         # CPU: the metrics of the steps dispatched and maybe still running (_bound_in_flight)
@@ -503,7 +540,7 @@ class TrainStep:
     def check_batch(self, batch: Any) -> None:
         """Raise, naming the leaf and the fix, if ``batch`` (arrays or shapes) is not a
         global batch this step takes."""
-        check_batch(batch, self._n, self._axis, self._k)
+        check_batch(batch, self._n, self._axis, self._k, seq=self._seq)
 
     def place_batch(self, batch: Any) -> Any:
         """Check ``batch`` and split it over the data axis (a no-op if already placed).
@@ -526,7 +563,8 @@ class TrainStep:
                 "batch mixes global jax.Arrays (spanning every process) with process-local "
                 "leaves; give every leaf as this process's slice, or every leaf global.")
         check_batch(batch, self._n // jax.process_count() or 1, self._axis, self._k,
-                    where=f" (this process's slice; {jax.process_count()} processes)")
+                    where=f" (this process's slice; {jax.process_count()} processes)",
+                    seq=self._seq)
         shapes = tuple(np.shape(x) for x in leaves)
         # every step call, every process: the same number of rows (a short last batch on
         # one process is an error at that step, on every process, not a hang)
@@ -902,7 +940,13 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         return new_state, metrics
 
     jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
-    return TrainStep(jitted, mesh, opt.batch_size, opt.batch_axes, cfg.accum_steps, opt)
+    return TrainStep(jitted, mesh, opt.row_size, opt.row_axes, cfg.accum_steps, opt,
+                     seq=seq_of(opt))
+
+
+def seq_of(opt) -> tuple | None:
+    """``(seq axis name, size)`` of ``opt``'s sequence parallelism, or None."""
+    return (opt.seq_axis, opt.seq_size) if opt.seq_axis is not None else None
 
 
 def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree):

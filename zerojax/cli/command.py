@@ -513,7 +513,7 @@ def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0, ""
-    n = args.data * args.model
+    n = args.data * args.model * getattr(args, "seq_parallel", 1)
     return host // n, f"host memory / {n} simulated devices"
 
 
@@ -531,12 +531,16 @@ def _check_train_plan(args: argparse.Namespace) -> None:
     if not budget:
         return
     shape = ModelShape(args.layers, args.hidden, args.heads, 128 * args.model)  # ASCII vocab
-    config = shape.config(args.seq, attention=args.attention)
+    # --seq-parallel P: each device holds batch / data sequences of seq / P tokens and
+    # 1/(data P) of the states, the step of data x P devices on a P-times larger batch
+    # of seq / P (the all-to-all buffers, one layer's q, k, v at a time, not counted)
+    sp = getattr(args, "seq_parallel", 1)
+    config = shape.config(args.seq // sp, attention=args.attention)
     worst = None
     for stage in args.stages:
         # the model axis (--model) splits weights, heads and the MLP (Megatron's specs)
-        step = gpt_step_prediction(dataclasses.replace(config), args.data, stage, args.batch,
-                                   tx=make_optimizer(args), mp=args.model)
+        step = gpt_step_prediction(dataclasses.replace(config), args.data * sp, stage,
+                                   args.batch * sp, tx=make_optimizer(args), mp=args.model)
         peak = step.peak
         if peak > budget and (worst is None or peak > worst[1]):
             worst = (stage, peak, step)

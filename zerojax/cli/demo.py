@@ -22,6 +22,7 @@ that they reach the same loss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -61,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "estimate; data x mp devices are used")
     g.add_argument("--model", dest="model", action=DeprecatedModel, default=1,
                    help=argparse.SUPPRESS)
+    g.add_argument("--seq-parallel", dest="seq_parallel", type=int, default=1, metavar="P",
+                   help="sequence-parallel (Ulysses) degree P: each sequence split over P "
+                        "devices (a 'seq' mesh axis), attention by all-to-all over heads; "
+                        "ZeRO partitions over data x P; data x P x mp devices are used")
     g = parser.add_argument_group("model and training")
     g.add_argument("--steps", type=int, default=600, help="training steps")
     g.add_argument("--layers", type=int, default=2, help="decoder blocks")
@@ -107,8 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Validate ``args`` in place (``parser.error`` on a bad one: message, exit 2)."""
-    for name in ("devices", "model", "steps", "layers", "hidden", "heads", "seq", "batch"):
-        flag = "--mp" if name == "model" else f"--{name}"
+    for name in ("devices", "model", "seq_parallel", "steps", "layers", "hidden", "heads",
+                 "seq", "batch"):
+        flag = {"model": "--mp", "seq_parallel": "--seq-parallel"}.get(name, f"--{name}")
         if getattr(args, name) < 1:
             parser.error(f"{flag} must be >= 1, got {getattr(args, name)}")
         if getattr(args, name) > 2**31 - 1:
@@ -120,16 +126,27 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed {args.seed} must be in [0, 2**32) (numpy's seeds); write "
                      "e.g. 0")
+    sp = args.seq_parallel
+    per = args.model * sp  # devices per data rank
+    what = f"--mp {args.model}" + (f" x --seq-parallel {sp}" if sp > 1 else "")
     if args.data is None:
-        if args.devices % args.model:
-            parser.error(f"--devices {args.devices} is not a multiple of --mp "
-                         f"{args.model}; pass --data too")
-        args.data = args.devices // args.model
+        if args.devices % per:
+            parser.error(f"--devices {args.devices} is not a multiple of {what}; pass "
+                         "--data too")
+        args.data = args.devices // per
     if args.data < 1:
         parser.error(f"--data must be >= 1, got {args.data}")
-    if args.data * args.model > args.devices:
-        parser.error(f"--data {args.data} x --mp {args.model} = "
-                     f"{args.data * args.model} devices, more than --devices {args.devices}")
+    if args.data * per > args.devices:
+        parser.error(f"--data {args.data} x {what} = {args.data * per} devices, more than "
+                     f"--devices {args.devices}")
+    if sp > 1 and args.seq % sp:
+        parser.error(f"--seq {args.seq} is not a multiple of --seq-parallel {sp}: each of "
+                     f"the {sp} devices takes seq / {sp} positions; pick --seq a multiple "
+                     f"of {sp}")
+    if sp > 1 and (args.heads // args.model) % sp:
+        parser.error(f"--heads {args.heads} / --mp {args.model} is not a multiple of "
+                     f"--seq-parallel {sp}: Ulysses gives each sequence device whole heads; "
+                     f"pick --heads a multiple of {args.model * sp}")
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.heads % args.model:
@@ -309,6 +326,17 @@ def batch_at(ids: np.ndarray, step: int, batch: int, seq: int, seed: int) -> np.
 # --- training --------------------------------------------------------------------------
 
 
+def train_batch(ids: np.ndarray, step: int, args):
+    """The step's training batch: :func:`batch_at`'s windows, with sequence
+    parallelism as ``(inputs, targets)`` (the seq-parallel ``lm_loss`` batch)."""
+    tokens = batch_at(ids, step, args.batch, args.seq, args.seed)
+    if getattr(args, "seq_parallel", 1) > 1:
+        from zerojax.models.gpt import shift_tokens
+
+        return shift_tokens(tokens)
+    return tokens
+
+
 def make_optimizer(args):
     import optax
 
@@ -340,7 +368,7 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
         first = int(state.step)
         print(f"resumed from step {first} of {mgr.directory}")
     state, losses, times, preempted = run_steps(
-        step, state, lambda i: batch_at(corpus.train, i, args.batch, args.seq, args.seed),
+        step, state, lambda i: train_batch(corpus.train, i, args),
         first, args, mgr, f"stage {stage} ({STAGE_NAMES[stage]})")
     return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
             "times": times, "first": first, "preempted": preempted}
@@ -483,10 +511,11 @@ def measure_stage(stage: int, args, mesh, init_fn, loss_fn, batch, psi: int,
         step = opt.train_step(loss_fn)
     compiled = step.lower(state, batch).compile()
     comm = zerojax.comm_volume(compiled)
-    if args.model > 1:  # the data axis's collectives: groups of N devices
+    n = args.data * getattr(args, "seq_parallel", 1)  # ZeRO's degree: data x seq
+    if args.model > 1 or n > args.data:  # ZeRO's collectives: groups of n devices
         groups = comm.by_group_size()
-        comm = groups.get(args.data, type(comm).from_ops(()))
-    formula = zerojax.estimate_memory(psi, args.data, stage, param_bytes=4, grad_bytes=0,
+        comm = groups.get(n, type(comm).from_ops(()))
+    formula = zerojax.estimate_memory(psi, n, stage, param_bytes=4, grad_bytes=0,
                                       optimizer_bytes=ADAMW_BYTES, mp=args.model).total
     return {"stage": stage, "held": device_bytes((state.params, state.opt_state)),
             "formula": formula, "peak": compiled_memory(compiled).peak,
@@ -514,8 +543,10 @@ def print_summary(rows: list[dict], losses: dict[int, float], args, psi: int) ->
         return "  ".join(c.rjust(w) if i else c.ljust(w)
                          for i, (c, w) in enumerate(zip(cells, widths)))
 
-    over = f"N = {args.data} (data)" + (f" x M = {args.model} (model)" if args.model > 1
-                                         else "")
+    sp = getattr(args, "seq_parallel", 1)
+    over = (f"N = {args.data * sp} (data {args.data} x seq {sp})" if sp > 1 else
+            f"N = {args.data} (data)") + (f" x M = {args.model} (model)" if args.model > 1
+                                          else "")
     print(f"\n== memory and traffic per device: Psi = {psi:,} parameters, {over}, "
           "fp32 adamw ==")
     print(fmt(header))
@@ -546,13 +577,13 @@ def run(args: argparse.Namespace) -> int:
     from zerojax.models import GPT, GPTConfig, lm_loss
 
     wall = time.perf_counter()
-    n, m = args.data, args.model
+    n, m, sp = args.data, args.model, getattr(args, "seq_parallel", 1)
     have = len(jax.devices())
-    if have < n * m:
-        print(f"zerojax train: data {n} x model {m} = {n * m} devices needed, jax has "
-              f"{have} (it had started before --devices {args.devices} could apply; run "
-              f"in a new process or set XLA_FLAGS={DEVICE_COUNT_FLAG}={n * m}).",
-              file=sys.stderr)
+    if have < n * m * sp:
+        print(f"zerojax train: data {n} x model {m}{f' x seq {sp}' if sp > 1 else ''} = "
+              f"{n * m * sp} devices needed, jax has {have} (it had started before "
+              f"--devices {args.devices} could apply; run in a new process or set "
+              f"XLA_FLAGS={DEVICE_COUNT_FLAG}={n * m * sp}).", file=sys.stderr)
         return 2
     corpus = load_corpus(args.corpus_mb)
     unknown = sorted(set(args.prompt) - set(corpus.chars))
@@ -561,9 +592,13 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
-    mesh = zerojax.make_mesh(data=n, model=m, devices=jax.devices()[:n * m])
-    model = GPT(GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
-                          heads=args.heads, attention=args.attention))
+    mesh = zerojax.make_mesh(data=n, model=m, seq=sp if sp > 1 else None,
+                             devices=jax.devices()[:n * m * sp])
+    config = GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
+                       heads=args.heads, attention=args.attention)
+    model = GPT(config)  # whole sequences: held-out loss and sampling on one device
+    # the trained model: with --seq-parallel, each device's slice of the sequence
+    split_model = GPT(dataclasses.replace(config, seq_axis="seq")) if sp > 1 else model
     tokens = jnp.zeros((1, args.seq), jnp.int32)
 
     def init_fn(key):  # the flax init: params with the Megatron layout as metadata
@@ -572,7 +607,7 @@ def run(args: argparse.Namespace) -> int:
     # shapes only (nothing allocated): each stage's state is born sharded from init_fn
     like = jax.eval_shape(init_fn, jax.random.key(args.seed))
     psi = sum(x.size for x in jax.tree.leaves(like))
-    loss_fn = lm_loss(model)
+    loss_fn = lm_loss(split_model)
     unigram, uniform = corpus.unigram_entropy(), math.log(len(corpus.chars))
 
     print(f"corpus: {len(corpus.train) + len(corpus.held_out):,} characters of Python "
@@ -580,7 +615,8 @@ def run(args: argparse.Namespace) -> int:
           f"characters")
     print(f"model: GPT {args.layers} layers x hidden {args.hidden}, {args.heads} heads, "
           f"seq {args.seq}, vocab {vocab}: Psi = {psi:,} parameters")
-    print(f"mesh: data={n} x model={m} of {have} {jax.devices()[0].platform} devices; "
+    print(f"mesh: data={n}{f' x seq={sp}' if sp > 1 else ''} x model={m} of {have} "
+          f"{jax.devices()[0].platform} devices; "
           f"adamw lr {args.lr:g}; batch {args.batch} x {args.seq} characters; "
           f"{args.steps} steps")
     print(f"loss to beat: uniform guess {uniform:.3f} nats/char, character frequencies "
@@ -638,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
               f"{LOSS_RTOL:g} relative) -> "
               + ("all stages reach the same loss" if ok else "MISMATCH between stages"))
     if args.summary:
-        batch = batch_at(corpus.train, 0, args.batch, args.seq, args.seed)
+        batch = train_batch(corpus.train, 0, args)
         trained = {r["stage"]: r for r in results}
         rows = []
         for stage in range(4):

@@ -57,6 +57,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.activations import checkpoint_policy
+from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
 
 _INIT_STD = 0.02
 
@@ -99,6 +100,13 @@ class GPTConfig:
     sequence under a ``jax.custom_vjp``, so the ``(batch, t, vocab)`` logits never exist
     at once; at most ``seq``, and at most the ``t`` of the batch at hand); the model's
     own output (``GPT(config)(tokens)``) is the logits either way.
+    seq_axis: ``None`` (default), or the mesh axis (``"seq"``) the sequence is split
+    over (sequence parallelism, :mod:`zerojax.models.ulysses`): the model takes each
+    device's slice of ``t`` tokens, slice ``i`` at global positions ``i t ..``, and its
+    attention runs Ulysses-style (all-to-all to a head split, whole sequences of ``P
+    t <= seq`` tokens, all-to-all back; ``heads`` must divide by P). :func:`lm_loss`
+    then takes pre-shifted ``(inputs, targets)`` batches. Only where the axis is bound
+    (zerojax's step on ``make_mesh(seq=P)``, or a ``shard_map``).
     """
 
     vocab: int = 256
@@ -114,6 +122,7 @@ class GPTConfig:
     attention: str = "xla"
     remat_policy: str = "full"
     vocab_tiles: int | None = None
+    seq_axis: str | None = None
 
     def __post_init__(self):
         check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"))
@@ -174,6 +183,10 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
         raise ValueError(f"{cls}.attention='cudnn' needs head_dim = hidden / heads "
                          f"a multiple of 8 and at most 128, got {config.head_dim}")
     _check_vocab_tiles(config.vocab_tiles, config.seq, cls)
+    axis = getattr(config, "seq_axis", None)
+    if axis is not None and (not isinstance(axis, str) or not axis):
+        raise ValueError(f"{cls}.seq_axis must be None or a mesh axis name (\"seq\"), got "
+                         f"{axis!r}")
     sharding = config.activation_sharding
     if sharding is not None and not isinstance(
             sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
@@ -280,17 +293,23 @@ class Block(nn.Module):
         qkv = checkpoint_name(qkv, QKV_PROJ).reshape(b, t, cfg.heads, 3, cfg.head_dim)
         q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]  # (b, t, heads, hd)
         impl = resolve_attention(cfg)
-        if impl == "xla":  # the explicit attention: float32 scores, softmax, weighted sum
+
+        def attend(q, k, v):  # whole sequences (of the heads at hand)
+            if impl != "xla":  # fused: XLA's (dot_product) or cuDNN flash attention (cudnn)
+                return jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True,
+                    implementation="cudnn" if impl == "cudnn" else None)
+            # the explicit attention: float32 scores, softmax, weighted sum
+            n = q.shape[1]
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
             scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
-            causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+            causal = jnp.tril(jnp.ones((n, n), dtype=bool))
             scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
             probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-            att = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        else:  # fused: XLA's (dot_product) or cuDNN flash attention (cudnn)
-            att = jax.nn.dot_product_attention(
-                q, k, v, is_causal=True,
-                implementation="cudnn" if impl == "cudnn" else None)
+            return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+        att = (attend(q, k, v) if cfg.seq_axis is None
+               else ulysses_attention(q, k, v, attend, cfg.seq_axis))
         att = att.reshape(b, t, cfg.hidden)
         att = _dense(cfg, cfg.hidden, ("model", None), (None,), "attn_out", out_std)(att)
         x = x + checkpoint_name(att, OUT_PROJ)
@@ -319,12 +338,19 @@ class GPT(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"GPT expects int tokens of shape (batch, t), got {tokens.shape}")
         t = tokens.shape[1]
-        if t > cfg.seq:
-            raise ValueError(f"GPT got sequences of length {t} > config.seq = {cfg.seq}")
+        p = 1 if cfg.seq_axis is None else seq_degree(cfg.seq_axis, "GPTConfig")
+        if t * p > cfg.seq:
+            raise ValueError(f"GPT got sequences of length {t * p} > config.seq = {cfg.seq}"
+                             + ("" if p == 1 else f" ({p} slices of {t} tokens)"))
+        if p > 1:
+            check_heads(cfg.heads, cfg.heads, p, "GPTConfig")
         embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
                          embedding_init=_init(("model", None)), name="embed")
         pos = self.param("pos_embed", _init((None, None)), (cfg.seq, cfg.hidden), jnp.float32)
-        x = _constrain(cfg, embed(tokens) + pos[:t].astype(cfg.dtype))
+        # this slice's global positions (sequence parallelism: slice i starts at i t)
+        pos = pos[:t] if cfg.seq_axis is None else jax.lax.dynamic_slice_in_dim(
+            pos, seq_offset(cfg.seq_axis, t), t)
+        x = _constrain(cfg, embed(tokens) + pos.astype(cfg.dtype))
 
         policy = None if cfg.remat_policy == "full" else checkpoint_policy(cfg.remat_policy)
         if cfg.scan:
@@ -348,11 +374,12 @@ def _dummy_tokens(model: GPT) -> jax.Array:
 
 
 def _unconstrained(model: GPT) -> GPT:
-    """``model`` without activation constraints (the same params; a batch of one dummy
-    sequence could not be split)."""
-    if model.config.activation_sharding is None:
+    """``model`` without activation constraints nor sequence parallelism (the same
+    params; a batch of one dummy sequence could not be split)."""
+    if model.config.activation_sharding is None and model.config.seq_axis is None:
         return model
-    return type(model)(dataclasses.replace(model.config, activation_sharding=None))
+    return type(model)(dataclasses.replace(model.config, activation_sharding=None,
+                                           seq_axis=None))
 
 
 def init_variables(model: nn.Module, rng: jax.Array | int, tokens: jax.Array,
@@ -408,37 +435,75 @@ def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None):
     accumulated in float32). ``mesh``: with ``vocab_tiles``, a mesh whose ``model``
     axis splits the vocabulary: each shard computes its slice's logits and the head is
     never gathered whole (:func:`zerojax.tiling.lm_head_loss`'s ``mesh``).
+
+    With ``config.seq_axis`` set (sequence parallelism) the sequence is split over
+    devices, so a ``t + 1`` row cannot be: the batch is ``(inputs, targets)`` (or
+    ``(inputs, targets, weights)`` with ``weighted=True``), each ``(batch, t)``, the
+    targets already shifted (:func:`shift_tokens`); each device gets its slice of all
+    three, and the step's mean over devices (``weighted``: ``sum(loss_sum) /
+    sum(weight)`` over every device) is the loss over whole sequences.
     """
     tiles = getattr(model.config, "vocab_tiles", None)
+    split = model.config.seq_axis is not None
 
     def loss_fn(params: Any, batch) -> Any:
-        tokens, weights = batch if weighted else (batch, None)
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2 or not 2 <= tokens.shape[1] <= model.config.seq + 1:
-            raise ValueError(f"lm_loss expects tokens of shape (batch, t + 1) with "
-                             f"1 <= t <= seq = {model.config.seq}, got {tokens.shape}")
-        if weighted and jnp.shape(weights) != (tokens.shape[0], tokens.shape[1] - 1):
-            raise ValueError(f"lm_loss(weighted=True) expects (tokens, weights) with "
-                             f"weights of shape (batch, t) = "
-                             f"{(tokens.shape[0], tokens.shape[1] - 1)}, got "
+        if split:
+            inputs, targets, weights = _pairs(batch, weighted)
+        else:
+            tokens, weights = batch if weighted else (batch, None)
+            tokens = jnp.asarray(tokens)
+            if tokens.ndim != 2 or not 2 <= tokens.shape[1] <= model.config.seq + 1:
+                raise ValueError(f"lm_loss expects tokens of shape (batch, t + 1) with "
+                                 f"1 <= t <= seq = {model.config.seq}, got {tokens.shape}")
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if weighted and jnp.shape(weights) != inputs.shape:
+            what = "(inputs, targets, weights)" if split else "(tokens, weights)"
+            raise ValueError(f"lm_loss(weighted=True) expects {what} with "
+                             f"weights of shape (batch, t) = {inputs.shape}, got "
                              f"{jnp.shape(weights)}")
         if tiles is not None:
             from zerojax.tiling import lm_head_loss
 
-            hidden = model.apply({"params": params}, tokens[:, :-1], hidden_only=True)
+            hidden = model.apply({"params": params}, inputs, hidden_only=True)
             head, tied = _head(model, params)
             loss_sum, weight_sum = lm_head_loss(
-                hidden, head, tokens[:, 1:], weights=weights, tied=tied, tiles=tiles,
+                hidden, head, targets, weights=weights, tied=tied, tiles=tiles,
                 dtype=model.config.dtype, mesh=mesh)
             return (loss_sum, weight_sum) if weighted else loss_sum / weight_sum
-        logits = model.apply({"params": params}, tokens[:, :-1])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        logits = model.apply({"params": params}, inputs)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         if weighted:
             weights = jnp.asarray(weights, jnp.float32)
             return jnp.sum(losses * weights, dtype=jnp.float32), jnp.sum(weights)
         return jnp.mean(losses, dtype=jnp.float32)
 
     return loss_fn
+
+
+def _pairs(batch, weighted: bool):
+    """``(inputs, targets, weights or None)`` of a sequence-parallel :func:`lm_loss`
+    batch, checked."""
+    want = 3 if weighted else 2
+    if not isinstance(batch, (tuple, list)) or len(batch) != want:
+        raise ValueError(
+            f"lm_loss with seq_axis set (sequence parallelism) takes "
+            f"{'(inputs, targets, weights)' if weighted else '(inputs, targets)'}, each "
+            f"(batch, t) with the targets shifted by one (zerojax.models.gpt.shift_tokens), "
+            f"got {type(batch).__name__}"
+            f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}")
+    inputs, targets = jnp.asarray(batch[0]), jnp.asarray(batch[1])
+    if inputs.ndim != 2 or inputs.shape != targets.shape:
+        raise ValueError(f"lm_loss with seq_axis set expects inputs and targets of the same "
+                         f"shape (batch, t), got {inputs.shape} and {targets.shape}")
+    return inputs, targets, (batch[2] if weighted else None)
+
+
+def shift_tokens(tokens, weights=None) -> tuple:
+    """``(inputs, targets)`` (``(inputs, targets, weights)`` with ``weights``) of
+    ``(batch, t + 1)`` tokens: ``tokens[:, :-1]`` and ``tokens[:, 1:]``, the batch a
+    sequence-parallel :func:`lm_loss` takes (``t`` a multiple of the seq degree)."""
+    out = (tokens[:, :-1], tokens[:, 1:])
+    return out if weights is None else (*out, weights)
 
 
 def markov_tokens(steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list:

@@ -97,6 +97,7 @@ from zerojax.models.gpt import (
     init_variables,
     resolve_attention,
 )
+from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
 
 _INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
@@ -272,6 +273,11 @@ class LlamaConfig:
     over each query and key head before the rotary embedding (Qwen3).
     tie_embeddings: the head is the token embedding (``tie_word_embeddings``: Llama
     3.2 1B / 3B, the small Qwen2.5 and Qwen3); no ``logits_dense`` leaf.
+    seq_axis: sequence parallelism, as :class:`zerojax.models.gpt.GPTConfig`'s: each
+    device's slice of the sequence, rotary positions of the slice's global positions,
+    Ulysses attention (``heads`` divisible by P; ``kv_heads`` divisible by P, or P by
+    ``kv_heads``: then each key/value head is repeated P / ``kv_heads`` times before
+    the all-to-all, :func:`zerojax.models.ulysses.ulysses_attention`).
     """
 
     vocab: int = 256
@@ -298,6 +304,7 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    seq_axis: str | None = None
     tie_embeddings: bool = False
 
     def __post_init__(self):
@@ -519,10 +526,13 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None):
 def rope_tables(t: int, head_dim: int, theta: float, offset: int = 0,
                 llama3: tuple | None = None):
     """``(cos, sin)``, each float32 ``(t, head_dim)``, for positions ``offset ...
-    offset + t - 1``: the frequencies of :func:`rope_inv_freq`, angles ``pos *
-    inv_freq`` repeated as ``concat(f, f)``."""
+    offset + t - 1`` (``offset`` an int or a traced int32 scalar): the frequencies of
+    :func:`rope_inv_freq`, angles ``pos * inv_freq`` repeated as ``concat(f, f)``."""
     inv_freq = rope_inv_freq(head_dim, theta, llama3)
-    pos = jnp.arange(offset, offset + t, dtype=jnp.float32)
+    if isinstance(offset, int):
+        pos = jnp.arange(offset, offset + t, dtype=jnp.float32)
+    else:  # traced (a sequence-parallel slice's start): integer positions, then float
+        pos = (jnp.arange(t, dtype=jnp.int32) + offset).astype(jnp.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -594,11 +604,20 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dims, before the rotation
             q = RMSNorm(cfg.norm_eps, cfg.dtype, name="query_norm")(q)
             k = RMSNorm(cfg.norm_eps, cfg.dtype, name="key_norm")(k)
-        cos, sin = rope_tables(t, hd, cfg.rope_theta, llama3=cfg.rope_llama3)
+        # this slice's global positions (sequence parallelism: slice i starts at i t)
+        offset = 0 if cfg.seq_axis is None else seq_offset(cfg.seq_axis, t)
+        whole = t if cfg.seq_axis is None else t * jax.lax.axis_size(cfg.seq_axis)
+        cos, sin = rope_tables(t, hd, cfg.rope_theta, offset=offset, llama3=cfg.rope_llama3)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        window = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < t \
-            else None
-        att = causal_attention(q, k, v, _attention(cfg), cfg.dtype, window)
+        window = cfg.sliding_window if cfg.sliding_window is not None and \
+            cfg.sliding_window < whole else None
+        impl = _attention(cfg)
+
+        def attend(q, k, v):  # whole sequences (of the heads at hand)
+            return causal_attention(q, k, v, impl, cfg.dtype, window)
+
+        att = (attend(q, k, v) if cfg.seq_axis is None
+               else ulysses_attention(q, k, v, attend, cfg.seq_axis))
         att = _dense(cfg, cfg.hidden, ("model", None), "out", cfg.attention_bias)(
             att.reshape(b, t, cfg.heads * hd))
         return checkpoint_name(att, OUT_PROJ)
@@ -676,9 +695,12 @@ class Llama(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"Llama expects int tokens of shape (batch, t), got "
                              f"{tokens.shape}")
-        if tokens.shape[1] > cfg.seq:
-            raise ValueError(f"Llama got sequences of length {tokens.shape[1]} > "
+        p = 1 if cfg.seq_axis is None else seq_degree(cfg.seq_axis, "LlamaConfig")
+        if tokens.shape[1] * p > cfg.seq:
+            raise ValueError(f"Llama got sequences of length {tokens.shape[1] * p} > "
                              f"config.seq = {cfg.seq}; raise LlamaConfig.seq")
+        if p > 1:
+            check_heads(cfg.heads, cfg.kv_heads, p, "LlamaConfig")
         embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
                          embedding_init=_init(("model", None)), name="token_embedder")
         x = _constrain(cfg, embed(tokens))

@@ -1,0 +1,106 @@
+"""Sequence parallelism (Ulysses on ZeRO-3): the compiled step's peak per device at
+sequence length S with ``seq=P`` against the peak at S/P without it.
+
+For each P (default 1, 2, 4, 8) two ZeRO stage-3 steps of the same Llama (GQA, scanned
+and rematerialised layers, fp32 Adam) are compiled on P simulated CPU devices, with the
+same tokens and the same model-state partition (1/P per device) in both:
+
+- ``seq=P``: ``make_mesh(data=1, seq=P)``, a batch of ``--batch`` sequences of S
+  tokens, each device holding S/P of every sequence (Ulysses attention over
+  ``seq``);
+- ``S/P``: ``make_mesh(data=P)``, ``--batch`` x P sequences of S/P tokens, each device
+  holding ``--batch`` of them: the per-device activations of a run at S/P.
+
+Columns: the compiled peak per device (``compiled.memory_analysis()``: arguments +
+outputs - donated + temporaries) of each, their ratio, the model state per device
+(params + Adam state placed, the same in both), the attention scores one layer holds
+at once in each (float32 ``batch x heads/P x S x S`` under ``seq=P``, ``batch x heads x
+(S/P)^2`` at S/P: the one term that is not linear in the tokens a device holds), and
+the all-to-all bytes per device and step read from the HLO (``comm_volume``).
+Only compiled, never run.
+
+    python benchmarks/seq_parallel.py                   # S = 2048, Llama 2 x 256
+    python benchmarks/seq_parallel.py --seq 4096 --attention dot_product
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _common import use_simulated_devices
+
+MiB = 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length S")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per data rank")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--attention", default="xla", choices=["xla", "dot_product"])
+    parser.add_argument("--degrees", default="1,2,4,8", help="the P to compile")
+    args = parser.parse_args()
+    degrees = [int(p) for p in args.degrees.split(",")]
+    use_simulated_devices(max(degrees))
+
+    import dataclasses
+
+    import jax
+    import numpy as np
+    import optax
+
+    import zerojax
+    from zerojax.analysis import compiled_memory, device_bytes
+    from zerojax.models.gpt import lm_loss, shift_tokens
+    from zerojax.models.llama import Llama, LlamaConfig, llama_params
+
+    S, b = args.seq, args.batch
+    cfg = LlamaConfig(vocab=args.vocab, seq=S, layers=args.layers, hidden=args.hidden,
+                      heads=args.heads, kv_heads=args.kv_heads,
+                      mlp_hidden=int(args.hidden * 8 / 3) // 8 * 8, attention=args.attention)
+    params = llama_params(Llama(cfg), 0)
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    tokens = np.random.default_rng(0).integers(0, args.vocab, (b, S + 1)).astype(np.int32)
+
+    def compile_step(mesh, model, batch):
+        opt = zerojax.zero(optax.adam(1e-3), mesh, stage=3)
+        state = opt.init_state(params)
+        step = opt.train_step(lm_loss(model))
+        compiled = step.lower(state, batch).compile()
+        comm = zerojax.comm_volume(compiled, mesh=mesh)
+        a2a = sum(op.nbytes * op.trips for op in comm.ops if op.kind == "all_to_all")
+        return compiled_memory(compiled).peak, device_bytes((state.params, state.opt_state)), a2a
+
+    print(f"Llama {args.layers} x {args.hidden}, heads {args.heads}, kv_heads "
+          f"{args.kv_heads}, vocab {args.vocab} (Psi = {psi:,}), attention={args.attention}, "
+          f"remat, ZeRO stage 3, fp32 Adam; S = {S}, {b} sequence(s) per data rank; "
+          f"jax {jax.__version__}, {jax.devices()[0].platform}")
+    print()
+    print("| P | peak seq=P, S (MiB) | peak data=P, S/P (MiB) | ratio | model state (MiB) "
+          "| scores seq=P (MiB) | scores S/P (MiB) | all-to-all per step (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in degrees:
+        devs = jax.devices()[:p]
+        if S % p:
+            raise SystemExit(f"--seq {S} does not divide by P={p}")
+        split = Llama(dataclasses.replace(cfg, seq_axis="seq"))
+        peak_a, state_a, a2a = compile_step(zerojax.make_mesh(data=1, seq=p, devices=devs),
+                                            split, shift_tokens(tokens))
+        rows = np.concatenate([tokens[:, i * (S // p): (i + 1) * (S // p) + 1]
+                               for i in range(p)], axis=0)  # b p sequences of S/p (+1)
+        peak_b, state_b, _ = compile_step(zerojax.make_mesh(data=p, devices=devs),
+                                          Llama(cfg), rows)
+        scores_a = b * (args.heads // p) * S * S * 4
+        scores_b = b * args.heads * (S // p) ** 2 * 4
+        print(f"| {p} | {peak_a / MiB:.2f} | {peak_b / MiB:.2f} | {peak_a / peak_b:.3f} | "
+              f"{state_a / MiB:.2f} | {scores_a / MiB:.2f} | {scores_b / MiB:.2f} | "
+              f"{a2a / MiB:.2f} |", flush=True)
+        assert state_a == state_b, (state_a, state_b)
+
+
+if __name__ == "__main__":
+    main()

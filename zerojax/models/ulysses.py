@@ -1,0 +1,85 @@
+"""Sequence parallelism, DeepSpeed-Ulysses style (Jacobs et al., arXiv:2309.14509).
+
+A model built with ``seq_axis="seq"`` (``GPTConfig`` / ``LlamaConfig``) runs where that
+mesh axis is bound and manual: inside zerojax's step on a ``make_mesh(seq=P)`` mesh
+(the step traces the loss with the axis bound and runs it in its ``shard_map``), or a
+user's own ``shard_map``. Each device holds a contiguous slice of ``t`` tokens of every
+sequence, slice ``i`` on the device of ``seq`` index ``i`` (global positions ``i t ..
+i t + t - 1``). Everything but attention is per token, so it runs on the slice as it
+is; attention does two all-to-alls (:func:`ulysses_attention`): q, k and v from the
+sequence split to a head split, the model's own attention on whole sequences of
+``P t`` tokens for ``heads / P`` heads, and the output back to the sequence split.
+The code here is written with explicit collectives (``jax.lax.all_to_all``), not
+sharding constraints, so what moves is what is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def seq_degree(axis: str, owner: str) -> int:
+    """The size of the bound mesh axis ``axis``, or a ValueError naming ``owner``'s
+    ``seq_axis`` and the fix when the model runs where it is not bound."""
+    try:
+        return int(jax.lax.axis_size(axis))
+    except NameError:
+        raise ValueError(
+            f"{owner}.seq_axis={axis!r}, but the model is run where no {axis!r} axis is "
+            f"bound: train it with zerojax on a mesh with that axis (zerojax.make_mesh("
+            f"data=..., seq=P)), call it inside a shard_map over {axis!r}, or build it with "
+            f"seq_axis=None for whole sequences.") from None
+
+
+def seq_offset(axis: str, t: int):
+    """The global position of this device's first token: ``axis_index(axis) * t``
+    (int32, traced)."""
+    return jax.lax.axis_index(axis).astype(jnp.int32) * t
+
+
+def check_heads(heads: int, kv_heads: int, p: int, owner: str) -> None:
+    """Ulysses gives each of the ``p`` devices ``heads / p`` query heads: ``heads``
+    must divide by ``p``, and ``kv_heads`` divide by ``p`` or ``p`` by ``kv_heads``
+    (repeated then, :func:`ulysses_attention`)."""
+    if heads % p or (kv_heads % p and p % kv_heads):
+        raise ValueError(
+            f"{owner}: sequence parallelism over {p} devices (seq={p}) splits the attention "
+            f"heads over them, but heads={heads} and kv_heads={kv_heads}: heads must divide "
+            f"by {p}, and kv_heads divide by {p} or {p} by kv_heads. Use a seq degree "
+            f"dividing heads (and kv_heads, or a multiple of it), e.g. make_mesh(seq="
+            f"{_largest_divisor(heads, kv_heads, p)}).")
+
+
+def _largest_divisor(heads: int, kv: int, p: int) -> int:
+    return max(d for d in range(1, p + 1)
+               if heads % d == 0 and (kv % d == 0 or d % kv == 0))
+
+
+def ulysses_attention(q, k, v, attend: Callable, axis: str):
+    """``attend(q, k, v)`` over whole sequences, given each device's sequence slice.
+
+    ``q`` ``(b, t, heads, d)``, ``k`` / ``v`` ``(b, t, kv_heads, d)``: this device's
+    ``t`` tokens (slice ``axis_index(axis)``). One all-to-all each turns them into ``(b,
+    P t, heads / P, d)`` (device ``j`` gets heads ``j heads / P ..``, all positions in
+    order); ``attend`` sees whole sequences (the causal mask and any window on global
+    positions, as without the split) and returns ``(b, P t, heads / P, d)``, which one
+    all-to-all sends back to ``(b, t, heads, d)``. Grouped-query attention: with
+    ``kv_heads`` a multiple of P each device gets ``kv_heads / P`` key/value heads, the
+    ones its query heads read; with fewer (P a multiple of ``kv_heads``) each key/value
+    head is repeated ``P / kv_heads`` times first, so every device gets the one its
+    query heads read (the all-to-all then moves P key/value heads' worth). Per device
+    and layer the forward moves ``(q + k + v + out) (P - 1) / P`` of its slice's
+    elements; the backward the same again."""
+    p = jax.lax.axis_size(axis)
+    kv = k.shape[2]
+    if kv % p:  # fewer kv heads than devices: repeat each to p / kv heads
+        k, v = (jnp.repeat(x, p // kv, axis=2) for x in (k, v))
+
+    def to_heads(x):
+        return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+    att = attend(to_heads(q), to_heads(k), to_heads(v))
+    return jax.lax.all_to_all(att, axis, split_axis=1, concat_axis=2, tiled=True)
