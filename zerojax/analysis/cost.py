@@ -158,7 +158,7 @@ class StepTime:
     compute: float
     inside: float  # seconds the inside-node collectives take
     across: float  # seconds the cross-node collectives take
-    tensor: float  # Megatron's activation all-reduces (mp > 1), exposed
+    tensor: float  # Megatron's all-reduces (mp > 1), Ulysses' all-to-alls; exposed
     exposed: float  # collective seconds not hidden under compute (tensor included)
     host: float  # PCIe seconds (offload), exposed
     tokens: int  # tokens per step over the whole job
@@ -185,6 +185,7 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
               host_bytes: int = 0, remat: bool = True, remat_policy: str | None = None,
               param_bytes: int = 2, overlap: bool = True, disk_bytes: int = 0,
               disk_bandwidth: tuple[float, float] | None = None,
+              alltoall_bytes: int = 0, seq_parallel: int = 1,
               **link_options: Any) -> StepTime:
     """The predicted step of ``devices`` data-parallel devices (x ``mp`` model), each
     with ``tokens_per_device`` tokens (batch x seq per data shard), at ZeRO ``stage``.
@@ -200,7 +201,14 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
     ``disk_bandwidth`` = ``(read, write)`` bytes/s per node (default the preset's
     ``disk_read_bw``, ``disk_write_bw``): ``disk = disk_bytes / read + disk_bytes /
     write``, overlapped with the PCIe transfers (the tier reads bucket k+1 and writes
-    k-1 while k is updated), so the step adds ``max(host, disk)``."""
+    k-1 while k is updated), so the step adds ``max(host, disk)``.
+
+    ``alltoall_bytes``: sequence parallelism's all-to-alls per device per step
+    (:func:`zerojax.analysis.report.ulysses_bytes`), over the ``seq_parallel`` = P
+    sequence devices: on the critical path (the attention waits for its q, k, v and
+    the next layer for its output), exposed like Megatron's all-reduces, at the
+    node's link inside a node (P up to the preset's devices per node), else at the
+    network's per-device rate."""
     acc = accelerator(accel)
     if per_node is None:
         per_node = max(1, acc.per_node // mp)
@@ -236,6 +244,10 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
         # beyond a node: one ring over the model axis, its NIC hops at the node's rate
         link = acc.intra_bw if mp <= acc.per_node else acc.inter_bw * acc.per_node
         tensor = tensor_bytes / link
+    if alltoall_bytes:
+        # an all-to-all beyond a node: every device's share crosses the network
+        tensor += alltoall_bytes / (acc.intra_bw if seq_parallel <= acc.per_node
+                                    else acc.inter_bw)
     comm = inside + across
     if not overlap:
         exposed = comm

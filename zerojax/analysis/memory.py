@@ -338,7 +338,8 @@ def nvme_buffer_bytes(**options: Any) -> int:
 
 def estimate_activations(hidden: int, batch: int, seq: int, layers: int, *,
                          bytes_per_value: int = 2, checkpointing: bool = True, mp: int = 1,
-                         partition: bool = False, offload: bool = False) -> int:
+                         partition: bool = False, offload: bool = False,
+                         seq_parallel: int = 1) -> int:
     """Activation bytes per device of a GPT-like transformer (the paper's section 3.2).
 
     ``batch`` is the per-device (per data-parallel rank) batch, ``seq`` the sequence
@@ -356,10 +357,22 @@ def estimate_activations(hidden: int, batch: int, seq: int, layers: int, *,
       and count 0 here. The recomputed layer is not split (Megatron replicates it).
 
     Without checkpointing ``mp``, ``partition`` and ``offload`` change nothing.
+
+    ``seq_parallel`` = P (sequence parallelism, a ``seq`` mesh axis): each device holds
+    ``s / P`` tokens of each sequence, so s is ``seq / P`` in every term (P must divide
+    ``seq``). The paper's ``12 h b s`` leaves out the attention scores (Ulysses:
+    ``a s^2 b / P`` on each device, none with flash attention); the planner's model
+    (:func:`zerojax.analysis.report.gpt_phases`) counts them.
     """
     hidden = _count("hidden", hidden, minimum=1)
     batch = _count("batch", batch, minimum=0, hint="per-device batch")
     seq = _count("seq", seq, minimum=1)
+    sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
+    if seq % sp:
+        raise ValueError(f"seq {seq} is not divisible by seq_parallel {sp}: each of the P "
+                         f"sequence devices holds seq / P tokens; use a seq that is a "
+                         f"multiple of {sp}")
+    seq //= sp
     layers = _count("layers", layers, minimum=0)
     e = _count("bytes_per_value", bytes_per_value, minimum=0)
     mp = _count("mp", mp, minimum=1)

@@ -65,6 +65,11 @@ __all__ = [
     "plan",
     "DeviceMemory",
     "usable_memory",
+    "largest_seq",
+    "SeqPlan",
+    "SeqRow",
+    "SEQ_OPTION_SETS",
+    "ALST_PUBLISHED",
 ]
 
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
@@ -582,6 +587,8 @@ class PlanRow:
     disk_bytes: int = 0  # NVMe tier: the node's state files (its devices' shards)
     buffer_bytes: int = 0  # NVMe tier: the node's host buffers (in host_bytes)
     disk_fits: bool = True  # disk_bytes within the node's disk (or none given)
+    alltoall_bytes: int = 0  # sequence parallelism: Ulysses' all-to-alls per device per step
+    seq_parallel: int = 1  # the sequence degree P the row was planned with
 
     @property
     def nvme(self) -> bool:
@@ -639,6 +646,7 @@ class ModelPlan:
     node_devices: int = 1  # devices whose offloaded state shares one node's host memory
     accelerator: Any = None  # the cost.Accelerator the step times are predicted for
     leanest: PlanRow | None = None  # the fitting row of the lowest peak
+    seq_parallel: int = 1  # the sequence degree P (devices = data x seq)
 
     def row(self, label: str) -> PlanRow:
         for r in self.rows:
@@ -675,37 +683,62 @@ def _dtype(param_dtype: Any):
 def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, param_dtype,
          budget, reserve, remat=True, extra=None, mp=1, attention="xla",
          replicas=1, host_budget=None, host_devices=1, accel="h100",
-         per_node=None, disk_budget=None, disk_bandwidth=None) -> PlanRow:
+         per_node=None, disk_budget=None, disk_bandwidth=None, seq_parallel=1,
+         tile_tokens=None) -> PlanRow:
     import jax.numpy as jnp
 
-    from zerojax.analysis.report import gpt_state_estimate, gpt_step_prediction
+    from zerojax.analysis.report import (
+        gpt_state_estimate,
+        gpt_step_prediction,
+        seq_local,
+        ulysses_bytes,
+    )
 
-    config = dataclasses.replace(shape.config(seq, param_dtype, attention), remat=remat)
     opts = {**options, **(extra or {})}
+    # sequence parallelism's own options (not zero()'s): ALST's tiled MLP and tiled loss,
+    # tiles of tile_tokens tokens of the device's s / P (default: hidden, ALST's)
+    sp = seq_parallel
+    local = seq_local(seq, sp)
+    tokens = tile_tokens or shape.hidden
+    mlp_tiles = -(-local // tokens) if opts.pop("tiled_mlp", False) else None
+    if opts.pop("tiled_loss", False):
+        shape = dataclasses.replace(shape, vocab_tiles=-(-batch * local // tokens))
+    config = dataclasses.replace(shape.config(seq, param_dtype, attention), remat=remat)
+    data = devices // sp  # the data axis; ZeRO's states over data x seq = devices
     # hierarchical sharding (replicas > 1): devices is the data axis inside a node
     states = gpt_state_estimate(config, devices, stage, tx=tx, param_dtype=param_dtype,
                                 mp=mp, replicas=replicas, **opts)
-    step = gpt_step_prediction(config, devices, stage, batch * devices * replicas, tx=tx,
+    step = gpt_step_prediction(config, data, stage, batch * data * replicas, tx=tx,
                                param_dtype=param_dtype, platform="gpu", mp=mp,
-                               replicas=replicas, **opts)
+                               replicas=replicas, seq_parallel=sp, mlp_tiles=mlp_tiles,
+                               **opts)
     compute = jnp.dtype(param_dtype or jnp.float32).itemsize
     psi = shape.num_params(seq)
+    policy = opts.get("remat_policy")
+    rematerialised = remat and policy != "none"
+    alltoall = ulysses_bytes(config, batch, sp, value_bytes=compute, mp=mp,
+                             remat=rematerialised and policy not in ("dots", "projections"))
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
     # offloaded state (host memory or disk) crosses PCIe in and out once per step
     host = 2 * (states.host + states.disk)
+    # Pa+cpu: every layer's checkpoint in host memory (written in the forward, read back
+    # in the backward); one layer's working set stays on the device
+    ckpt_host = (config.layers * math.ceil(config.hidden * batch * local / mp) * compute
+                 if rematerialised and policy == "partitioned_host" else 0)
+    host += 2 * ckpt_host
     peak = step.peak + reserve
     # offloaded state stays in pinned host memory, one shard per device of the node;
     # the NVMe tier's on the node's disk, its buffers in host memory (one process per
     # device counted: a process per node holds one set)
     buffers = nvme_buffer_bytes(**opts) * host_devices
-    host_bytes = states.host * host_devices + buffers
+    host_bytes = (states.host + ckpt_host) * host_devices + buffers
     disk_bytes = states.disk * host_devices
     host_fits = host_budget is None or host_bytes <= host_budget
     disk_fits = disk_budget is None or disk_bytes <= disk_budget
     links = {k: opts[k] for k in ("hpz", "replica_axis", "quantize_weights",
                                   "quantize_gradients", "quantize_gradients_block")
              if opts.get(k)}
-    time = step_time(psi, stage=stage, tokens_per_device=batch * seq,
+    time = step_time(psi, stage=stage, tokens_per_device=batch * local,
                      devices=devices * replicas, accel=accel, layers=shape.layers,
                      hidden=shape.hidden, seq=seq, mp=mp,
                      per_node=devices if replicas > 1 else per_node, host_bytes=host,
@@ -713,10 +746,11 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
                      param_bytes=compute,
                      # stage 3 without prefetch: each gather waits for its layer
                      overlap=stage != 3 or opts.get("prefetch", True),
-                     disk_bytes=disk_bytes, disk_bandwidth=disk_bandwidth, **links)
+                     disk_bytes=disk_bytes, disk_bandwidth=disk_bandwidth,
+                     alltoall_bytes=alltoall, seq_parallel=sp, **links)
     return PlanRow(label, stage, options, states, step, reserve,
                    peak <= budget and host_fits and disk_fits, traffic, host, host_bytes,
-                   host_fits, time, disk_bytes, buffers, disk_fits)
+                   host_fits, time, disk_bytes, buffers, disk_fits, alltoall, sp)
 
 
 def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_bytes: int,
@@ -727,7 +761,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                option_sets: Sequence = OPTION_SETS, mp: int = 1, attention: str = "auto",
                host_memory_bytes: int | None = None,
                accelerator: Any = "h100", disk_bytes: int | None = None,
-               disk_bandwidth: Any = None, **options: Any) -> ModelPlan:
+               disk_bandwidth: Any = None, seq_parallel: int = 1,
+               **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
     device, ``optimizer`` (or any optax ``tx``), ``param_dtype`` (compute precision; the
@@ -787,8 +822,20 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     :func:`zerojax.analysis.cost.step_time`). The recommendation is the fastest row
     that fits (ties: the lower peak); ``ModelPlan.leanest`` the fitting row of the
     lowest peak.
+
+    ``seq_parallel`` = P: sequence parallelism (a ``seq`` mesh axis of P, Ulysses
+    attention, arXiv:2309.14509): ``devices`` is then data x seq (P must divide it),
+    each sequence split over P of them (``seq / P`` tokens each, the attention on whole
+    sequences for ``heads / P`` heads), ``batch`` sequences per data rank (per group of
+    P); ZeRO's states over all ``devices``. Each row counts Ulysses' all-to-alls
+    (``PlanRow.alltoall_bytes``, :func:`~zerojax.analysis.report.ulysses_bytes`) in its
+    step time. P must divide ``seq``, the heads (over ``mp`` x P) and the key-value
+    heads when there are more of them than P (fewer are repeated up to P).
+    :func:`largest_seq`: the longest sequence each option set fits.
     """
     devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
+    seq_parallel = _count("seq_parallel", seq_parallel, minimum=1,
+                          hint="the sequence degree P")
     budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
     seq = _count("seq", seq, minimum=1, hint="tokens per sequence")
     batch = _count("batch", batch, minimum=1, hint="sequences per device")
@@ -825,6 +872,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     pd = _dtype(param_dtype)
     tx = make_optimizer(optimizer) if tx is None else tx
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
+    _check_seq_axis(model, devices, seq, seq_parallel, mp)
     if model is not None:
         _check_model_axis(model, mp)
     elif mp > 1 and vocab % mp:
@@ -837,7 +885,8 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
               tx=tx, param_dtype=pd,
               budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
               attention=attention, host_budget=host_memory_bytes, host_devices=node_devices,
-              disk_budget=disk_bytes, disk_bandwidth=disk_bandwidth)
+              disk_budget=disk_bytes, disk_bandwidth=disk_bandwidth,
+              seq_parallel=seq_parallel)
 
     found = []
     if largest:
@@ -850,13 +899,15 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
 
         # with a model axis, the layer counts whose heads split over it: multiples of
         # the smallest such count (heads grow in proportion to layers)
-        step = next((m for m in range(1, mp * head_dim + 1)
-                     if family(m).heads % mp == 0 and family(m).hidden % mp == 0), None)
-        if step is None or any(family(step * k).heads % mp for k in (2, 3)):
+        split = mp * seq_parallel  # the heads split over the model and sequence axes
+        step = next((m for m in range(1, split * head_dim + 1)
+                     if family(m).heads % split == 0 and family(m).hidden % mp == 0), None)
+        if step is None or any(family(step * k).heads % split for k in (2, 3)):
             raise ValueError(
-                f"largest=True with mp {mp}: no layer count in the family hidden = "
-                f"{width_per_layer} x layers, heads of {head_dim} gives heads divisible by "
-                f"mp {mp}; give a model, or another mp")
+                f"largest=True with mp {mp} x seq_parallel {seq_parallel}: no layer count "
+                f"in the family hidden = {width_per_layer} x layers, heads of {head_dim} "
+                f"gives heads divisible by {split}; give a model, or another mp / "
+                "seq_parallel")
         for label, stage, opts in option_sets:
             def fits(k, stage=stage, opts=opts, label=label):
                 return _row(family(step * k), label, stage, opts, **kw).fits
@@ -885,7 +936,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                                   nodes=nodes, param_bytes=compute,
                                   grad_bytes=compute, **opts))
             for label, opts in HIERARCHICAL_SETS)
-        hkw = dict(kw, devices=devices_per_node, replicas=nodes)
+        hkw = dict(kw, devices=devices_per_node, replicas=nodes, seq_parallel=1)
         link_rows = tuple(
             _row(model, label, 3, opts, **(hkw if opts else kw))
             for label, opts in HIERARCHICAL_SETS)
@@ -898,7 +949,40 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                      note=note, host_memory_bytes=host_memory_bytes,
                      node_devices=node_devices,
                      accelerator=accel, leanest=leanest, disk_bytes=disk_bytes,
-                     disk_bandwidth=disk_bandwidth)
+                     disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel)
+
+
+def _check_seq_axis(model: ModelShape | None, devices: int, seq: int, sp: int,
+                    mp: int = 1) -> None:
+    """Refuse a sequence degree ``sp`` = P Ulysses cannot run: P must divide the
+    devices (data x seq), the sequence (P slices of it), the heads (over ``mp`` x P:
+    each device's attention takes ``heads / (mp P)`` of them) and the key-value heads
+    when there are more of them than P (fewer are repeated up to P)."""
+    if sp == 1:
+        return
+    if devices % sp:
+        raise ValueError(f"devices {devices} is not divisible by seq_parallel {sp}: the "
+                         f"devices are data x seq; use a seq_parallel that divides "
+                         f"{devices}, or a multiple of {sp} devices")
+    if seq % sp:
+        raise ValueError(f"seq {seq} is not divisible by seq_parallel {sp}: each sequence "
+                         f"device holds seq / P tokens; use a seq that is a multiple of {sp}")
+    if model is None:
+        return
+    name = model.name or f"{model.layers} x {model.hidden}"
+    if model.heads % (sp * mp):
+        raise ValueError(
+            f"{name}: heads {model.heads} is not divisible by seq_parallel {sp}"
+            + (f" x mp {mp}" if mp > 1 else "") + ": Ulysses gives each sequence device "
+            "heads / P of them (an all-to-all from the sequence split to a head split); "
+            f"use a seq_parallel that divides {model.heads // math.gcd(model.heads, mp)}")
+    kv = max(1, (model.kv_heads or model.heads) // mp)
+    if (kv > sp and kv % sp) or (kv < sp and sp % kv):
+        raise ValueError(
+            f"{name}: key-value heads {model.kv_heads} (per model device: {kv}) and "
+            f"seq_parallel {sp}: the all-to-all splits them P ways, and fewer than P are "
+            "repeated up to P, so one must divide the other; use a seq_parallel that "
+            f"divides or is a multiple of {kv}")
 
 
 def _disk_bandwidth(value: Any) -> tuple[float, float] | None:
@@ -932,3 +1016,148 @@ def _check_model_axis(model: ModelShape, mp: int) -> None:
             raise ValueError(
                 f"{name}: {what} {n} is not divisible by mp {mp}, over which the reference "
                 f"GPT splits it (Megatron); use an mp that divides {n}, or another {fix}")
+
+
+# --- the longest sequence: sequence parallelism and ALST's memory options ---------------
+
+# (label, options) searched by largest_seq: Ulysses alone, each of ALST's three
+# memory options (Bekman et al., arXiv:2506.13996) on it, and the three together.
+# tiled_mlp / tiled_loss are the planner's own (tiles of tile_tokens tokens of each
+# device's s / P: the MLP recomputed tile by tile, one tile's logits);
+# remat_policy="partitioned_host" keeps every layer's checkpoint in host memory
+SEQ_OPTION_SETS = (
+    ("Ulysses", {}),
+    ("Ulysses + tiled MLP", {"tiled_mlp": True}),
+    ("Ulysses + tiled loss", {"tiled_loss": True}),
+    ("Ulysses + checkpoints on host", {"remat_policy": "partitioned_host"}),
+    ("Ulysses + tiled MLP + tiled loss + checkpoints on host (ALST)",
+     {"tiled_mlp": True, "tiled_loss": True, "remat_policy": "partitioned_host"}),
+)
+
+# ALST's published longest sequences for Llama-8B (arXiv:2506.13996, abstract: 500K on
+# one H100, 3.7M on one 8 x H100 node, "over 15M" on four nodes), by device count
+ALST_PUBLISHED = {1: 500_000, 8: 3_700_000, 32: 15_000_000}
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqRow:
+    """One option set's longest sequence: ``seq`` tokens (0: not even one ``unit``
+    fits), ``row`` the :class:`PlanRow` at that length (None when 0), ``capped`` when
+    the search stopped at its limit still fitting."""
+
+    label: str
+    options: dict
+    seq: int
+    row: PlanRow | None
+    capped: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqPlan:
+    """What :func:`largest_seq` found: per option set, the longest sequence."""
+
+    shape: ModelShape
+    devices: int
+    seq_parallel: int
+    budget_bytes: int
+    batch: int
+    stage: int
+    zero_options: dict
+    unit: int
+    tile_tokens: int
+    host_memory_bytes: int | None
+    rows: tuple[SeqRow, ...]
+    mp: int = 1
+    accelerator: Any = None
+
+    def row(self, label: str) -> SeqRow:
+        for r in self.rows:
+            if r.label == label:
+                return r
+        raise KeyError(f"no row {label!r} (rows: {[r.label for r in self.rows]})")
+
+    @property
+    def longest(self) -> SeqRow:
+        return max(self.rows, key=lambda r: r.seq)
+
+
+def largest_seq(model: ModelShape | str, *, devices: int, budget_bytes: int,
+                seq_parallel: int | None = None, batch: int = 1, stage: int = 3,
+                zero_options: dict | None = None, option_sets: Sequence = SEQ_OPTION_SETS,
+                optimizer: str = "adamw", tx: Any = None, param_dtype: Any = "bf16",
+                attention: str = "auto", mp: int = 1, tile_tokens: int | None = None,
+                unit: int = 1024, limit: int = 2**34, host_memory_bytes: int | None = None,
+                reserve_bytes: int = 0, devices_per_node: int | None = None,
+                accelerator: Any = "h100") -> SeqPlan:
+    """The longest sequence each option set fits: ``devices`` devices (data x seq, x
+    ``mp`` model) of ``budget_bytes`` usable each, ``seq_parallel`` = P (default: all
+    ``devices``, one sequence over every device), ``batch`` sequences per data rank,
+    ZeRO ``stage`` with ``zero_options`` (default ``{"offload_optimizer": True}``:
+    stage 3 with the optimizer state in host memory, what leaves the device the most
+    room for activations), each option set of ``option_sets`` (default
+    :data:`SEQ_OPTION_SETS`) on top. A sequence fits when :func:`plan_model`'s row
+    does (the step's predicted peak within the budget, the node's pinned host memory
+    ``host_memory_bytes`` (None: unchecked) holding the offloaded state and, with
+    checkpoints on host, every layer's checkpoint of its devices).
+
+    Searched over multiples of ``lcm(unit, P)`` tokens (doubling, then bisection) up
+    to ``limit``; the tiled MLP and tiled loss use tiles of ``tile_tokens`` tokens
+    (default: the model's hidden size, ALST's TiledMLP choice of ``ceil(s / hidden)``
+    shards). The peak grows with the sequence in every term the planner counts, so the
+    search is exact for the model."""
+    if isinstance(model, str):
+        if model not in PRESETS:
+            raise ValueError(f"model {model!r} is not a preset; use one of "
+                             f"{', '.join(PRESETS)} or give a ModelShape")
+        model = PRESETS[model]
+    if not isinstance(model, ModelShape):
+        raise TypeError(f"model must be a ModelShape or a preset name, got {model!r}")
+    devices = _count("devices", devices, minimum=1, hint="data x seq devices")
+    budget_bytes = _count("budget_bytes", budget_bytes, minimum=1, hint="bytes per device")
+    batch = _count("batch", batch, minimum=1, hint="sequences per data rank")
+    sp = devices if seq_parallel is None else _count(
+        "seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
+    mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
+    unit = _count("unit", unit, minimum=1, hint="the search's step in tokens")
+    limit = _count("limit", limit, minimum=1, hint="the longest sequence searched")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    step = math.lcm(unit, sp)
+    _check_seq_axis(model, devices, step, sp, mp)
+    _check_model_axis(model, mp)
+    if model.positions:  # a learned table: no sequence beyond its rows
+        limit = min(limit, model.positions)
+    tile = model.hidden if tile_tokens is None else _count(
+        "tile_tokens", tile_tokens, minimum=1, hint="tokens per tile")
+    zero_options = {"offload_optimizer": True} if zero_options is None else dict(zero_options)
+    if host_memory_bytes is not None:
+        host_memory_bytes = _count("host_memory_bytes", host_memory_bytes, minimum=1,
+                                   hint="pinned host memory per node")
+    pd = _dtype(param_dtype)
+    tx = make_optimizer(optimizer) if tx is None else tx
+    node_devices = devices_per_node * mp if devices_per_node else min(devices * mp, 8)
+    accel = _accelerator(accelerator)
+    kw = dict(accel=accel, per_node=devices_per_node, devices=devices, batch=batch, tx=tx,
+              param_dtype=pd, budget=budget_bytes, reserve=reserve_bytes, mp=mp,
+              attention=attention, host_budget=host_memory_bytes, host_devices=node_devices,
+              seq_parallel=sp, tile_tokens=tile)
+    from zerojax.analysis.report import _largest
+
+    rows = []
+    for label, opts in option_sets:
+        def at(k, opts=opts, label=label):
+            return _row(model, label, stage, zero_options, seq=k * step,
+                        extra=dict(opts), **kw)
+
+        top = limit // step
+        if top < 1 or not at(1).fits:
+            rows.append(SeqRow(label, dict(opts), 0, None))
+            continue
+        lo, hi = 1, 2
+        while hi <= top and at(hi).fits:
+            lo, hi = hi, hi * 2
+        capped = hi > top and at(top).fits
+        best = top if capped else _largest(lambda k: at(k).fits, lo, min(hi - 1, top))
+        rows.append(SeqRow(label, dict(opts), best * step, at(best), capped))
+    return SeqPlan(model, devices, sp, budget_bytes, batch, stage, zero_options, step, tile,
+                   host_memory_bytes, tuple(rows), mp, accel)

@@ -43,6 +43,8 @@ __all__ = [
     "gpt_step_prediction",
     "mlp_step_prediction",
     "predict_step_memory",
+    "seq_local",
+    "ulysses_bytes",
 ]
 
 MiB = 2**20
@@ -610,6 +612,48 @@ def flash_attention(config, platform: str = "gpu") -> bool:
     return platform in ("gpu", "cuda") and resolve_attention(config, "cuda") == "cudnn"
 
 
+def seq_local(seq: int, seq_parallel: int = 1) -> int:
+    """The tokens of a sequence one device holds with the sequence split over
+    ``seq_parallel`` = P devices (a ``seq`` mesh axis): ``seq / P``; refused, naming
+    both, when P does not divide ``seq``."""
+    seq = _count("seq", seq, minimum=1, hint="tokens per sequence")
+    sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
+    if seq % sp:
+        raise ValueError(f"seq {seq} is not divisible by seq_parallel {sp}: each of the P "
+                         f"sequence devices holds seq / P tokens; use a seq that is a "
+                         f"multiple of {sp} (pad the batch), or another P")
+    return seq // sp
+
+
+def ulysses_bytes(config, batch: int, seq_parallel: int, *, value_bytes: int = 2,
+                  remat: bool = True, mp: int = 1) -> int:
+    """Bytes one device sends in the Ulysses all-to-alls of one train step (Jacobs et al.,
+    DeepSpeed-Ulysses, arXiv:2309.14509, section 3.2): per layer forward, four
+    all-to-alls, of q, k and v (the sequence split to a head split) before the
+    attention and of its output (back) after it. An all-to-all over P devices of a
+    device's ``x`` bytes sends ``(P - 1) / P`` of them (each device keeps its own
+    share); the device's q and output are ``b (s / P) a d`` values, its k and v ``b (s /
+    P) kv d`` each (GQA; key-value heads fewer than P are repeated up to P before the
+    all-to-all, so ``max(kv, P)`` heads move), so per layer forward::
+
+        (P - 1) / P x b (s / P) (2 a + 2 max(kv, P)) d x e
+
+    (with ``a = kv``, the paper's ``4 N h / P`` per link for N = b s, times ``(P - 1) /
+    P``). The backward moves the gradients of the same four tensors (x 2); full
+    rematerialisation repeats the forward's four (x 3). ``mp`` (a model axis): the
+    heads split over it first, ``a / mp`` and ``max(kv / mp, P)`` per device. 0 for
+    P = 1."""
+    sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
+    if sp == 1:
+        return 0
+    dm = _dims(config)
+    s = seq_local(config.seq, sp)
+    b = _count("batch", batch, minimum=0)
+    heads = math.ceil(dm.a / mp) + max(math.ceil(dm.kv / mp), sp)
+    forward = (sp - 1) * b * s * 2 * heads * dm.d * value_bytes / sp
+    return math.ceil(forward * (3 if remat else 2) * dm.L)
+
+
 # the remat policies whose saved tensors the model counts, and what each keeps per layer
 # beyond the layer input (in units of b s values, split over the model axis): the QKV
 # projection (3 h) and the MLP's first projection (f); see zerojax.activations
@@ -639,7 +683,8 @@ class GPTPhases:
         return self.checkpoints + max(self.mlp, self.attention, self.logits, self.forward)
 
 
-def _logits_values(config, b: int, mp: int, softmax_bytes: int) -> int:
+def _logits_values(config, b: int, mp: int, softmax_bytes: int,
+                   seq: int | None = None) -> int:
     """Bytes per device of the logits phase's vocabulary-wide values on ``b``
     sequences: untiled (``config.vocab_tiles`` None, the default), ``3 b s V / mp``
     float32 values (the logits, their softmax and gradient); with ``vocab_tiles`` = T
@@ -649,8 +694,9 @@ def _logits_values(config, b: int, mp: int, softmax_bytes: int) -> int:
     layer's recomputed attention scores beside the tile loop and (stage 3) the gathered
     head; compiled over predicted, GPT vocab 32768 x hidden 32 on 8 CPU devices, stage
     3, seq 128 / 256, 1 / 4 / 8 tiles, 2 sequences a device: 0.981-0.996 (one sequence
-    a device, 8 tiles: 1.130); stage 0: 0.873-0.944 (over)."""
-    v, s = config.vocab, config.seq
+    a device, 8 tiles: 1.130); stage 0: 0.873-0.944 (over). ``seq``: the tokens of a
+    sequence this device holds (sequence parallelism: ``config.seq / P``)."""
+    v, s = config.vocab, config.seq if seq is None else seq
     tiles = getattr(config, "vocab_tiles", None)
     if not tiles:
         return math.ceil(3 * b * s * v / mp) * softmax_bytes
@@ -662,7 +708,8 @@ def _logits_values(config, b: int, mp: int, softmax_bytes: int) -> int:
 
 def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = None,
                value_bytes: int = 4, internal_bytes: int | None = None,
-               softmax_bytes: int = 4, platform: str = "gpu") -> GPTPhases:
+               softmax_bytes: int = 4, platform: str = "gpu", seq_parallel: int = 1,
+               mlp_tiles: int | None = None) -> GPTPhases:
     """The activation phases of a rematerialised reference GPT's step, per device, on
     ``batch`` sequences per data shard (b), ``mp`` model devices (heads, the MLP's
     ``f`` and the vocabulary split ``mp`` ways; LayerNorms and residuals replicated):
@@ -705,12 +752,24 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
     bf16 layers in float32 and holds a scanned stack's checkpoints in float32 for the
     backward loop). Measured on 8 CPU devices against compiled steps, with the
     gradients and weights live at each phase (:func:`gpt_step_prediction`):
-    ``benchmarks/memory_model.py``."""
-    h, v, s, L, a = config.hidden, config.vocab, config.seq, config.layers, config.heads
+    ``benchmarks/memory_model.py``.
+
+    Sequence parallelism (``seq_parallel`` = P, Ulysses, :func:`seq_local`): each
+    device holds ``s / P`` tokens of each sequence, so every ``h b s`` term above
+    (checkpoints, residuals, projections, the MLP, the logits) is counted at ``s / P``;
+    the attention's inner part runs on whole sequences for ``a / P`` heads, so its
+    ``a s^2 b`` terms are ``a s^2 b / P`` (flash attention's ``a s b`` statistics:
+    ``a s b / P``). ``mlp_tiles`` = T (ALST's TiledMLP: the MLP run on ``s / (P T)``
+    tokens at a time and recomputed tile by tile in its backward): the MLP phase's
+    ``f`` values for one tile, ``ceil(s / (P T))`` tokens."""
+    h, v, L, a = config.hidden, config.vocab, config.layers, config.heads
     dm = _dims(config)
     f = dm.mlp_values
     mp = _count("mp", mp, minimum=1)
     b = _count("batch", batch, minimum=0)
+    sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
+    s = seq_local(config.seq, sp)  # the tokens of a sequence on this device
+    tile = s if mlp_tiles is None else -(-s // _count("mlp_tiles", mlp_tiles, minimum=1))
     inner = value_bytes if internal_bytes is None else internal_bytes
     split = lambda n: math.ceil(n / mp)  # noqa: E731
     hbs = h * b * s
@@ -718,10 +777,11 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
     narrow = split((dm.qkv - 3 * h) * b * s) * inner
     if flash_attention(config, platform):
         # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
+        # (a / P heads over the whole sequence: a s b / P)
         probs = scores = split(a * s * b) * 4
         mask = 0
     else:
-        sq = split(a * s * s * b)
+        sq = math.ceil(a * config.seq * config.seq * b / (mp * sp))
         probs, scores, mask = 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq
     mlp_values = 4 if inner >= 4 else 7
     if dm.gated:
@@ -733,9 +793,10 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         # rotary positions: the rotated q and k and their rotate-half copies, live
         # beside the recomputed layer's MLP (compiled Llama, 8 CPU devices)
         narrow += 4 * hbs * inner
-    mlp = probs + (split(mlp_values * f * b * s) + 9 * hbs + split(4 * hbs)) * inner + narrow
+    mlp = (probs + (split(mlp_values * f * b * tile) + 9 * hbs + split(4 * hbs)) * inner
+           + narrow)
     attention = scores + (3 * hbs + split(6 * hbs)) * inner
-    logits = _logits_values(config, b, mp, softmax_bytes) + 4 * hbs * inner
+    logits = _logits_values(config, b, mp, softmax_bytes, s) + 4 * hbs * inner
     head = 0
     if getattr(config, "vocab_tiles", None):
         # the tile loop beside the top layer's recomputed attention scores (fitted to
@@ -760,7 +821,8 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
 
 def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str | None = None,
                          value_bytes: int = 4, internal_bytes: int | None = None,
-                         softmax_bytes: int = 4, platform: str = "gpu") -> int:
+                         softmax_bytes: int = 4, platform: str = "gpu",
+                         seq_parallel: int = 1, mlp_tiles: int | None = None) -> int:
     """Activation bytes per device of the reference GPT's train step on ``batch``
     sequences per data shard, with the ``model`` axis of size ``mp`` and
     ``remat_policy`` (``zerojax.zero``'s; None: the model's own, ``config.remat``).
@@ -787,17 +849,25 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
 
     Pa+cpu's host memory is not seen on the CPU backend, which ignores memory kinds;
     there it is planned as Pa.
+
+    ``seq_parallel`` = P: :func:`gpt_phases`'s sequence split (``s / P`` tokens per
+    device, ``a s^2 b / P`` scores), also for written-out layers. ``mlp_tiles``: the
+    tiled MLP, counted in the rematerialised phases (without remat every layer's MLP
+    values are kept whole here).
     """
-    h, s, L, a = config.hidden, config.seq, config.layers, config.heads
+    h, L, a = config.hidden, config.layers, config.heads
     policy = remat_policy
     if policy != "none" and config.remat:
         return gpt_phases(config, batch, mp=mp, remat_policy=policy, value_bytes=value_bytes,
                           internal_bytes=internal_bytes, softmax_bytes=softmax_bytes,
-                          platform=platform).largest()
+                          platform=platform, seq_parallel=seq_parallel,
+                          mlp_tiles=mlp_tiles).largest()
     dm = _dims(config)
     f = dm.mlp_values
     mp = _count("mp", mp, minimum=1)
     b = _count("batch", batch, minimum=0)
+    sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
+    s, whole = seq_local(config.seq, sp), config.seq
     inner = value_bytes if internal_bytes is None else internal_bytes
     hbs = h * b * s
     layer = (4 * hbs + math.ceil(8 * hbs / mp)) * inner
@@ -806,8 +876,8 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     if flash_attention(config, platform):
         layer += math.ceil(a * s * b / mp) * 4
     else:
-        layer += math.ceil(3 * a * s * s * b / mp) * softmax_bytes
-    logits = _logits_values(config, b, mp, softmax_bytes)
+        layer += math.ceil(3 * a * whole * whole * b / (mp * sp)) * softmax_bytes
+    logits = _logits_values(config, b, mp, softmax_bytes, s)
     if not config.scan:
         return L * layer + logits
     # a scanned stack keeps each iteration's residuals stacked (L, ...) for the
@@ -820,7 +890,7 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     if flash_attention(config, platform):
         soft = math.ceil(a * s * b / mp) * 4
     else:
-        soft = math.ceil(a * s * s * b / mp) * (softmax_bytes + value_bytes)
+        soft = math.ceil(a * whole * whole * b / (mp * sp)) * (softmax_bytes + value_bytes)
     saved = (soft + math.ceil((6 * f + 4 * h + dm.qkv - 3 * h) * b * s / mp) * inner
              + hbs * inner
              + 6 * hbs * max(inner, 4))
@@ -841,6 +911,7 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                         prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
                         platform: str | None = None, mp: int = 1, replicas: int = 1,
+                        seq_parallel: int = 1, mlp_tiles: int | None = None,
                         **options: Any) -> StepPrediction:
     """:func:`predict_step_memory` for a zerojax reference ``GPTConfig`` on
     ``global_batch`` sequences of ``config.seq`` tokens, trained by ``zero(tx, mesh,
@@ -880,7 +951,14 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     (``quantize_gradients``) quantizes each gradient leaf from float32: with 16-bit
     gradients the layer's largest leaf is held as two float32 copies beside its
     gradient (compiled on the CPU, jax 0.12: without them the bf16 4 x 256 GPT at stage
-    3 held 1.15x the prediction; ``benchmarks/memory_model.py --only hierarchical``)."""
+    3 held 1.15x the prediction; ``benchmarks/memory_model.py --only hierarchical``).
+
+    Sequence parallelism (``seq_parallel`` = P, a ``seq`` mesh axis beside ``data``,
+    Ulysses attention): ``dp`` is the data axis, ``global_batch`` splits over it, each
+    sequence over the P sequence devices (:func:`gpt_phases`' ``s / P`` tokens); the
+    states, gradients and their reductions are ZeRO's over ``dp x P`` devices (the
+    sequence devices are data-parallel for the states). ``mlp_tiles``: ALST's tiled
+    MLP (:func:`gpt_phases`)."""
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
@@ -908,7 +986,10 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                  + split(f * h) + nb * h + 2 * h * (1 if dm.rms else 2))
         psi = (split(v * h) * (1 if dm.tied else 2) + dm.positions * h + L * layer
                + h * (1 if dm.rms else 2))
+    sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
     b = global_batch // (dp * replicas)
+    # ZeRO over data x seq: the sequence devices hold their own shards of the states
+    dp = dp * sp
     e = gpt_state_estimate(config, dp, stage, tx=tx, param_dtype=param_dtype, mp=mp,
                            replicas=replicas, **options)
     compute = jnp.dtype(param_dtype if param_dtype is not None else config.dtype).itemsize
@@ -929,7 +1010,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     policy = options.get("remat_policy")
     remat = config.remat and policy != "none"
     counts = dict(mp=mp, remat_policy=policy, value_bytes=compute, internal_bytes=inter,
-                  platform=platform)
+                  platform=platform, seq_parallel=sp, mlp_tiles=mlp_tiles)
     phases = gpt_phases(config, -(-b // accum), **counts) if remat else None
     acts = (phases.largest() if remat
             else gpt_activation_bytes(config, -(-b // accum), **counts))
@@ -937,7 +1018,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=remat, prefetch=prefetch,
                                activations=acts,
-                               batch_bytes=b * (s + 1) * 4 + working,
+                               batch_bytes=b * (seq_local(s, sp) + 1) * 4 + working,
                                # offload_params (host or "nvme"): the step brings
                                # every param shard to the device before the gradient
                                states=_step_states(e),

@@ -85,6 +85,20 @@ def _estimate(args: argparse.Namespace) -> int:
     if psi is None:  # 12 L H^2 in the blocks, V H in the embedding
         psi = 12 * args.layers * args.hidden**2 + args.vocab * args.hidden
     total, args.devices = args.devices, _data_parallel(args)
+    if args.seq_parallel > 1:
+        if not args.layers:
+            args.error(f"--seq-parallel {args.seq_parallel} splits the activations' "
+                       "sequence: give --layers and --hidden (the model states do not "
+                       "depend on it: ZeRO partitions them over all --devices)")
+        if args.devices % args.seq_parallel:
+            args.error(f"--devices {total} is not divisible by --seq-parallel "
+                       f"{args.seq_parallel}" + (f" x --mp {args.mp}" if args.mp > 1 else "")
+                       + ": the devices are data x seq (x model); give a --seq-parallel "
+                       f"that divides {args.devices}")
+        if args.seq % args.seq_parallel:
+            args.error(f"--seq {args.seq} is not divisible by --seq-parallel "
+                       f"{args.seq_parallel}: each sequence device holds seq / P tokens; "
+                       f"give a --seq that is a multiple of {args.seq_parallel}")
     p, g, k = args.param_dtype, args.grad_dtype, args.optimizer_bytes
     if k is not None and args.optimizer is not None:
         print(f"--optimizer-bytes {k} given: it wins over {args.optimizer}'s own state")
@@ -182,12 +196,17 @@ def _activations(args: argparse.Namespace) -> None:
 
     h, b, t, n_layers, e, m = (args.hidden, args.batch_per_device, args.seq, args.layers,
                                args.act_dtype, args.mp)
+    sp = args.seq_parallel
 
     def act(**kw):
-        return estimate_activations(h, b, t, n_layers, bytes_per_value=e, mp=m, **kw)
+        return estimate_activations(h, b, t, n_layers, bytes_per_value=e, mp=m,
+                                    seq_parallel=sp, **kw)
 
-    print(f"\nactivations per device: {n_layers} layers x hidden {h}, seq {t}, batch {b} "
-          f"per device, {e} bytes per value (the paper's section 3.2)")
+    split = (f" split over --seq-parallel {sp} devices ({t // sp} tokens each, Ulysses)"
+             if sp > 1 else "")
+    print(f"\nactivations per device: {n_layers} layers x hidden {h}, seq {t}{split}, "
+          f"batch {b} per {'data rank' if sp > 1 else 'device'}, {e} bytes per value "
+          "(the paper's section 3.2)")
     rows = [["no checkpointing (12 h b s L values)", gb(act(checkpointing=False))],
             ["checkpoint per layer (+ one layer recomputed)", gb(act())]]
     if m > 1:
@@ -245,6 +264,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     shape_given = [a for a in ("layers", "hidden", "heads") if getattr(args, a) is not None]
     given = _given(args)
+    if args.largest_seq:
+        return _plan_largest_seq(args, shape_given)
+    if args.tile_tokens is not None:
+        args.error(f"--tile-tokens {args.tile_tokens} sizes --largest-seq's tiled MLP and "
+                   "loss; add --largest-seq, or drop it (--vocab-tiles tiles the head "
+                   "of a plan)")
     if args.largest or args.model is not None or shape_given:
         params_only = [f for f in ("grad_dtype", "bucket_size", "activations") if f in given]
         if params_only:
@@ -267,6 +292,11 @@ def _plan(args: argparse.Namespace) -> int:
             args.devices = 64
         return _plan_model(args, shape_given)
     _defaults(args)
+    if args.seq_parallel is not None:
+        args.error(f"--seq-parallel {args.seq_parallel} splits the model's sequences "
+                   "(activations, all-to-alls); the paper's formula (--params) counts "
+                   "model states only: use --model, --layers/--hidden/--heads or --largest "
+                   "with it")
     if args.remat_policy is not None:
         args.error(f"--remat-policy {args.remat_policy}: the policy shapes the model's "
                    "activations; use --model, --layers/--hidden/--heads or --largest "
@@ -390,12 +420,7 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                        f"{'/'.join(PRESETS)} or --layers/--hidden/--heads) to tile its head")
         shape = PRESETS[model] if isinstance(model, str) else model
         model = dataclasses.replace(shape, vocab_tiles=args.vocab_tiles)
-    names = {"fp32": "fp32", "float32": "fp32", "tf32": "fp32", "bf16": "bf16",
-             "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
-    precision = names.get(getattr(args.param_dtype, "name", ""))
-    if precision is None:
-        args.error(f"--param-dtype {getattr(args.param_dtype, 'name', args.param_dtype)}: "
-                   "the model planner trains in fp32, bf16 or fp16; use one of those")
+    precision = _precision(args)
     if args.attention == "cudnn" and precision == "fp32":
         args.error("--attention cudnn with --param-dtype fp32: cuDNN's flash attention "
                    "takes bf16 or fp16 only; use --param-dtype bf16, or --attention auto "
@@ -429,6 +454,7 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                             host_memory_bytes=round(host), accelerator=args.accelerator,
                             disk_bytes=None if args.disk is None else round(args.disk),
                             disk_bandwidth=args.disk_bandwidth,
+                            seq_parallel=args.seq_parallel or 1,
                             **({"remat_policy": args.remat_policy}
                                if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
@@ -438,6 +464,80 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
         + (" (--host-memory)" if args.host_memory is not None else
            " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: pass --host-memory)")
         + ("" if args.disk is None else "\ndisk per node: " + gb(args.disk) + " (--disk)"))))
+    return 0
+
+
+def _precision(args: argparse.Namespace) -> str:
+    """--param-dtype as the model planner's name (fp32, bf16, fp16); others refused."""
+    names = {"fp32": "fp32", "float32": "fp32", "tf32": "fp32", "bf16": "bf16",
+             "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+    precision = names.get(getattr(args.param_dtype, "name", ""))
+    if precision is None:
+        args.error(f"--param-dtype {getattr(args.param_dtype, 'name', args.param_dtype)}: "
+                   "the model planner trains in fp32, bf16 or fp16; use one of those")
+    return precision
+
+
+def _plan_largest_seq(args: argparse.Namespace, shape_given: list) -> int:
+    """zerojax plan --largest-seq: the longest sequence each of analysis.plan's
+    SEQ_OPTION_SETS fits (zerojax.analysis.plan.largest_seq), ALST's published
+    figures beside the llama3-8b preset's."""
+    from zerojax.analysis.plan import ALST_PUBLISHED, ModelShape, largest_seq
+    from zerojax.cli.plan_text import format_memory, format_seq_plan
+
+    for flag, bad in (("--largest", args.largest), ("--params", args.params is not None),
+                      ("--vocab-tiles", args.vocab_tiles is not None),
+                      ("--remat-policy", args.remat_policy is not None)):
+        if bad:
+            args.error(f"--largest-seq searches the sequence length (with its own tiled "
+                       f"loss and checkpoint options per row); drop {flag}")
+    if "seq" in _given(args):
+        args.error(f"--largest-seq searches the sequence length; drop --seq {args.seq}")
+    if args.model is not None and shape_given:
+        args.error("give --model PRESET or --layers/--hidden/--heads, not both")
+    if shape_given:
+        missing = [f"--{a}" for a in ("layers", "hidden", "heads") if getattr(args, a) is None]
+        if missing:
+            args.error(f"{' and '.join(missing)} missing: the model's shape is --layers, "
+                       "--hidden and --heads together (and --vocab)")
+        if args.hidden % args.heads:
+            args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+        # rotary positions (no learned table to outgrow)
+        model = ModelShape(args.layers, args.hidden, args.heads, args.vocab or 50304,
+                           positions=0)
+    elif args.model is not None:
+        model = args.model
+    else:
+        args.error("--largest-seq needs the model: --model PRESET (e.g. llama3-8b) or "
+                   "--layers/--hidden/--heads")
+    if args.devices is None:
+        args.devices = 8
+    memory = _plan_memory(args)
+    dp = _data_parallel(args)
+    sp = dp if args.seq_parallel is None else args.seq_parallel
+    if dp % sp:
+        args.error(f"--seq-parallel {sp} does not divide the {dp} data x seq devices "
+                   f"(--devices {args.devices}" + (f" / --mp {args.mp}" if args.mp > 1
+                                                    else "") + f"); use a divisor of {dp}")
+    precision = _precision(args)
+    host = HOST_MEMORY_DEFAULT if args.host_memory is None else args.host_memory
+    per_node = args.gpus_per_node // args.mp if args.gpus_per_node else None
+    try:
+        result = largest_seq(model, devices=dp, budget_bytes=memory.usable,
+                             seq_parallel=sp,
+                             batch=args.batch if "batch" in _given(args) else 1,
+                             optimizer=args.optimizer or "adamw", param_dtype=precision,
+                             attention=args.attention, mp=args.mp,
+                             tile_tokens=args.tile_tokens, host_memory_bytes=round(host),
+                             reserve_bytes=round(args.reserve), devices_per_node=per_node,
+                             accelerator=args.accelerator)
+    except (TypeError, ValueError) as e:
+        args.error(str(e))
+    published = ALST_PUBLISHED if args.model == "llama3-8b" else None
+    print(format_seq_plan(result, memory_note=format_memory(memory) + "\nhost memory per "
+                          "node: " + gb(host) + (" (--host-memory)" if args.host_memory
+                                                 is not None else " (the default)"),
+                          published=published))
     return 0
 
 
@@ -907,6 +1007,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vocabulary size (counts the embedding when --params is not given)")
     g.add_argument("--act-dtype", type=dtype_bytes, default="bf16", metavar="DTYPE",
                    help="dtype of the activations")
+    g.add_argument("--seq-parallel", type=positive_int, default=1, metavar="P",
+                   help="sequence parallelism: each sequence split over P of --devices "
+                        "(Ulysses), seq / P tokens' activations per device (default 1)")
     est.set_defaults(func=_estimate)
 
     plan = command(
@@ -915,7 +1018,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or the largest one), per ZeRO stage and option set, the per-device bytes of a "
         "train step by part, fits or not, traffic per step and the recommendation; or, "
         "with --params, the paper's model-state formula.", PLAN_EPILOG)
-    plan.add_argument("--memory", "--budget", "-b", dest="budget", type=byte_size,
+    plan.add_argument("--memory", "--budget", "--gpu-mem", "-b", dest="budget",
+                      type=byte_size,
                       required=True, metavar="SIZE",
                       help="memory per device, with its unit: 80GB, 80GiB, 512MB")
     from zerojax.analysis.cost import ACCELERATORS
@@ -986,6 +1090,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "(GPTConfig/LlamaConfig(vocab_tiles=T), zerojax.tiling): one "
                            "tile's logits counted, not the whole batch x seq x vocab "
                            "(default: untiled)")
+    plan.add_argument("--seq-parallel", type=positive_int, default=None, metavar="P",
+                      help="sequence parallelism: each sequence split over P devices "
+                           "(Ulysses all-to-all attention; --devices is data x seq), ZeRO "
+                           "over all of them (default 1; with --largest-seq: every device)")
+    plan.add_argument("--largest-seq", action="store_true",
+                      help="the longest sequence each option set fits (Ulysses; + tiled "
+                           "MLP, tiled loss, checkpoints on host, ALST's three) for "
+                           "--model on --devices x --memory, stage 3 + offload_optimizer")
+    plan.add_argument("--tile-tokens", type=positive_int, default=None, metavar="N",
+                      help="--largest-seq: tokens per tile of the tiled MLP and loss "
+                           "(default: the model's hidden size, ALST's)")
     plan.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
                       help="--params only: a constant-size communication buffer of this many "
                            "gradient elements, added to every stage (default: none counted, "

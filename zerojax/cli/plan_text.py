@@ -26,13 +26,14 @@ from zerojax.analysis.plan import (
     ModelShape,
     Plan,
     PlanRow,
+    SeqPlan,
     Table1Row,
     paper_table1,
 )
 
 __all__ = ["NOT_COUNTED", "describe_shape", "format_memory", "format_model_plan",
-           "format_plan", "format_table1", "human", "recommendation", "size_columns",
-           "table1"]
+           "format_plan", "format_seq_plan", "format_table1", "human", "recommendation",
+           "size_columns", "table1"]
 
 GB = 1e9  # the paper's GB
 
@@ -283,11 +284,14 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
         nodes = (f" ({n_nodes} node(s) of {p.devices_per_node}"
                  + ("; every step's data-axis traffic crosses the network)" if n_nodes > 1
                     else "; all traffic within the node)"))
-    mesh = (f"{p.devices} data x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
-            else f"{p.devices} devices")
+    sp = p.seq_parallel
+    data = (f"{p.devices // sp} data x {sp} seq" if sp > 1 else f"{p.devices} data")
+    mesh = (f"{data} x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
+            else f"{data} = {p.devices} devices" if sp > 1 else f"{p.devices} devices")
     extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
-    head = [f"plan: {mesh} x {_size(p.budget_bytes)} usable{nodes}, seq {p.seq}, "
-            f"batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
+    head = [f"plan: {mesh} x {_size(p.budget_bytes)} usable{nodes}, seq {p.seq}"
+            + (f" ({p.seq // sp} tokens a device)" if sp > 1 else "")
+            + f", batch {p.batch} per data shard, optimizer {p.optimizer}, params in "
             f"{precision} (fp32 master weights and optimizer state){extra}"]
     if p.shape is not None:
         head.append(f"model: {describe_shape(p.shape)}; Psi = {human(p.num_params)} "
@@ -355,6 +359,15 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                 f"in a node and {a.inter_bw / GB:.2f} GB/s across nodes per device, hidden "
                 "under compute as the stage allows, offload at "
                 f"{a.pcie_bw / GB:.0f} GB/s PCIe; tokens/s of the whole job)")
+    if sp > 1:
+        a2a = p.rows[0].alltoall_bytes
+        out += (f"\n(sequence parallel, Ulysses over {sp} devices (arXiv:2309.14509): "
+                f"activations of seq / {sp} tokens a device, the attention on whole "
+                f"sequences for heads / {sp}; traffic is ZeRO's over all {p.devices} "
+                f"devices; the all-to-alls of q, k, v and the attention output add "
+                f"{_gb(a2a)} GB per device per step (4 per layer forward, (P - 1) / P "
+                "of each; x 2 with the backward, x 3 with full remat), in the step time: "
+                "zerojax.analysis.report.ulysses_bytes)")
     if p.largest:
         out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
         out += _table(["option set", "layers", "hidden", "heads", "Psi"],
@@ -385,4 +398,50 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                 "steps): held-out +0.008 nats against exact stage 3, int8's level "
                 "(block 2048 + round-to-nearest: 1/8 + 1/2048 of the bytes, +0.063))")
     out += f"\n\nrecommendation: {recommendation(p)}\n({NOT_COUNTED})"
+    return out
+
+
+def format_seq_plan(p: SeqPlan, memory_note: str = "",
+                    published: dict | None = None) -> str:
+    """The longest sequence per option set (:func:`~zerojax.analysis.plan.largest_seq`):
+    the setting, one row per option set with the sequence, its peak by part and its
+    host memory per node, and ``published`` (``{devices: tokens}``, e.g. ALST's) beside
+    the longest when it names this device count."""
+    sp = p.seq_parallel
+    zero = ", ".join([f"stage {p.stage}"] + [f"{k}={v!r}" for k, v in p.zero_options.items()])
+    mesh = (f"{p.devices // sp} data x {sp} seq" + (f" x {p.mp} model" if p.mp > 1 else ""))
+    head = [f"longest sequence: {describe_shape(p.shape)}",
+            f"on {p.devices * p.mp} devices ({mesh}) x {_size(p.budget_bytes)} usable, "
+            f"{p.batch} sequence(s) per data rank, {zero}; searched in steps of {p.unit:,} "
+            f"tokens; tiles of {p.tile_tokens:,} tokens"]
+    if memory_note:
+        head.append(memory_note)
+    rows = []
+    for r in p.rows:
+        row = r.row
+        if row is None:
+            rows.append([r.label, "none", "-", "-", "-", "-", "-", "-", "-"])
+            continue
+        other = row.peak - row.states.params - row.states.optimizer_state - row.activations
+        seq = f"{r.seq:,}" + (" (limit)" if r.capped else "")
+        rows.append([r.label, seq, f"{r.seq // sp:,}", _gb(row.states.params
+                     + row.states.optimizer_state), _gb(row.activations), _gb(other),
+                     _gb(row.peak), _gb(row.host_bytes), _gb(row.alltoall_bytes)])
+    out = "\n".join(head) + "\n" + _table(
+        ["option set", "longest seq", "tokens/device", "states (GB)", "act (GB)",
+         "other (GB)", "peak (GB)", "host/node (GB)", "all-to-all (GB)"], rows)
+    host = (f"host memory {_size(p.host_memory_bytes)} per node" if p.host_memory_bytes
+            else "host memory not checked")
+    out += ("\n(tiled MLP: the MLP's intermediates for one tile of the device's tokens "
+            "(ALST's TiledMLP); tiled loss: one tile's float32 logits (vocab_tiles); "
+            "checkpoints on host: every layer's checkpoint in pinned host memory, one "
+            "layer's working set on the device (remat_policy='partitioned_host'); "
+            f"host/node: the node's offloaded state and checkpoints ({host}); all-to-all: "
+            "Ulysses' bytes per device per step; peak = states + act + other)")
+    if published and p.devices * p.mp in published:
+        best = p.longest
+        theirs = published[p.devices * p.mp]
+        out += (f"\npublished (ALST, arXiv:2506.13996, Llama-8B on {p.devices * p.mp} "
+                f"H100s): {theirs:,} tokens; planned here: {best.seq:,} "
+                f"({best.seq / theirs:.2f}x)")
     return out

@@ -1,0 +1,238 @@
+"""The planner's sequence parallelism (issue 44): Ulysses' activations per device and
+all-to-all bytes, ALST's memory options, ``largest_seq`` and ``zerojax plan
+--largest-seq`` / ``--seq-parallel`` (formulas on hand-computed cases, monotonicity,
+refusals). Pure arithmetic: nothing is compiled (the compiled-peak comparison is
+benchmarks/seq_memory.py, which needs the ``seq`` mesh axis)."""
+
+import dataclasses
+import functools
+
+import pytest
+
+from zerojax.analysis import estimate_activations
+from zerojax.analysis.plan import (
+    ALST_PUBLISHED,
+    PRESETS,
+    ModelShape,
+    largest_seq,
+    plan_model,
+)
+from zerojax.analysis.report import (
+    DecoderConfig,
+    gpt_phases,
+    gpt_step_prediction,
+    seq_local,
+    ulysses_bytes,
+)
+from zerojax.cli import main
+
+# a tiny GQA decoder: 8 heads of 8, 2 key-value heads, 2 layers
+TINY = DecoderConfig(vocab=256, seq=64, layers=2, hidden=64, heads=8, kv_heads=2,
+                     mlp_hidden=96, gated=True, tied=False, positions=0, norm="rmsnorm",
+                     bias=False, attention="xla")
+LLAMA = PRESETS["llama3-8b"]
+BUDGET = 59 * 10**9  # an 80 GB card at JAX's 0.75, less the 1 GB reserve
+
+
+def test_ulysses_bytes_by_hand():
+    # batch 3, seq 64 over P = 4: 16 tokens a device; q and out 8 heads, k and v 2 heads
+    # repeated up to P = 4; head_dim 8; 2 bytes. Per layer forward:
+    # 3/4 x 3 x 16 x (2 x 8 + 2 x 4) x 8 x 2 = 13,824 bytes; x 3 (forward, remat's
+    # second forward, backward) x 2 layers = 82,944
+    assert ulysses_bytes(TINY, 3, 4, value_bytes=2) == 82_944
+    assert ulysses_bytes(TINY, 3, 4, value_bytes=2, remat=False) == 55_296
+    # P = 2: kv 2 heads are not repeated: 1/2 x 3 x 32 x (16 + 4) x 8 x 2 = 15,360 / layer
+    assert ulysses_bytes(TINY, 3, 2, value_bytes=2) == 15_360 * 3 * 2
+    # mp = 2 first: 4 q heads and 1 kv head a model device, repeated up to P = 2
+    assert ulysses_bytes(TINY, 3, 2, value_bytes=2, mp=2) == (
+        3 * 32 * (2 * 4 + 2 * 2) * 8 * 2 // 2 * 3 * 2)
+    assert ulysses_bytes(TINY, 3, 1) == 0
+    # the paper's 4 N h / P per link for multi-head attention, times (P - 1) / P
+    mha = dataclasses.replace(TINY, kv_heads=None)
+    n, h, p = 3 * 64, 64, 4
+    assert ulysses_bytes(mha, 3, p, value_bytes=1, remat=False) == (
+        2 * 2 * 4 * n * h // p * (p - 1) // p)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_activations_at_s_over_p_except_the_scores(p):
+    """Each device holds s / P tokens of every s-linear term; the attention's scores are
+    a s^2 b / P (whole sequences for a / P heads), P times those at s / P."""
+    b, s, a = 2, TINY.seq, TINY.heads
+    split = gpt_phases(TINY, b, seq_parallel=p)
+    short = gpt_phases(dataclasses.replace(TINY, seq=s // p), b)
+    assert split.checkpoints == short.checkpoints == TINY.layers * 64 * b * (s // p) * 4
+    assert split.logits == short.logits
+    assert split.bottom == short.bottom
+    # scores, their gradient and the probabilities' gradient (3), float32
+    extra = 3 * a * b * (s * s // p - (s // p) ** 2) * 4
+    assert split.attention - short.attention == extra
+    # the MLP phase holds the probabilities (2)
+    assert split.mlp - short.mlp == 2 * a * b * (s * s // p - (s // p) ** 2) * 4
+    # flash attention: every term s-linear, so P splits all of it
+    flash = dataclasses.replace(TINY, attention="cudnn")
+    assert gpt_phases(flash, b, seq_parallel=p) == gpt_phases(
+        dataclasses.replace(flash, seq=s // p), b)
+
+
+def test_tiled_mlp_holds_one_tile():
+    b, p = 2, 4
+    whole = gpt_phases(TINY, b, seq_parallel=p)
+    tiled = gpt_phases(TINY, b, seq_parallel=p, mlp_tiles=4)
+    # SwiGLU's 7 f values of a token in float32, for 16 - 4 fewer tokens
+    assert whole.mlp - tiled.mlp == 7 * 96 * b * (16 - 4) * 4
+    assert (whole.attention, whole.logits) == (tiled.attention, tiled.logits)
+    # an uneven split: ceil(16 / 3) = 6 tokens a tile
+    assert whole.mlp - gpt_phases(TINY, b, seq_parallel=p, mlp_tiles=3).mlp == (
+        7 * 96 * b * (16 - 6) * 4)
+
+
+def test_paper_formula_at_s_over_p():
+    assert estimate_activations(4096, 1, 65536, 32, seq_parallel=8) == (
+        estimate_activations(4096, 1, 8192, 32))
+    assert estimate_activations(4096, 1, 65536, 32, seq_parallel=8) == (32 + 12) * 4096 * 8192 * 2
+    with pytest.raises(ValueError, match="seq 1000 is not divisible by seq_parallel 3"):
+        estimate_activations(64, 1, 1000, 2, seq_parallel=3)
+
+
+def test_states_partitioned_over_data_x_seq():
+    """ZeRO over data x seq: dp = 2 data x P = 4 holds the states of dp = 8."""
+    for stage in (1, 2, 3):
+        split = gpt_step_prediction(TINY, 2, stage, 2, seq_parallel=4)
+        plain = gpt_step_prediction(TINY, 8, stage, 8)
+        assert split.states == plain.states
+        assert split.end == plain.end  # the gradient partition over 8 devices
+        # one sequence a data rank: 16 tokens (+ 1) of int32 on a device, not 64
+        assert split.batch == (16 + 1) * 4
+    assert seq_local(64, 4) == 16
+    with pytest.raises(ValueError, match="seq 64 is not divisible by seq_parallel 3"):
+        seq_local(64, 3)
+
+
+@functools.cache
+def _longest(devices, p, label="Ulysses", host=None):
+    sets = [s for s in (("Ulysses", {}),
+                        ("ALST", {"tiled_mlp": True, "tiled_loss": True,
+                                  "remat_policy": "partitioned_host"})) if s[0] == label]
+    return largest_seq("llama3-8b", devices=devices, budget_bytes=BUDGET, seq_parallel=p,
+                       option_sets=sets, host_memory_bytes=host).rows[0]
+
+
+def test_largest_seq_is_the_boundary():
+    r = _longest(8, 8)
+    assert r.seq > 0 and r.seq % 1024 == 0 and r.row.fits and not r.capped
+    # largest_seq's default: stage 3 + offload_optimizer
+    kw = dict(devices=8, budget_bytes=BUDGET, batch=1, seq_parallel=8,
+              option_sets=(("s3", 3, {"offload_optimizer": True}),))
+    over = plan_model("llama3-8b", seq=r.seq + 1024, **kw)
+    at = plan_model("llama3-8b", seq=r.seq, **kw)
+    assert at.rows[0].peak == r.row.peak and at.rows[0].fits
+    assert not over.rows[0].fits and over.rows[0].peak > BUDGET
+
+
+def test_more_sequence_devices_longer_sequences():
+    seqs = [_longest(8, p).seq for p in (1, 2, 4, 8)]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 4, seqs
+    # more devices at the same P: the states shrink (ZeRO over data x seq), a little longer
+    assert _longest(32, 8).seq >= _longest(8, 8).seq
+    # and ALST's options lengthen it more than 4x over Ulysses alone
+    alst = _longest(8, 8, "ALST")
+    assert alst.seq > 4 * _longest(8, 8).seq
+    # the checkpoints on host need the host memory: 8 devices' L h s / P bf16 values
+    need = alst.row.host_bytes
+    assert need > 32 * 4096 * alst.seq * 2  # every layer's checkpoint of the node
+    short = _longest(8, 8, "ALST", host=need // 2)
+    assert 0 < short.seq < alst.seq and short.row.host_bytes <= need // 2
+
+
+def test_seq_parallel_plan_rows_count_the_all_to_alls():
+    p = plan_model("llama3-8b", devices=8, budget_bytes=BUDGET, seq=65536, batch=1,
+                   seq_parallel=8, option_sets=(("stage 3", 3, {}),))
+    r = p.rows[0]
+    config = LLAMA.config(65536)
+    assert r.alltoall_bytes == ulysses_bytes(config, 1, 8, value_bytes=2) > 0
+    assert r.time.tensor == pytest.approx(r.alltoall_bytes / p.accelerator.intra_bw)
+    # tokens/s of the whole job: one sequence of 65,536 per step
+    assert r.time.tokens == 65536
+    # the same plan at P = 1 holds 8x the tokens a device
+    whole = plan_model("llama3-8b", devices=8, budget_bytes=BUDGET, seq=8192, batch=1,
+                       option_sets=(("stage 3", 3, {}),)).rows[0]
+    assert whole.activations == r.activations  # flash attention: all s-linear
+    assert whole.alltoall_bytes == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(model=ModelShape.llama(2, 768, 12, kv_heads=4, mlp_hidden=1024, vocab=1000,
+                                 name="h12"), seq_parallel=8),
+     "h12: heads 12 is not divisible by seq_parallel 8"),
+    (dict(seq_parallel=3), "devices 8 is not divisible by seq_parallel 3"),
+    (dict(seq_parallel=8, seq=1004), "seq 1004 is not divisible by seq_parallel 8"),
+    (dict(model=ModelShape.llama(2, 768, 12, kv_heads=6, mlp_hidden=1024, vocab=1000,
+                                 name="kv6"), seq_parallel=4),
+     "kv6: key-value heads 6 .* seq_parallel 4"),
+])
+def test_plan_names_bad_sequence_degrees(kwargs, match):
+    kw = dict(model="llama3-8b", devices=8, budget_bytes=BUDGET, seq=8192, batch=1)
+    kw.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_model(kw.pop("model"), **kw)
+
+
+def test_largest_seq_names_bad_input():
+    with pytest.raises(ValueError, match="heads 12 is not divisible by seq_parallel 8"):
+        largest_seq(ModelShape.llama(2, 768, 12, kv_heads=4, mlp_hidden=1024, vocab=1000),
+                    devices=8, budget_bytes=BUDGET)
+    with pytest.raises(ValueError, match="devices 8 is not divisible by seq_parallel 3"):
+        largest_seq("llama3-8b", devices=8, budget_bytes=BUDGET, seq_parallel=3)
+    with pytest.raises(ValueError, match="'llama9' is not a preset"):
+        largest_seq("llama9", devices=8, budget_bytes=BUDGET)
+
+
+def _cli(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_largest_seq_prints_alst_beside(capsys):
+    code, out, err = _cli(["plan", "--model", "llama3-8b", "--devices", "8", "--gpu-mem",
+                           "80GB", "--largest-seq", "--host-memory", "2TB"], capsys)
+    assert code == 0, err
+    assert "1 data x 8 seq" in out and "Ulysses + tiled MLP + tiled loss" in out
+    assert f"{ALST_PUBLISHED[8]:,} tokens; planned here" in out
+    alst = largest_seq("llama3-8b", devices=8, budget_bytes=BUDGET,
+                       host_memory_bytes=2 * 10**12).longest
+    assert f"planned here: {alst.seq:,}" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--largest-seq", "--seq-parallel", "3"], "--seq-parallel 3 does not divide the 8"),
+    (["--largest-seq", "--seq", "4096"], "drop --seq 4096"),
+    (["--largest-seq", "--largest"], "drop --largest"),
+    (["--seq-parallel", "3"], "devices 8 is not divisible by seq_parallel 3"),
+    (["--tile-tokens", "512"], "--tile-tokens 512 sizes --largest-seq"),
+])
+def test_cli_refuses_bad_sequence_flags(argv, message, capsys):
+    code, _, err = _cli(["plan", "--model", "llama3-8b", "--devices", "8", "--memory",
+                         "80GB", *argv], capsys)
+    assert code == 2 and message in err, err
+
+
+def test_cli_seq_parallel_plan_and_estimate(capsys):
+    code, out, err = _cli(["plan", "--model", "llama3-8b", "--devices", "8", "--memory",
+                           "80GB", "--seq", "131072", "--batch", "1", "--seq-parallel", "8"],
+                          capsys)
+    assert code == 0, err
+    assert "1 data x 8 seq = 8 devices" in out and "16384 tokens a device" in out
+    assert "all-to-alls of q, k, v" in out
+    code, out, err = _cli(["estimate", "--params", "8B", "--devices", "8", "--layers", "32",
+                           "--hidden", "4096", "--seq", "65536", "--seq-parallel", "8"],
+                          capsys)
+    assert code == 0, err
+    assert "8192 tokens each" in out
+    code, _, err = _cli(["estimate", "--params", "8B", "--devices", "8", "--layers", "32",
+                         "--hidden", "4096", "--seq", "1004", "--seq-parallel", "8"], capsys)
+    assert code == 2 and "--seq 1004 is not divisible by --seq-parallel 8" in err
