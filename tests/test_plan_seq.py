@@ -203,9 +203,7 @@ def test_cli_largest_seq_prints_alst_beside(capsys):
     assert code == 0, err
     assert "1 data x 8 seq" in out and "Ulysses + tiled MLP + tiled loss" in out
     assert f"{ALST_PUBLISHED[8]:,} tokens; planned here" in out
-    alst = largest_seq("llama3-8b", devices=8, budget_bytes=BUDGET,
-                       host_memory_bytes=2 * 10**12).longest
-    assert f"planned here: {alst.seq:,}" in out
+    assert f"planned here: {_longest(8, 8, 'ALST', host=2 * 10**12).seq:,}" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -236,3 +234,32 @@ def test_cli_seq_parallel_plan_and_estimate(capsys):
     code, _, err = _cli(["estimate", "--params", "8B", "--devices", "8", "--layers", "32",
                          "--hidden", "4096", "--seq", "1004", "--seq-parallel", "8"], capsys)
     assert code == 2 and "--seq 1004 is not divisible by --seq-parallel 8" in err
+
+
+def test_readme_largest_seq_table_is_what_the_benchmark_prints():
+    """benchmarks/README.md's longest-sequence table, cell for cell, is what
+    ``python benchmarks/seq_memory.py --only largest`` prints (its largest_table)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("seq_memory",
+                                                      root / "benchmarks" / "seq_memory.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        printed = bench.largest_table().splitlines()
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    got = [line.split() for line in printed[2:]]
+    text = (root / "benchmarks" / "README.md").read_text()
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("| H100s = P |"))
+    want = []
+    for ln in lines[at + 2:]:
+        if not ln.startswith("|"):
+            break
+        want.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    assert len(want) == 6 and got == want, (got, want)

@@ -902,10 +902,33 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
     """``estimate_memory`` of a reference ``GPTConfig``'s params (their shapes, and the
     Megatron specs with a ``model`` axis of ``mp``): what ``init_state`` places per
     device. ``replicas`` is hpZ's replica axis (``hpz=True``: the optimizer state over
-    replicas x ``dp``); HSDP (``replica_axis``) holds the stage's bytes over ``dp``."""
-    return estimate_memory(gpt_param_shapes(config), dp, stage, tx=tx, param_dtype=param_dtype,
-                           mp=mp, model_specs=gpt_param_specs_of(config) if mp > 1 else None,
-                           replicas=replicas if options.get("hpz") else 1, **options)
+    replicas x ``dp``); HSDP (``replica_axis``) holds the stage's bytes over ``dp``.
+
+    Remembered per params' shapes and arguments (the last 64): a search over the
+    sequence length (``plan.largest_seq``) asks the same states of a model whose
+    parameters do not depend on it (rotary positions) at every length."""
+    shapes = gpt_param_shapes(config)
+    try:
+        key = (jax.tree.structure(shapes),
+               tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)),
+               _dims(config)._replace(s=0), type(config).__name__, dp, stage, id(tx),
+               str(param_dtype), mp, replicas, tuple(sorted(options.items())))
+        hash(key)
+    except TypeError:  # an option value that is not hashable: not remembered
+        key = None
+    if key is not None and key in _STATES:
+        return _STATES[key][1]
+    states = estimate_memory(shapes, dp, stage, tx=tx, param_dtype=param_dtype, mp=mp,
+                             model_specs=gpt_param_specs_of(config) if mp > 1 else None,
+                             replicas=replicas if options.get("hpz") else 1, **options)
+    if key is not None:
+        if len(_STATES) >= 64:
+            _STATES.pop(next(iter(_STATES)))
+        _STATES[key] = (tx, states)  # tx kept alive: its id stays its own
+    return states
+
+
+_STATES: dict = {}  # gpt_state_estimate's remembered answers (insertion order)
 
 
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
