@@ -8,6 +8,7 @@ import dataclasses
 import functools
 
 import pytest
+from test_cli import _exit_code
 
 from zerojax.analysis import estimate_activations
 from zerojax.analysis.plan import (
@@ -24,7 +25,6 @@ from zerojax.analysis.report import (
     seq_local,
     ulysses_bytes,
 )
-from zerojax.cli import main
 
 # a tiny GQA decoder: 8 heads of 8, 2 key-value heads, 2 layers
 TINY = DecoderConfig(vocab=256, seq=64, layers=2, hidden=64, heads=8, kv_heads=2,
@@ -188,13 +188,7 @@ def test_largest_seq_names_bad_input():
         largest_seq("llama9", devices=8, budget_bytes=BUDGET)
 
 
-def _cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+_cli = _exit_code  # main(argv)'s exit status, stdout and stderr
 
 
 def test_cli_largest_seq_prints_alst_beside(capsys):

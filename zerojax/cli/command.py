@@ -393,23 +393,13 @@ HOST_MEMORY_DEFAULT = 1e12  # per node: a DGX A100's 1 TB (a DGX H100 has 2 TB)
 
 
 def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
-    from zerojax.analysis.plan import ModelShape, plan_model
+    from zerojax.analysis.plan import plan_model
     from zerojax.cli.plan_text import format_memory, format_model_plan
 
     if args.params is not None:
         args.error("--params is the paper-formula question; give the model's shape "
                    "(--layers --hidden --heads), --model or --largest instead, not both")
-    if args.model is not None and shape_given:
-        args.error("give --model PRESET or --layers/--hidden/--heads, not both")
-    model = args.model
-    if shape_given:
-        missing = [f"--{a}" for a in ("layers", "hidden", "heads") if getattr(args, a) is None]
-        if missing:
-            args.error(f"{' and '.join(missing)} missing: the model's shape is --layers, "
-                       "--hidden and --heads together (and --vocab)")
-        if args.hidden % args.heads:
-            args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-        model = ModelShape(args.layers, args.hidden, args.heads, args.vocab)
+    model = _shape_argument(args, shape_given)
     if args.vocab_tiles is not None:
         import dataclasses
 
@@ -467,6 +457,26 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     return 0
 
 
+def _shape_argument(args: argparse.Namespace, shape_given: list, **fields):
+    """--model PRESET (its name), or the ModelShape of --layers/--hidden/--heads (and
+    ``fields``: vocab, positions; default --vocab); refused when both, or a part of
+    the shape, are missing."""
+    from zerojax.analysis.plan import ModelShape
+
+    if args.model is not None and shape_given:
+        args.error("give --model PRESET or --layers/--hidden/--heads, not both")
+    if not shape_given:
+        return args.model
+    missing = [f"--{a}" for a in ("layers", "hidden", "heads") if getattr(args, a) is None]
+    if missing:
+        args.error(f"{' and '.join(missing)} missing: the model's shape is --layers, "
+                   "--hidden and --heads together (and --vocab)")
+    if args.hidden % args.heads:
+        args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    fields.setdefault("vocab", args.vocab)
+    return ModelShape(args.layers, args.hidden, args.heads, **fields)
+
+
 def _precision(args: argparse.Namespace) -> str:
     """--param-dtype as the model planner's name (fp32, bf16, fp16); others refused."""
     names = {"fp32": "fp32", "float32": "fp32", "tf32": "fp32", "bf16": "bf16",
@@ -482,7 +492,7 @@ def _plan_largest_seq(args: argparse.Namespace, shape_given: list) -> int:
     """zerojax plan --largest-seq: the longest sequence each of analysis.plan's
     SEQ_OPTION_SETS fits (zerojax.analysis.plan.largest_seq), ALST's published
     figures beside the llama3-8b preset's."""
-    from zerojax.analysis.plan import ALST_PUBLISHED, ModelShape, largest_seq
+    from zerojax.analysis.plan import ALST_PUBLISHED, largest_seq
     from zerojax.cli.plan_text import format_memory, format_seq_plan
 
     for flag, bad in (("--largest", args.largest), ("--params", args.params is not None),
@@ -493,23 +503,11 @@ def _plan_largest_seq(args: argparse.Namespace, shape_given: list) -> int:
                        f"loss and checkpoint options per row); drop {flag}")
     if "seq" in _given(args):
         args.error(f"--largest-seq searches the sequence length; drop --seq {args.seq}")
-    if args.model is not None and shape_given:
-        args.error("give --model PRESET or --layers/--hidden/--heads, not both")
-    if shape_given:
-        missing = [f"--{a}" for a in ("layers", "hidden", "heads") if getattr(args, a) is None]
-        if missing:
-            args.error(f"{' and '.join(missing)} missing: the model's shape is --layers, "
-                       "--hidden and --heads together (and --vocab)")
-        if args.hidden % args.heads:
-            args.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-        # rotary positions (no learned table to outgrow)
-        model = ModelShape(args.layers, args.hidden, args.heads, args.vocab or 50304,
-                           positions=0)
-    elif args.model is not None:
-        model = args.model
-    else:
+    if args.model is None and not shape_given:
         args.error("--largest-seq needs the model: --model PRESET (e.g. llama3-8b) or "
                    "--layers/--hidden/--heads")
+    # a shape of the command line with rotary positions (no learned table to outgrow)
+    model = _shape_argument(args, shape_given, vocab=args.vocab or 50304, positions=0)
     if args.devices is None:
         args.devices = 8
     memory = _plan_memory(args)
