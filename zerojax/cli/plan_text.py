@@ -365,7 +365,7 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                 f"activations of seq / {sp} tokens a device, the attention on whole "
                 f"sequences for heads / {sp}; traffic is ZeRO's over all {p.devices} "
                 f"devices; the all-to-alls of q, k, v and the attention output add "
-                f"{_gb(a2a)} GB per device per step (4 per layer forward, (P - 1) / P "
+                f"{_size(a2a)} per device per step (4 per layer forward, (P - 1) / P "
                 "of each; x 2 with the backward, x 3 with full remat), in the step time: "
                 "zerojax.analysis.report.ulysses_bytes)")
     if p.largest:
@@ -420,16 +420,17 @@ def format_seq_plan(p: SeqPlan, memory_note: str = "",
     for r in p.rows:
         row = r.row
         if row is None:
-            rows.append([r.label, "none", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([r.label, "none", "-", None, None, None, None, None, None])
             continue
         other = row.peak - row.states.params - row.states.optimizer_state - row.activations
         seq = f"{r.seq:,}" + (" (limit)" if r.capped else "")
-        rows.append([r.label, seq, f"{r.seq // sp:,}", _gb(row.states.params
-                     + row.states.optimizer_state), _gb(row.activations), _gb(other),
-                     _gb(row.peak), _gb(row.host_bytes), _gb(row.alltoall_bytes)])
-    out = "\n".join(head) + "\n" + _table(
-        ["option set", "longest seq", "tokens/device", "states (GB)", "act (GB)",
-         "other (GB)", "peak (GB)", "host/node (GB)", "all-to-all (GB)"], rows)
+        rows.append([r.label, seq, f"{r.seq // sp:,}",
+                     row.states.params + row.states.optimizer_state, row.activations,
+                     other, row.peak, row.host_bytes, row.alltoall_bytes])
+    header = ["option set", "longest seq", "tokens/device", "states", "act", "other",
+              "peak", "host/node", "all-to-all"]
+    size_columns(header, rows, (3, 4, 5, 6, 7, 8))
+    out = "\n".join(head) + "\n" + _table(header, rows)
     host = (f"host memory {_size(p.host_memory_bytes)} per node" if p.host_memory_bytes
             else "host memory not checked")
     out += ("\n(tiled MLP: the MLP's intermediates for one tile of the device's tokens "
