@@ -267,6 +267,38 @@ def test_train_with_seq_parallel(capsys):
         assert code == 2 and msg in err, err
 
 
+def test_train_memory_check_counts_seq_parallel(capsys):
+    """train's memory pre-check plans --seq-parallel P with the planner's Ulysses terms
+    (gpt_step_prediction(seq_parallel=P)): a card 5% above that peak passes, 5% below is
+    refused naming the peak."""
+    import dataclasses
+
+    from zerojax.analysis.plan import ModelShape
+    from zerojax.analysis.report import gpt_step_prediction
+    from zerojax.cli.command import _check_train_plan, build_parser
+    from zerojax.cli.demo import check_arguments, make_optimizer
+
+    base = ["train", "--seq-parallel", "4", "--data", "2", "--seq", "4096", "--layers", "2",
+            "--hidden", "64", "--heads", "4", "--batch", "4", "--stage", "3",
+            "--mem-fraction", "1", "--runtime-reserve", "0"]
+    a = build_parser().parse_args(base + ["--memory", "1GB"])
+    config = ModelShape(2, 64, 4, 128).config(4096, attention=a.attention)
+    peak = gpt_step_prediction(dataclasses.replace(config), 2, 3, 4, tx=make_optimizer(a),
+                               seq_parallel=4).peak
+    whole = gpt_step_prediction(dataclasses.replace(config), 2, 3, 4,
+                                tx=make_optimizer(a)).peak  # the same data=2, no split
+    assert peak < 0.5 * whole  # the sequence split is what the check must see
+    for factor, refused in ((1.05, False), (0.95, True)):
+        a = build_parser().parse_args(base + ["--memory", f"{peak * factor / 1e6:.3f}MB"])
+        check_arguments(a, a.parser)
+        if refused:
+            with pytest.raises(SystemExit):
+                _check_train_plan(a)
+            assert "a stage-3 step needs about" in capsys.readouterr().err
+        else:
+            _check_train_plan(a)
+
+
 def test_corpus_is_the_standard_library_and_deterministic():
     a, b = demo.load_corpus(0.5), demo.load_corpus(0.5)
     assert a.chars == b.chars and (a.train == b.train).all()

@@ -629,16 +629,17 @@ def _check_train_plan(args: argparse.Namespace) -> None:
     if not budget:
         return
     shape = ModelShape(args.layers, args.hidden, args.heads, 128 * args.model)  # ASCII vocab
-    # --seq-parallel P: each device holds batch / data sequences of seq / P tokens and
-    # 1/(data P) of the states, the step of data x P devices on a P-times larger batch
-    # of seq / P (the all-to-all buffers, one layer's q, k, v at a time, not counted)
+    # --seq-parallel P: the planner's Ulysses terms (each device holds batch / data
+    # sequences of seq / P tokens, attention's whole sequences for heads / P heads, and
+    # 1/(data P) of the states)
     sp = getattr(args, "seq_parallel", 1)
-    config = shape.config(args.seq // sp, attention=args.attention)
+    config = shape.config(args.seq, attention=args.attention)
     worst = None
     for stage in args.stages:
         # the model axis (--model) splits weights, heads and the MLP (Megatron's specs)
-        step = gpt_step_prediction(dataclasses.replace(config), args.data * sp, stage,
-                                   args.batch * sp, tx=make_optimizer(args), mp=args.model)
+        step = gpt_step_prediction(dataclasses.replace(config), args.data, stage,
+                                   args.batch, tx=make_optimizer(args), mp=args.model,
+                                   seq_parallel=sp)
         peak = step.peak
         if peak > budget and (worst is None or peak > worst[1]):
             worst = (stage, peak, step)
@@ -836,7 +837,7 @@ def _export_mapping(args: argparse.Namespace, step: int):
         with open(args.hf_config) as f:
             hf = json.load(f)
     if args.mapping == "llama":
-        from zerojax.checkpoint import _resolve
+        from zerojax.checkpoint_reader import resolve as _resolve
         from zerojax.formats import _name, _tokens_of_keystr
         from zerojax.models import llama
 

@@ -554,13 +554,14 @@ def print_summary(rows: list[dict], losses: dict[int, float], args, psi: int) ->
     for row in table:
         print(fmt(row))
     psi_m = "Psi/M" if args.model > 1 else "Psi"
+    axes = "'data' x 'seq'" if sp > 1 else "'data'"
     print(f"""
 state/device   params + adamw state one device holds, from the placed arrays
 paper formula  4 {psi_m} params (/N at stage 3) + {ADAMW_BYTES} {psi_m} optimizer state (/N
                from stage 1); gradients (4 {psi_m}, /N from stage 2) live only inside the
                step, so they count in 'step peak'. Small leaves stay replicated (ratio > 1).
 step peak      per-device peak of the compiled step (arguments + outputs - donated + temps)
-AG RS AR comm  per-device traffic over 'data' per step, in units of Psi (all-gather,
+AG RS AR comm  per-device traffic over {axes} per step, in units of Psi (all-gather,
                reduce-scatter, all-reduce counted twice); the paper: 2, 2, 2, 3 {psi_m}""")
 
 
