@@ -1,0 +1,130 @@
+"""Sequence parallelism on GPUs, compiled for N GPUs on one (issue 44's memory check
+with cuDNN flash attention): the compiled stage-3 step's peak per device at sequence
+length S with ``seq=P`` against the peak at S/P without it.
+
+The CPU backend has no flash attention: every attention it compiles holds the S x S
+scores, which under Ulysses are heads/P x S x S per device against heads x (S/P)^2 at
+S/P, so ``benchmarks/seq_parallel.py`` on the CPU cannot show the linear memory Ulysses
+gives. On a CUDA GPU ``attention="cudnn"`` never holds the scores. One GPU is enough:
+JAX's mock GPU topology (``jax_mock_gpu_topology="1xNx1"``, ``jax_cuda_visible_devices=0``)
+makes the one GPU's compiler build the program for N devices (collectives included)
+without running it, so ``compiled.memory_analysis()`` gives each device's peak.
+
+For each P two ZeRO stage-3 steps of the same Llama (GQA, scanned and rematerialised
+layers, bf16 compute over fp32 params, fp32 Adam, the vocab-tiled loss) are compiled on
+P of the N devices with the same tokens per device and the same model-state partition:
+
+- ``seq=P``: ``make_mesh(data=1, seq=P)``, ``--batch`` sequences of S tokens, each
+  device holding S/P of every sequence (Ulysses attention over ``seq``);
+- ``S/P``: ``make_mesh(data=P)``, ``--batch`` x P sequences of S/P tokens.
+
+    python benchmarks/seq_gpu.py                      # on a CUDA GPU: 8 mocked devices
+    python benchmarks/seq_gpu.py --attention xla      # the same with the S x S scores
+    python benchmarks/seq_gpu.py --cpu --seq 1024 --hidden 256 --heads 4 --kv-heads 2 \\
+        --vocab 512 --attention xla --dtype float32   # the script's own check, on CPU
+
+Only compiled, never run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+MiB = 2**20
+
+
+def _devices(n: int, cpu: bool):
+    import jax
+
+    if cpu:
+        from _common import use_simulated_devices
+
+        use_simulated_devices(n)
+    elif n > 1:
+        jax.config.update("jax_mock_gpu_topology", f"1x{n}x1")
+        jax.config.update("jax_cuda_visible_devices", "0")
+    devices = jax.devices()
+    if len(devices) < n:
+        raise SystemExit(f"{len(devices)} devices, {n} asked for")
+    return devices
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=32768, help="sequence length S")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per data rank")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--mlp-hidden", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--vocab-tiles", type=int, default=8)
+    parser.add_argument("--attention", default="cudnn")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--degrees", default="1,2,4,8", help="the P to compile")
+    parser.add_argument("--cpu", action="store_true",
+                        help="simulated CPU devices instead of a mocked GPU topology")
+    args = parser.parse_args()
+    degrees = [int(p) for p in args.degrees.split(",")]
+    devices = _devices(max(degrees), args.cpu)
+
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis import compiled_memory
+    from zerojax.analysis.report import compile_step
+    from zerojax.models.gpt import lm_loss
+    from zerojax.models.llama import Llama, LlamaConfig, llama_params
+
+    S, b = args.seq, args.batch
+    cfg = LlamaConfig(vocab=args.vocab, seq=S, layers=args.layers, hidden=args.hidden,
+                      heads=args.heads, kv_heads=args.kv_heads, mlp_hidden=args.mlp_hidden,
+                      attention=args.attention, dtype=jnp.dtype(args.dtype),
+                      vocab_tiles=args.vocab_tiles)
+    params = jax.eval_shape(lambda: llama_params(Llama(dataclasses.replace(cfg, seq=8)), 0))
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    i32 = jnp.int32
+
+    def compiled(mesh, model, batch):
+        opt = zerojax.zero(optax.adam(1e-3), mesh, stage=3)
+        start = time.perf_counter()
+        c = compile_step(opt, lm_loss(model), params, batch)
+        mem = compiled_memory(c)
+        comm = zerojax.comm_volume(c, mesh=mesh)
+        a2a = sum(op.nbytes * op.trips for op in comm.ops if op.kind == "all_to_all")
+        return mem, a2a, time.perf_counter() - start
+
+    print(f"Llama {args.layers} x {args.hidden}, heads {args.heads}, kv_heads {args.kv_heads}, "
+          f"mlp {args.mlp_hidden}, vocab {args.vocab} (Psi = {psi:,}), attention="
+          f"{args.attention}, {args.dtype} compute, fp32 params + Adam, remat, ZeRO stage 3, "
+          f"vocab_tiles={args.vocab_tiles}; S = {S}, {b} sequence(s) per data rank; jax "
+          f"{jax.__version__}, {devices[0].device_kind} x {len(devices)}"
+          f"{'' if args.cpu else ' (mocked: compiled on one)'}")
+    print()
+    print("| P | peak seq=P, S (MiB) | peak data=P, S/P (MiB) | ratio | arguments seq=P (MiB) "
+          "| temp seq=P (MiB) | temp S/P (MiB) | all-to-all per step (MiB) | compile (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p in degrees:
+        if S % p:
+            raise SystemExit(f"--seq {S} does not divide by P={p}")
+        devs = devices[:p]
+        split = Llama(dataclasses.replace(cfg, seq_axis="seq"))
+        mem_a, a2a, t_a = compiled(zerojax.make_mesh(data=1, seq=p, devices=devs), split,
+                                   (jax.ShapeDtypeStruct((b, S), i32),) * 2)
+        short = dataclasses.replace(cfg, seq=S // p)
+        mem_b, _, t_b = compiled(zerojax.make_mesh(data=p, devices=devs), Llama(short),
+                                 jax.ShapeDtypeStruct((b * p, S // p + 1), i32))
+        print(f"| {p} | {mem_a.peak / MiB:.1f} | {mem_b.peak / MiB:.1f} | "
+              f"{mem_a.peak / mem_b.peak:.3f} | {mem_a.argument / MiB:.1f} | "
+              f"{mem_a.temp / MiB:.1f} | {mem_b.temp / MiB:.1f} | {a2a / MiB:.1f} | "
+              f"{t_a + t_b:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
