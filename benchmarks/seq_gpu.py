@@ -87,7 +87,7 @@ def main() -> None:
                       heads=args.heads, kv_heads=args.kv_heads, mlp_hidden=args.mlp_hidden,
                       attention=args.attention, dtype=jnp.dtype(args.dtype),
                       vocab_tiles=args.vocab_tiles)
-    params = jax.eval_shape(lambda: llama_params(Llama(dataclasses.replace(cfg, seq=8)), 0))
+    params = jax.eval_shape(lambda: llama_params(Llama(dataclasses.replace(cfg, seq=8, vocab_tiles=None)), 0))
     psi = sum(x.size for x in jax.tree.leaves(params))
     i32 = jnp.int32
 
