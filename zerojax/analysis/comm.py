@@ -55,14 +55,21 @@ _OPCODE_KIND = {
     "all-gather": "all_gather",
     "all-gather-start": "all_gather",
     "reduce-scatter": "reduce_scatter",
+    "reduce-scatter-start": "reduce_scatter",
     "all-reduce": "all_reduce",
     "all-reduce-start": "all_reduce",
     "all-to-all": "all_to_all",
+    "all-to-all-start": "all_to_all",
     "collective-permute": "collective_permute",
     "collective-permute-start": "collective_permute",
 }
-# Async starts whose result is (operands, outputs, ...): the payload is element 1.
-_START_WITH_OPERAND_TUPLE = ("all-gather-start", "collective-permute-start")
+# Async starts whose result is (operands, outputs, ...): the payload is element 1 (the
+# gathered result; an all-to-all's output is its input's size) or, for a reduce-scatter,
+# element 0 (its input, the paper's rule). XLA:GPU writes reduce-scatter and all-to-all
+# this way (``reduce-scatter-start`` / ``all-to-all-start`` + ``-done``, several operands
+# combined into one); XLA:CPU does not.
+_START_WITH_OPERAND_TUPLE = ("all-gather-start", "collective-permute-start",
+                             "all-to-all-start", "reduce-scatter-start")
 
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
 # ``name = shape opcode(...)``; the shape lookahead tells it from a wrapped ``attr={...}``.
@@ -359,7 +366,8 @@ class _Module:
         if inst.opcode == "reduce-scatter":
             payload = ", ".join(_operand_shape(o, shapes) for o in _split_top(inst.operands))
         elif inst.opcode in _START_WITH_OPERAND_TUPLE:
-            payload = _split_top(inst.shape[1:-1])[1]
+            part = 0 if inst.opcode == "reduce-scatter-start" else 1
+            payload = _split_top(inst.shape[1:-1])[part]
         else:
             payload = inst.shape
         arrays = [(dtype, dims) for dtype, dims in _ARRAY.findall(payload) if dtype != "token"]
