@@ -107,6 +107,16 @@ class GPTConfig:
     t <= seq`` tokens, all-to-all back; ``heads`` must divide by P). :func:`lm_loss`
     then takes pre-shifted ``(inputs, targets)`` batches. Only where the axis is bound
     (zerojax's step on ``make_mesh(seq=P)``, or a ``shard_map``).
+    mlp_tiles: ``None`` (default), or the number of tiles of the sequence each block's
+    MLP is computed in (ALST's TiledMLP, :func:`tiled_tokens`): a ``lax.map`` over
+    tiles of ``t / mlp_tiles`` tokens (``t`` the tokens of a sequence a device holds:
+    ``P t`` = the sequence under ``seq_axis``) whose body is ``jax.checkpoint``ed, so
+    the backward pass recomputes each tile's ``(batch, t / mlp_tiles, mlp_hidden)``
+    activations and holds one tile's at a time. The same params and function: loss and
+    gradients equal the untiled model's to float32 rounding (tests/test_tiled_mlp.py).
+    ``t`` must divide by it (checked when the model is traced). It saves memory only
+    where the MLP's intermediate is not kept anyway (remat policies that save nothing
+    of the MLP: ``"full"``, ``"layer_inputs"``, ``"qkv_proj"``, Pa).
     """
 
     vocab: int = 256
@@ -123,6 +133,7 @@ class GPTConfig:
     remat_policy: str = "full"
     vocab_tiles: int | None = None
     seq_axis: str | None = None
+    mlp_tiles: int | None = None
 
     def __post_init__(self):
         check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"))
@@ -144,8 +155,8 @@ _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None:
     """Validate the options a decoder config shares (GPTConfig, LlamaConfig): the
     positive ints named by ``ints``, ``hidden % heads``, the compute dtype, ``remat``,
-    ``scan``, ``remat_policy``, ``attention`` (and what cuDNN needs), ``vocab_tiles``
-    and ``activation_sharding``; each error names the config's class, the field and
+    ``scan``, ``remat_policy``, ``attention`` (and what cuDNN needs), ``vocab_tiles``,
+    ``mlp_tiles`` and ``activation_sharding``; each error names the config's class, the field and
     the value."""
     cls = type(config).__name__
     for name in ints:
@@ -183,6 +194,7 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
         raise ValueError(f"{cls}.attention='cudnn' needs head_dim = hidden / heads "
                          f"a multiple of 8 and at most 128, got {config.head_dim}")
     _check_vocab_tiles(config.vocab_tiles, config.seq, cls)
+    _check_mlp_tiles(getattr(config, "mlp_tiles", None), config.seq, cls)
     axis = getattr(config, "seq_axis", None)
     if axis is not None and (not isinstance(axis, str) or not axis):
         raise ValueError(f"{cls}.seq_axis must be None or a mesh axis name (\"seq\"), got "
@@ -207,6 +219,65 @@ def _check_vocab_tiles(tiles, seq: int, owner: str) -> None:
     if tiles > seq:
         raise ValueError(f"{owner}.vocab_tiles={tiles} is larger than seq={seq}: the "
                          f"tiles split the sequence, each needs a token; use at most {seq}")
+
+
+def _check_mlp_tiles(tiles, seq: int, owner: str) -> None:
+    if tiles is None:
+        return
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"{owner}.mlp_tiles must be None or an int >= 1 (the number of "
+                         f"tiles of the sequence the MLP is computed in), got {tiles!r}")
+    if tiles > seq:
+        raise ValueError(f"{owner}.mlp_tiles={tiles} is larger than seq={seq}: the tiles "
+                         f"split the sequence, each needs a token; use at most {seq}")
+
+
+def tiled_tokens(fn, x: jax.Array, tiles: int | None, owner: str = "config") -> jax.Array:
+    """``fn(x)`` for a per-token ``fn`` of ``x`` ``(batch, t, ...)``, computed in
+    ``tiles`` tiles of ``t / tiles`` tokens (ALST's TiledMLP, arXiv:2506.13996): a
+    ``lax.map`` over the tiles whose body is ``jax.checkpoint(fn)``, so the forward
+    keeps only each tile's input and the backward recomputes one tile's internals at a
+    time. ``None``: ``fn(x)``. ``t`` must divide by ``tiles`` (a ValueError naming
+    ``owner``'s ``mlp_tiles``, ``t`` and the fix); ``t`` is the tokens a device holds
+    (``seq / P`` under sequence parallelism)."""
+    if tiles is None:
+        return fn(x)
+    b, t = x.shape[:2]
+    if t % tiles:
+        fits = [d for d in range(1, t + 1) if t % d == 0]
+        raise ValueError(
+            f"{owner}.mlp_tiles={tiles} does not divide the {t} tokens of a sequence the "
+            f"model holds here (per device under sequence parallelism: the sequence / P): "
+            f"each tile needs t / mlp_tiles tokens; use an mlp_tiles dividing {t} (one of "
+            f"{fits}) or None")
+    xs = jnp.moveaxis(x.reshape(b, tiles, t // tiles, *x.shape[2:]), 1, 0)
+    ys = jax.lax.map(jax.checkpoint(fn), xs)
+    return jnp.moveaxis(ys, 0, 1).reshape(b, t, *ys.shape[3:])
+
+
+class DenseParams(nn.Module):
+    """The ``kernel`` (and ``bias``) ``nn.Dense(features)`` would create on inputs of
+    ``in_features`` (the same names, shapes, initialisers and so values), returned
+    instead of applied: for :func:`tiled_tokens`, whose body is a plain function."""
+
+    features: int
+    kernel_init: Any
+    bias_init: Any = None  # None: no bias
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
+                            jnp.float32)
+        bias = (None if self.bias_init is None else
+                self.param("bias", self.bias_init, (self.features,), jnp.float32))
+        return kernel, bias
+
+
+def dense_apply(x, kernel, bias, dtype) -> jax.Array:
+    """``nn.Dense``'s function: ``x @ kernel + bias``, all in ``dtype``."""
+    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                            (((x.ndim - 1,), (0,)), ((), ())))
+    return y if bias is None else y + bias.astype(dtype)
 
 
 def _cudnn_head_dim(head_dim: int) -> bool:
@@ -316,11 +387,28 @@ class Block(nn.Module):
 
         # MLP: column-parallel in, row-parallel out.
         h = _layer_norm(cfg, "ln_2")(x).astype(cfg.dtype)
-        h = _dense(cfg, cfg.mlp_hidden, (None, "model"), ("model",), "mlp_in")(h)
-        h = nn.gelu(checkpoint_name(h, MLP_IN))
-        h = _dense(cfg, cfg.hidden, ("model", None), (None,), "mlp_out", out_std)(h)
-        x = x + checkpoint_name(h, MLP_OUT)
+        x = x + self._mlp(h, out_std)
         return _constrain(cfg, x), None
+
+    def _mlp(self, h, out_std):
+        cfg = self.config
+        if cfg.mlp_tiles is None:
+            h = _dense(cfg, cfg.mlp_hidden, (None, "model"), ("model",), "mlp_in")(h)
+            h = nn.gelu(checkpoint_name(h, MLP_IN))
+            h = _dense(cfg, cfg.hidden, ("model", None), (None,), "mlp_out", out_std)(h)
+            return checkpoint_name(h, MLP_OUT)
+        # the tiled MLP: the same params, applied tile by tile (tiled_tokens)
+        w_in, b_in = DenseParams(cfg.mlp_hidden, _init((None, "model")), _zeros(("model",)),
+                                 name="mlp_in")(cfg.hidden)
+        w_out, b_out = DenseParams(cfg.hidden, _init(("model", None),
+                                                     nn.initializers.normal(out_std)),
+                                   _zeros((None,)), name="mlp_out")(cfg.mlp_hidden)
+
+        def mlp(h):
+            h = nn.gelu(checkpoint_name(dense_apply(h, w_in, b_in, cfg.dtype), MLP_IN))
+            return checkpoint_name(dense_apply(h, w_out, b_out, cfg.dtype), MLP_OUT)
+
+        return tiled_tokens(mlp, h, cfg.mlp_tiles, "GPTConfig")
 
 
 class GPT(nn.Module):
@@ -374,12 +462,13 @@ def _dummy_tokens(model: GPT) -> jax.Array:
 
 
 def _unconstrained(model: GPT) -> GPT:
-    """``model`` without activation constraints nor sequence parallelism (the same
-    params; a batch of one dummy sequence could not be split)."""
-    if model.config.activation_sharding is None and model.config.seq_axis is None:
+    """``model`` without activation constraints, sequence parallelism nor MLP tiles
+    (the same params; a batch of one dummy sequence could not be split or tiled)."""
+    if (model.config.activation_sharding is None and model.config.seq_axis is None
+            and model.config.mlp_tiles is None):
         return model
     return type(model)(dataclasses.replace(model.config, activation_sharding=None,
-                                           seq_axis=None))
+                                           seq_axis=None, mlp_tiles=None))
 
 
 def init_variables(model: nn.Module, rng: jax.Array | int, tokens: jax.Array,

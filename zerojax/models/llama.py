@@ -92,10 +92,13 @@ from zerojax.models.gpt import (
     MLP_OUT,
     OUT_PROJ,
     QKV_PROJ,
+    DenseParams,
     _constrain,
     check_model_config,
+    dense_apply,
     init_variables,
     resolve_attention,
+    tiled_tokens,
 )
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
 
@@ -278,6 +281,9 @@ class LlamaConfig:
     Ulysses attention (``heads`` divisible by P; ``kv_heads`` divisible by P, or P by
     ``kv_heads``: then each key/value head is repeated P / ``kv_heads`` times before
     the all-to-all, :func:`zerojax.models.ulysses.ulysses_attention`).
+    mlp_tiles: ALST's tiled MLP, as :class:`zerojax.models.gpt.GPTConfig`'s: the SwiGLU
+    computed in that many tiles of each device's tokens, each recomputed in the
+    backward (:func:`zerojax.models.gpt.tiled_tokens`).
     """
 
     vocab: int = 256
@@ -306,6 +312,7 @@ class LlamaConfig:
     qk_norm: bool = False
     seq_axis: str | None = None
     tie_embeddings: bool = False
+    mlp_tiles: int | None = None
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -632,11 +639,33 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.config
         b = cfg.mlp_bias
+        if cfg.mlp_tiles is not None:
+            return self._tiled(x)
         gate = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_0", b)(x),
                                MLP_IN)
         up = checkpoint_name(_dense(cfg, cfg.mlp_hidden, (None, "model"), "wi_1", b)(x), MLP_IN)
         h = nn.silu(gate) * up
         return checkpoint_name(_dense(cfg, cfg.hidden, ("model", None), "wo", b)(h), MLP_OUT)
+
+    def _tiled(self, x):
+        """The same SwiGLU on the same params (``_dense``'s), tile by tile."""
+        cfg = self.config
+
+        def params(features, kernel, name, in_features):
+            bias = _init(kernel[-1:], nn.initializers.zeros_init()) if cfg.mlp_bias else None
+            return DenseParams(features, _init(kernel), bias, name=name)(in_features)
+
+        gate_w = params(cfg.mlp_hidden, (None, "model"), "wi_0", cfg.hidden)
+        up_w = params(cfg.mlp_hidden, (None, "model"), "wi_1", cfg.hidden)
+        down_w = params(cfg.hidden, ("model", None), "wo", cfg.mlp_hidden)
+
+        def mlp(x):
+            gate = checkpoint_name(dense_apply(x, *gate_w, cfg.dtype), MLP_IN)
+            up = checkpoint_name(dense_apply(x, *up_w, cfg.dtype), MLP_IN)
+            h = nn.silu(gate) * up
+            return checkpoint_name(dense_apply(h, *down_w, cfg.dtype), MLP_OUT)
+
+        return tiled_tokens(mlp, x, cfg.mlp_tiles, "LlamaConfig")
 
 
 class DecoderLayer(nn.Module):
