@@ -127,14 +127,41 @@ def cached_gpt_params(model, seed=0):
     return jax.tree.map(jnp.asarray, _host_gpt_params(model.config, seed))
 
 
-def cli_env() -> dict:
-    """The environment of a fresh ``python -m zerojax.cli`` process: unbuffered, CPU,
-    without this process's XLA_FLAGS (``--devices`` sets the count there)."""
+OPT_FLAG = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a process a test starts: ``devices`` simulated CPU devices (None:
+    the child or its launcher sets the count) and this process's LLVM level
+    (tests/conftest.py compiles at -O0 unless ZEROJAX_TEST_FULL_OPT=1), so a child
+    compiles as its parent does and a bitwise comparison across them holds."""
     import os
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    flags = [f"--xla_force_host_platform_device_count={devices}"] if devices else []
+    if OPT_FLAG in os.environ.get("XLA_FLAGS", ""):
+        flags.append(OPT_FLAG)
+    return " ".join(flags)
+
+
+def child_env(base: dict | None = None, **extra) -> dict:
+    """``base`` (default ``os.environ``) without XLA_FLAGS and JAX_PLATFORMS, plus
+    :func:`xla_flags` (the LLVM level only: a launcher sets the device count), plus
+    ``extra``."""
+    import os
+
+    env = {k: v for k, v in (base if base is not None else os.environ).items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if xla_flags():
+        env["XLA_FLAGS"] = xla_flags()
+    env.update(extra)
     return env
+
+
+def cli_env() -> dict:
+    """The environment of a fresh ``python -m zerojax.cli`` process: unbuffered, CPU,
+    without this process's device count (``--devices`` sets it there)."""
+
+    return child_env(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
 
 
 def sigterm_at_first_step(argv: list, timeout: float = 300) -> tuple[int, str]:

@@ -26,6 +26,7 @@ from helpers import (
     max_rel_err,
     reference_run,
     regression_batches,
+    xla_flags,
 )
 
 import zerojax
@@ -64,7 +65,7 @@ else:
 
 
 def _py(code: str, *args, timeout=300, env=None):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu", **(env or {}))
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -31,6 +31,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import xla_flags
 
 MB = 10**6
 ALLOWANCE = 32 * MB
@@ -88,7 +89,7 @@ _CHILD = textwrap.dedent("""
 
 def _measure(mode: str, saves: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     p = subprocess.run([sys.executable, "-c", _CHILD, mode, str(saves)], env=env,
                        capture_output=True, text=True, timeout=300)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import child_env
 from safetensors.numpy import load_file
 
 import zerojax
@@ -219,7 +220,7 @@ def test_export_on_process_0_of_two_does_not_hang(tmp_path):
     params = {"a": jnp.arange(24.).reshape(8, 3), "b": [jnp.ones(5), jnp.zeros(7)]}
     _save(tmp_path / "ckpt", params)
     (tmp_path / "worker.py").write_text(_WORKER)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     cmd = [sys.executable, "-m", "zerojax.cli.launch", "--nproc", "2", "--devices-per-proc",
            "1", "--progress-timeout", "60", str(tmp_path / "worker.py"),
            str(tmp_path / "ckpt"), str(tmp_path)]

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from helpers import child_env, xla_flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
@@ -472,7 +473,7 @@ def test_load_peak_rss_is_the_shards_plus_two_buffers_in_one_process_and_two(tmp
     total_mb, largest_mb, buffer = 300, 128, 16 << 20
     size = load_worker.write_checkpoint(tmp_path / "ckpt", total_mb, 128 << 20, largest_mb)
     assert len([f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors")]) == 3
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     args = [load_worker.__file__, str(tmp_path / "ckpt"), None, str(total_mb), str(buffer),
             str(largest_mb)]
     results = {}
@@ -482,7 +483,7 @@ def test_load_peak_rss_is_the_shards_plus_two_buffers_in_one_process_and_two(tmp
         args[2] = str(out)
         if nproc == 1:
             cmd = [sys.executable, *args]
-            run_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+            run_env = dict(env, XLA_FLAGS=xla_flags(8),
                            JAX_PLATFORMS="cpu")
         else:
             cmd = [sys.executable, "-m", "zerojax.cli.launch", "--nproc", "2",

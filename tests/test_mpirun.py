@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, max_rel_err, regression_batches
+from helpers import awkward_loss, awkward_params, max_rel_err, regression_batches, xla_flags
 
 import zerojax
 
@@ -70,7 +70,7 @@ def mpi_env(dirs, mpi, with_mpi4py):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI", "PRTE", "SLURM_", "MV2_", "ZEROJAX_"))
            and k not in ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
                ZEROJAX_HEARTBEAT_TIMEOUT="5", PYTHONUNBUFFERED="1",
                # the machines here run as root, which Open MPI refuses without these
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

@@ -20,7 +20,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, max_rel_err, reference_run, regression_batches
+from helpers import (
+    awkward_loss,
+    awkward_params,
+    child_env,
+    max_rel_err,
+    reference_run,
+    regression_batches,
+)
 
 import zerojax
 from zerojax.checkpoint import CheckpointManager
@@ -44,8 +51,7 @@ LAUNCHERS = {"zerojax": lambda: [*_console_script(), "launch"],
 
 
 def launch(*args, timeout=420, env=None, how="module"):
-    env = {k: v for k, v in (env or os.environ).items()
-           if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env(env)
     t0 = time.monotonic()
     proc = subprocess.run([*LAUNCHERS[how](), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)

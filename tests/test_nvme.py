@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import JAX_AT_LEAST_0_11, awkward_loss, awkward_params, regression_batches
+from helpers import JAX_AT_LEAST_0_11, awkward_loss, awkward_params, child_env, regression_batches
 
 import zerojax
 from zerojax import nvme
@@ -396,7 +396,7 @@ def test_two_processes_each_with_its_files_train_as_host_offload(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(MP_WORKER)
     (tmp_path / "scratch").mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices-per-proc", "4",
          str(worker), os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "scratch")],

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_err, reference_run
+from helpers import max_rel_err, reference_run, xla_flags
 
 import zerojax
 
@@ -147,7 +147,7 @@ print("RESULT" + json.dumps(out))
 @pytest.mark.slow
 def test_padded_leaves_n16_subprocess():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
+    env["XLA_FLAGS"] = xla_flags(16)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-c", _CHILD.format(here=HERE)], env=env,
                           capture_output=True, text=True, timeout=600)

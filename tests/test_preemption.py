@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import child_env, xla_flags
 
 from zerojax import preemption
 
@@ -88,8 +89,7 @@ def test_sigterm_before_the_first_question_ends_the_process_through_exit_hooks()
 # --- two processes through the launcher ------------------------------------------------
 
 def _launch(ckpt, total, out, **env):
-    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")},
-           **{k: str(v) for k, v in env.items()}}
+    env = child_env(**{k: str(v) for k, v in env.items()})
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "zerojax.cli.launch", "--nproc", "2",
                            "--devices-per-proc", "2", "--term-grace", "60", WORKER, str(ckpt),
@@ -228,7 +228,7 @@ def test_repeated_signals_during_the_exit_flush_never_lose_the_step(tmp_path, si
     from zerojax.checkpoint import CheckpointManager
 
     d = tmp_path / "ckpt"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-c", _SAVE_THEN_WAIT.format(here=str(HERE)),
                              str(d)], stdout=subprocess.PIPE,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import cached_gpt_params
+from helpers import cached_gpt_params, child_env
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
@@ -275,7 +275,7 @@ def test_init_fn_returning_something_else(bad, words):
 def test_two_processes_each_make_only_their_shards():
     """2 processes x 4 CPU devices: each process creates only its addressable shards,
     equal to the eager init's values; iter_full_params and init_state across processes."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "zerojax.cli.launch", "--nproc", "2", "--devices-per-proc",
          "4", os.path.join(os.path.dirname(os.path.abspath(__file__)),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import cached_gpt_params, max_rel_err, reference_run
+from helpers import cached_gpt_params, max_rel_err, reference_run, xla_flags
 from jax.sharding import PartitionSpec as P
 
 import zerojax
@@ -180,7 +180,7 @@ def test_bf16_params_with_a_model_axis_train_at_stages_1_to_3():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu")
     code = f"TINY = {TINY!r}\n" + _BF16
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

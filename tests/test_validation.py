@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import xla_flags
 
 import zerojax
 from zerojax import step as step_module
@@ -182,7 +183,7 @@ def test_a_loop_that_never_reads_its_metrics_runs_300_steps():
     aborts after 40 s. 300 steps (the run that aborted) are ~9x that limit; the test
     ran 1,000 before issue 43's CI item (9 ms a step here, 20 s for the whole run
     with import and compile)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu")
     code = textwrap.dedent(_NO_SYNC).replace("STEPS", "300")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
