@@ -64,8 +64,11 @@ def test_activations_at_s_over_p_except_the_scores(p):
     assert split.checkpoints == short.checkpoints == TINY.layers * 64 * b * (s // p) * 4
     assert split.logits == short.logits
     assert split.bottom == short.bottom
-    # scores, their gradient and the probabilities' gradient (3), float32
+    # scores, their gradient and the probabilities' gradient (3), float32; with one
+    # head a device (8 heads over P = 8) XLA:CPU's layout copy of the gradient, a 4th
     extra = 3 * a * b * (s * s // p - (s // p) ** 2) * 4
+    if a == p:
+        extra += a * b * s * s // p * 4
     assert split.attention - short.attention == extra
     # the MLP phase holds the probabilities (2)
     assert split.mlp - short.mlp == 2 * a * b * (s * s // p - (s // p) ** 2) * 4
@@ -262,10 +265,10 @@ def test_readme_largest_seq_table_is_what_the_benchmark_prints():
 # --- against compiled steps: the model side's seq axis (make_mesh(seq=P)) -------------
 
 @functools.cache
-def _compiled(p):
+def _compiled(seq, p):
     """(compiled peak, predicted peak, HLO all-to-all operand bytes, ulysses_bytes) of
-    benchmarks/seq_memory.py's cell: GPT 2 x 64, 4 heads, seq 256, stage 3, data = 8 / P
-    x seq = P, two sequences per data rank."""
+    benchmarks/seq_memory.py's cell: GPT 2 x 64, 4 heads, seq ``seq``, stage 3, data =
+    8 / P x seq = P, two sequences per data rank."""
     import sys
     from pathlib import Path
 
@@ -274,15 +277,17 @@ def _compiled(p):
         import seq_memory
     finally:
         sys.path.pop(0)
-    return seq_memory._compiled_cell(256, p, 3)
+    return seq_memory._compiled_cell(seq, p, 3)
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
-def test_activation_terms_within_15_percent_of_compiled_peaks(p):
-    """The planner's step at seq 256 with P = 1, 2, 4 against the compiled step's peak
-    (measured 1.070, 1.086, 1.115 on jax 0.10.2), and the HLO's all-to-all bytes
-    against ulysses_bytes: each all-to-all's operand, of which a device sends (P-1)/P."""
-    peak, predicted, a2a, formula = _compiled(p)
+@pytest.mark.parametrize("seq, p", [(256, 1), (256, 2), (256, 4), (512, 4)])
+def test_activation_terms_within_15_percent_of_compiled_peaks(seq, p):
+    """The planner's step at seq 256 with P = 1, 2, 4 and at seq 512 with P = 4 (one
+    head a device: the attention's backward holds a fourth s^2 buffer, 1.268 before
+    it was counted) against the compiled step's peak (measured 1.070, 1.086, 0.924,
+    0.996 on jax 0.10.2), and the HLO's all-to-all bytes against ulysses_bytes: each
+    all-to-all's operand, of which a device sends (P-1)/P."""
+    peak, predicted, a2a, formula = _compiled(seq, p)
     assert 0.85 <= peak / predicted <= 1.15, (p, peak, predicted)
     assert a2a * (p - 1) == formula * p
     assert (formula > 0) == (p > 1)

@@ -728,7 +728,9 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
       (4 of them split);
     * attention, the same layer at its attention's backward: the probabilities, their
       gradient and the scores' gradient, ``3 a s^2 b / mp`` in float32, and ``9 h b s``
-      (the QKV and their gradients split);
+      (the QKV and their gradients split); under sequence parallelism with one head a
+      device (``a = mp P``) a fourth ``a s^2 b / (mp P)``, XLA:CPU's copy of the
+      softmax's gradient into the dots' layout;
     * logits: ``3 b s V / mp`` float32 values and ``4 h b s``; with
       ``config.vocab_tiles`` (the tiled head and loss) :func:`_logits_values`'s
       one tile's logits and gradient and the head's float32 gradient accumulator,
@@ -779,10 +781,18 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
         # (a / P heads over the whole sequence: a s b / P)
         probs = scores = split(a * s * b) * 4
-        mask = 0
+        mask = one_head = 0
     else:
         sq = math.ceil(a * config.seq * config.seq * b / (mp * sp))
         probs, scores, mask = 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq
+        one_head = 0
+        if sp > 1 and a // (mp * sp) == 1:
+            # one head a device: XLA:CPU drops the size-1 head axis (bitcasts) and
+            # copies the softmax's gradient into the dots' layout, a fourth s^2 buffer
+            # beside the three (compiled GPT, seq 512, 4 heads over P = 4: 4 live at the
+            # attention's backward, 3 at P = 2, 2 at P = 1; 2 heads over P = 2: 1.18x
+            # under without it)
+            one_head = sq * softmax_bytes
     mlp_values = 4 if inner >= 4 else 7
     if dm.gated:
         # SwiGLU's backward: gate, up, silu(gate), their product and the cotangents of
@@ -795,7 +805,7 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         narrow += 4 * hbs * inner
     mlp = (probs + (split(mlp_values * f * b * tile) + 9 * hbs + split(4 * hbs)) * inner
            + narrow)
-    attention = scores + (3 * hbs + split(6 * hbs)) * inner
+    attention = scores + one_head + (3 * hbs + split(6 * hbs)) * inner
     logits = _logits_values(config, b, mp, softmax_bytes, s) + 4 * hbs * inner
     head = 0
     if getattr(config, "vocab_tiles", None):
