@@ -223,6 +223,14 @@ def test_cli_seq_parallel_plan_and_estimate(capsys):
     assert code == 0, err
     assert "1 data x 8 seq = 8 devices" in out and "16384 tokens a device" in out
     assert "all-to-alls of q, k, v" in out
+    # the recommendation names the axes ZeRO's traffic spans, and the all-to-alls
+    rec = out[out.index("recommendation:"):]
+    assert "over the data x seq axes" in rec and "over the data axis" not in rec, rec
+    assert "of all-to-alls over seq" in rec, rec
+    code, out, err = _cli(["plan", "--model", "llama3-8b", "--devices", "8", "--memory",
+                           "80GB", "--seq", "4096", "--batch", "1"], capsys)
+    rec = out[out.index("recommendation:"):]
+    assert code == 0 and "over the data axis)" in rec and "seq" not in rec.split("(")[1], rec
     code, out, err = _cli(["estimate", "--params", "8B", "--devices", "8", "--layers", "32",
                            "--hidden", "4096", "--seq", "65536", "--seq-parallel", "8"],
                           capsys)

@@ -247,7 +247,10 @@ def recommendation(p: ModelPlan) -> str:
         accel = p.accelerator.name if p.accelerator is not None else "the accelerator"
         return (f"{best.label}: the fastest of the {len(fitting)} option set(s) that "
                 f"fit on {accel}, {_time(best)} ({_size(best.traffic_bytes)} over "
-                "the data axis"
+                + ("the data x seq axes (ZeRO spans both)" if p.seq_parallel > 1
+                   else "the data axis")
+                + (f" + {_size(best.alltoall_bytes)} of all-to-alls over seq"
+                   if best.alltoall_bytes else "")
                 + (f" + {_size(best.host_traffic_bytes)} to and from host memory"
                    if best.host_traffic_bytes else "")
                 + (f", its {_size(best.disk_bytes)} per node read and written on disk"
