@@ -56,6 +56,77 @@ def _devices(n: int, cpu: bool):
     return devices
 
 
+ALST = "Ulysses + tiled MLP + tiled loss + checkpoints on host (ALST)"
+
+
+def _tiles(tokens: int, tile_tokens: int) -> int:
+    """The tile count nearest ``tokens / tile_tokens`` from above that divides
+    ``tokens`` (a device's share of the sequence)."""
+    want = max(1, -(-tokens // tile_tokens))
+    return next(t for t in range(want, tokens + 1) if tokens % t == 0)
+
+
+def largest(args, devices) -> None:
+    """The planner's longest sequence for ALST's option set on these devices (``zerojax
+    plan --largest-seq``), compiled at that length: the predicted peak per device
+    against the compiled one."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis import compiled_memory
+    from zerojax.analysis.plan import ModelShape, largest_seq, usable_memory
+    from zerojax.analysis.report import compile_step
+    from zerojax.models.gpt import lm_loss
+    from zerojax.models.llama import Llama, LlamaConfig, llama_params
+
+    n = len(devices)
+    shape = ModelShape.llama(args.layers, args.hidden, args.heads, kv_heads=args.kv_heads,
+                             mlp_hidden=args.mlp_hidden, vocab=args.vocab)
+    usable = usable_memory(int(args.card_gb * 10**9), fraction=args.fraction).usable
+    plan = largest_seq(shape, devices=n, budget_bytes=usable, host_memory_bytes=2 * 10**12,
+                       devices_per_node=min(n, 8), attention=args.attention)
+    row = plan.row(ALST)
+    S = row.seq if args.seq_at is None else args.seq_at
+    tiles = _tiles(S // n, plan.tile_tokens)
+    cfg = LlamaConfig(vocab=args.vocab, seq=S, layers=args.layers, hidden=args.hidden,
+                      heads=args.heads, kv_heads=args.kv_heads, mlp_hidden=args.mlp_hidden,
+                      rope_theta=500000.0, attention=args.attention,
+                      dtype=jnp.dtype(args.dtype), vocab_tiles=tiles, mlp_tiles=tiles,
+                      seq_axis="seq" if n > 1 else None)
+    small = dataclasses.replace(cfg, seq=8, vocab_tiles=None, mlp_tiles=None, seq_axis=None)
+    params = jax.eval_shape(lambda: llama_params(Llama(small), 0))
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    mesh = zerojax.make_mesh(data=1, seq=n, devices=devices) if n > 1 else \
+        zerojax.make_mesh(data=1, devices=devices)
+    opt = zerojax.zero(optax.adamw(1e-5), mesh, stage=3, param_dtype=jnp.bfloat16,
+                       offload_optimizer=True, remat_policy="partitioned_host")
+    start = time.perf_counter()
+    if n > 1:
+        batch = (jax.ShapeDtypeStruct((1, S), jnp.int32),) * 2
+    else:
+        batch = jax.ShapeDtypeStruct((1, S + 1), jnp.int32)
+    mem = compiled_memory(compile_step(opt, lm_loss(Llama(cfg)), params, batch))
+    took = time.perf_counter() - start
+    pred = row.row.step.peak  # at the planner's length (row.seq), whatever --seq-at says
+    print(f"Llama {args.layers} x {args.hidden} (Psi = {psi:,}), {n} device(s) of "
+          f"{args.card_gb:g} GB at fraction {args.fraction:g} (usable {usable / 1e9:.2f} GB); "
+          f"ALST's option set (tiled MLP and loss, {tiles} tiles of {S // n // tiles} tokens, "
+          f"checkpoints on host, stage 3 + offload_optimizer, bf16 params over fp32 "
+          f"master); jax {jax.__version__}, {devices[0].device_kind}")
+    print(f"planner's longest sequence: {row.seq:,} tokens; compiled at S = {S:,} "
+          f"({S // n:,} per device) in {took:.1f} s")
+    print("| peak per device predicted (GB) | compiled (GB) | compiled / predicted | "
+          "compiled temp (GB) | arguments (GB) | host arguments (GB) | fits usable |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {pred / 1e9:.2f} | {mem.peak / 1e9:.2f} | {mem.peak / pred:.3f} | "
+          f"{mem.temp / 1e9:.2f} | {mem.argument / 1e9:.2f} | {mem.host_argument / 1e9:.2f} "
+          f"| {mem.peak <= usable} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=32768, help="sequence length S")
@@ -72,7 +143,20 @@ def main() -> None:
     parser.add_argument("--degrees", default="1,2,4,8", help="the P to compile")
     parser.add_argument("--cpu", action="store_true",
                         help="simulated CPU devices instead of a mocked GPU topology")
+    parser.add_argument("--largest", type=int, default=None, metavar="N",
+                        help="instead of the table: the planner's longest sequence for "
+                             "ALST's option set on N devices, compiled at that length "
+                             "(with the model flags; llama3-8b: --layers 32 --hidden 4096 "
+                             "--heads 32 --kv-heads 8 --mlp-hidden 14336 --vocab 128256)")
+    parser.add_argument("--seq-at", type=int, default=None,
+                        help="--largest: compile at this length instead of the planner's")
+    parser.add_argument("--card-gb", type=float, default=80.0,
+                        help="--largest: the card's memory the planner plans for")
+    parser.add_argument("--fraction", type=float, default=0.75,
+                        help="--largest: JAX's memory fraction the planner plans for")
     args = parser.parse_args()
+    if args.largest is not None:
+        return largest(args, _devices(args.largest, args.cpu)[:args.largest])
     degrees = [int(p) for p in args.degrees.split(",")]
     devices = _devices(max(degrees), args.cpu)
 
