@@ -6,6 +6,7 @@ all-to-all bytes against compiled zerojax steps on the CPU's simulated devices.
     python benchmarks/seq_memory.py --only largest    # the planner's table (no compile)
     python benchmarks/seq_memory.py --only compiled   # tiny GPT, P = 1, 2, 4 (needs the
                                                       # seq mesh axis, make_mesh(seq=P))
+    python benchmarks/seq_memory.py --only tiled      # ALST's options compiled, P = 1, 2, 4
 
 ``largest``: ``zerojax.analysis.plan.largest_seq`` for the llama3-8b preset on 1, 8 and
 32 H100s of 80 GB (one node, four nodes of 8), sequence degree = the device count,
@@ -18,6 +19,16 @@ two sequences per data rank, stage 0 and 3: the compiled step's peak per device
 (``memory_analysis``) over ``gpt_step_prediction(..., seq_parallel=P)``'s, and the
 all-to-all bytes per device in the HLO (``comm_volume``: each all-to-all's operand;
 a device sends (P - 1) / P of it) over ``ulysses_bytes``.
+
+``tiled``: ALST's memory options on the model side, compiled: a GPT whose MLP outweighs
+its attention (2 layers x 64, 4 heads, ``mlp_ratio`` 16, seq 128, vocab 256, fp32,
+stage 3, data = 8 / P x seq = P, two sequences per data rank) untiled, with
+``GPTConfig(mlp_tiles=T)`` (T tiles of each device's 128 / P tokens), with
+``remat_policy="partitioned_host"`` (the layer checkpoints in host memory) and with
+both: the activation part of the compiled peak (peak - arguments: the model states
+and the batch) and of the planner's (``gpt_step_prediction(mlp_tiles=T,
+remat_policy=...)``: peak - states - batch), the untiled over each (the factor), and
+the peaks' ratio.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import time
 
 from _common import use_simulated_devices
 
-SECTIONS = ("largest", "compiled")
+SECTIONS = ("largest", "compiled", "tiled")
 CLUSTERS = (1, 8, 32)  # H100s of 80 GB, 8 a node
 FRACTIONS = (0.75, 0.95)
 HOST = 2 * 10**12  # a DGX H100's host memory per node
@@ -124,6 +135,66 @@ def compiled_table() -> str:
                    "ulysses_bytes (MiB)", "ratio", "compile (s)"], rows)
 
 
+TILED = dict(vocab=256, seq=128, layers=2, hidden=64, heads=4, mlp_ratio=16)
+TILED_OPTIONS = (("Ulysses", None, None), ("+ tiled MLP", 4, None),
+                 ("+ ckpt on host", None, "partitioned_host"),
+                 ("+ both", 4, "partitioned_host"))
+
+
+def _tiled_cell(p: int, tiles, policy, stage: int = 3):
+    """(compiled peak, compiled arguments, StepPrediction) per device of TILED's GPT
+    with ``mlp_tiles=tiles`` and ``remat_policy=policy`` on data = 8 / P x seq = P."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax
+    from zerojax.analysis.report import (
+        compile_step,
+        gpt_param_shapes,
+        gpt_step_prediction,
+        memory_report,
+    )
+    from zerojax.models.gpt import GPT, GPTConfig, lm_loss
+
+    data = len(jax.devices()) // p
+    batch, seq = 2 * data, TILED["seq"]
+    cfg = GPTConfig(**TILED, mlp_tiles=tiles)
+    mesh = zerojax.make_mesh(data=data, seq=p)
+    model = GPT(dataclasses.replace(cfg, seq_axis="seq"))
+    tokens = (jax.ShapeDtypeStruct((batch, seq), jnp.int32),) * 2  # inputs, targets
+    tx = optax.adamw(1e-3)
+    opt = zerojax.zero(tx, mesh, stage=stage, remat_policy=policy)
+    compiled = compile_step(opt, lm_loss(model), gpt_param_shapes(cfg), tokens)
+    m = memory_report(compiled)
+    predicted = gpt_step_prediction(cfg, data, stage, batch, tx=tx, seq_parallel=p,
+                                    mlp_tiles=tiles, remat_policy=policy)
+    return m.peak, m.argument, predicted
+
+
+def tiled_table() -> str:
+    from zerojax.cli.plan_text import _table
+
+    rows = []
+    for p in COMPILED_PS:
+        base = None
+        for label, tiles, policy in TILED_OPTIONS:
+            start = time.perf_counter()
+            peak, args, pred = _tiled_cell(p, tiles, policy)
+            act, pred_act = peak - args, pred.peak - pred.states - pred.batch
+            base = base or (act, pred_act)
+            rows.append([str(p), label, f"{peak / 2**20:.2f}", f"{act / 2**20:.2f}",
+                         f"{base[0] / act:.2f}", f"{pred_act / 2**20:.2f}",
+                         f"{base[1] / pred_act:.2f}", f"{peak / pred.peak:.3f}",
+                         f"{time.perf_counter() - start:.1f}"])
+            print("  ", rows[-1], flush=True)  # progress: the table prints at the end
+    return _table(["P", "options", "compiled peak (MiB)", "activations (MiB)", "factor",
+                   "planned activations (MiB)", "planned factor", "peak / planned",
+                   "compile (s)"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=SECTIONS, default=None)
@@ -140,6 +211,11 @@ def main() -> None:
         print("\ncompiled over predicted, reference GPT 2 x 64, 4 heads, vocab 256, "
               "fp32, data = 8 / P x seq = P, 2 sequences per data rank:")
         print(compiled_table())
+    if args.only in (None, "tiled"):
+        print(f"\nALST's options compiled, GPT {TILED}, fp32, stage 3, data = 8 / P x seq "
+              f"= P, 2 sequences per data rank, mlp_tiles = 4 (activations = peak - "
+              f"arguments; factor = the Ulysses row's over this row's):")
+        print(tiled_table(), flush=True)
 
 
 if __name__ == "__main__":

@@ -251,15 +251,21 @@ def test_train_on_a_data_by_model_mesh(capsys):
 
 
 def test_train_with_seq_parallel(capsys):
-    """zerojax train --seq-parallel P: data x seq mesh, the model's sequence split;
-    refusals name the flags (seq and heads not divisible, too many devices)."""
+    """zerojax train --seq-parallel P (with --mlp-tiles T, ALST's tiled MLP): data x seq
+    mesh, the model's sequence split, its MLP in tiles; refusals name the flags (seq,
+    heads and tiles not divisible, too many devices)."""
     code, out, _ = _exit_code(
         ["train", "--seq-parallel", "2", "--steps", "2", "--layers", "1", "--hidden", "32",
          "--heads", "2", "--seq", "16", "--batch", "8", "--corpus-mb", "0.2", "--png", "",
-         "--sample", "0", "--no-summary", "--no-progress"], capsys)
+         "--sample", "0", "--no-summary", "--no-progress", "--mlp-tiles", "2"], capsys)
     assert code == 0, out
-    assert "data=4 x seq=2 x model=1" in out
+    assert "data=4 x seq=2 x model=1" in out and "MLP in 2 tiles of 4 tokens" in out
     for args, msg in ((["--seq", "15"], "--seq 15 is not a multiple of --seq-parallel 2"),
+                      (["--mlp-tiles", "3"], "--mlp-tiles 3 does not divide the 32 tokens of "
+                                             "a sequence each device holds (--seq 64 / "
+                                             "--seq-parallel 2)"),
+                      (["--mlp-tiles", "0"],
+                       "--mlp-tiles must be >= 1 (the tiles of the MLP), got 0"),
                       (["--heads", "1", "--hidden", "32"],
                        "--heads 1 / --mp 1 is not a multiple of --seq-parallel 2"),
                       (["--data", "8"], "--data 8 x --mp 1 x --seq-parallel 2 = 16 devices")):

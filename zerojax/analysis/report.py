@@ -763,7 +763,9 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
     ``a s^2 b`` terms are ``a s^2 b / P`` (flash attention's ``a s b`` statistics:
     ``a s b / P``). ``mlp_tiles`` = T (ALST's TiledMLP: the MLP run on ``s / (P T)``
     tokens at a time and recomputed tile by tile in its backward): the MLP phase's
-    ``f`` values for one tile, ``ceil(s / (P T))`` tokens."""
+    ``f`` values for one tile, ``ceil(s / (P T))`` tokens, plus the tile loop's copy
+    of each MLP matrix and its gradient accumulator, ``2 h f / mp`` per matrix (2;
+    SwiGLU's 3)."""
     h, v, L, a = config.hidden, config.vocab, config.layers, config.heads
     dm = _dims(config)
     f = dm.mlp_values
@@ -805,6 +807,12 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         narrow += 4 * hbs * inner
     mlp = (probs + (split(mlp_values * f * b * tile) + 9 * hbs + split(4 * hbs)) * inner
            + narrow)
+    if mlp_tiles is not None:
+        # the tile loop's backward carries a copy of each MLP matrix and sums its
+        # gradient over the tiles: two (h, f) buffers per matrix (2 matrices, SwiGLU 3)
+        # beside the layer's gathered weights and gradients (compiled GPT at seq 128,
+        # P = 1, 2, 4: benchmarks/seq_memory.py --only tiled)
+        mlp += 2 * (3 if dm.gated else 2) * split(h * f) * value_bytes
     attention = scores + one_head + (3 * hbs + split(6 * hbs)) * inner
     logits = _logits_values(config, b, mp, softmax_bytes, s) + 4 * hbs * inner
     head = 0

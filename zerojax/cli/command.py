@@ -639,7 +639,8 @@ def _check_train_plan(args: argparse.Namespace) -> None:
         # the model axis (--model) splits weights, heads and the MLP (Megatron's specs)
         step = gpt_step_prediction(dataclasses.replace(config), args.data, stage,
                                    args.batch, tx=make_optimizer(args), mp=args.model,
-                                   seq_parallel=sp)
+                                   seq_parallel=sp,
+                                   mlp_tiles=getattr(args, "mlp_tiles", None))
         peak = step.peak
         if peak > budget and (worst is None or peak > worst[1]):
             worst = (stage, peak, step)

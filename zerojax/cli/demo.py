@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sequence-parallel (Ulysses) degree P: each sequence split over P "
                         "devices (a 'seq' mesh axis), attention by all-to-all over heads; "
                         "ZeRO partitions over data x P; data x P x mp devices are used")
+    g.add_argument("--mlp-tiles", dest="mlp_tiles", type=int, default=None, metavar="T",
+                   help="ALST's tiled MLP: each block's MLP computed in T tiles of the "
+                        "seq / P tokens a device holds, each recomputed in the backward "
+                        "(GPTConfig(mlp_tiles=T)); T must divide seq / --seq-parallel")
     g = parser.add_argument_group("model and training")
     g.add_argument("--steps", type=int, default=600, help="training steps")
     g.add_argument("--layers", type=int, default=2, help="decoder blocks")
@@ -147,6 +151,15 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(f"--heads {args.heads} / --mp {args.model} is not a multiple of "
                      f"--seq-parallel {sp}: Ulysses gives each sequence device whole heads; "
                      f"pick --heads a multiple of {args.model * sp}")
+    tiles = getattr(args, "mlp_tiles", None)
+    if tiles is not None and tiles < 1:
+        parser.error(f"--mlp-tiles must be >= 1 (the tiles of the MLP), got {tiles}; "
+                     f"leave it out for the untiled MLP")
+    if tiles is not None and (args.seq // sp) % tiles:
+        parser.error(f"--mlp-tiles {tiles} does not divide the {args.seq // sp} tokens "
+                     f"of a sequence each device holds (--seq {args.seq}"
+                     f"{f' / --seq-parallel {sp}' if sp > 1 else ''}): pick a divisor of "
+                     f"{args.seq // sp}, or leave --mlp-tiles out")
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.heads % args.model:
@@ -595,8 +608,9 @@ def run(args: argparse.Namespace) -> int:
     vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
     mesh = zerojax.make_mesh(data=n, model=m, seq=sp if sp > 1 else None,
                              devices=jax.devices()[:n * m * sp])
+    tiles = getattr(args, "mlp_tiles", None)
     config = GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
-                       heads=args.heads, attention=args.attention)
+                       heads=args.heads, attention=args.attention, mlp_tiles=tiles)
     model = GPT(config)  # whole sequences: held-out loss and sampling on one device
     # the trained model: with --seq-parallel, each device's slice of the sequence
     split_model = GPT(dataclasses.replace(config, seq_axis="seq")) if sp > 1 else model
@@ -615,7 +629,8 @@ def run(args: argparse.Namespace) -> int:
           f"from {corpus.files} files in {corpus.source}; {len(corpus.chars)} distinct "
           f"characters")
     print(f"model: GPT {args.layers} layers x hidden {args.hidden}, {args.heads} heads, "
-          f"seq {args.seq}, vocab {vocab}: Psi = {psi:,} parameters")
+          f"seq {args.seq}, vocab {vocab}: Psi = {psi:,} parameters"
+          + (f"; MLP in {tiles} tiles of {args.seq // sp // tiles} tokens" if tiles else ""))
     print(f"mesh: data={n}{f' x seq={sp}' if sp > 1 else ''} x model={m} of {have} "
           f"{jax.devices()[0].platform} devices; "
           f"adamw lr {args.lr:g}; batch {args.batch} x {args.seq} characters; "

@@ -193,8 +193,10 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
     if config.attention == "cudnn" and not _cudnn_head_dim(config.head_dim):
         raise ValueError(f"{cls}.attention='cudnn' needs head_dim = hidden / heads "
                          f"a multiple of 8 and at most 128, got {config.head_dim}")
-    _check_vocab_tiles(config.vocab_tiles, config.seq, cls)
-    _check_mlp_tiles(getattr(config, "mlp_tiles", None), config.seq, cls)
+    _check_tiles("vocab_tiles", config.vocab_tiles, config.seq, cls,
+                 "the loss's head is computed in")
+    _check_tiles("mlp_tiles", getattr(config, "mlp_tiles", None), config.seq, cls,
+                 "of the sequence the MLP is computed in")
     axis = getattr(config, "seq_axis", None)
     if axis is not None and (not isinstance(axis, str) or not axis):
         raise ValueError(f"{cls}.seq_axis must be None or a mesh axis name (\"seq\"), got "
@@ -210,26 +212,16 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
 QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
 
 
-def _check_vocab_tiles(tiles, seq: int, owner: str) -> None:
+def _check_tiles(field: str, tiles, seq: int, owner: str, what: str) -> None:
+    """``owner.field`` (``vocab_tiles``, ``mlp_tiles``): None or an int in [1, seq]."""
     if tiles is None:
         return
     if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"{owner}.vocab_tiles must be None or an int >= 1 (the number of "
-                         f"tiles the loss's head is computed in), got {tiles!r}")
+        raise ValueError(f"{owner}.{field} must be None or an int >= 1 (the number of "
+                         f"tiles {what}), got {tiles!r}")
     if tiles > seq:
-        raise ValueError(f"{owner}.vocab_tiles={tiles} is larger than seq={seq}: the "
+        raise ValueError(f"{owner}.{field}={tiles} is larger than seq={seq}: the "
                          f"tiles split the sequence, each needs a token; use at most {seq}")
-
-
-def _check_mlp_tiles(tiles, seq: int, owner: str) -> None:
-    if tiles is None:
-        return
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"{owner}.mlp_tiles must be None or an int >= 1 (the number of "
-                         f"tiles of the sequence the MLP is computed in), got {tiles!r}")
-    if tiles > seq:
-        raise ValueError(f"{owner}.mlp_tiles={tiles} is larger than seq={seq}: the tiles "
-                         f"split the sequence, each needs a token; use at most {seq}")
 
 
 def tiled_tokens(fn, x: jax.Array, tiles: int | None, owner: str = "config") -> jax.Array:
