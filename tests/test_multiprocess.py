@@ -28,6 +28,7 @@ from helpers import (
     reference_run,
     regression_batches,
 )
+from mp_reference import DETERMINISTIC, deterministic_one_process
 
 import zerojax
 from zerojax.checkpoint import CheckpointManager
@@ -61,10 +62,7 @@ def launch(*args, timeout=420, env=None, how="module"):
 CONFIGS = {"1": (1, {}), "2": (2, {}), "3": (3, {}),  # as mp_worker.CONFIGS
            "2-offload": (2, {"offload_optimizer": True}),
            "3-offload": (3, {"offload_optimizer": True, "offload_params": True})}
-# mp_worker.CONFIGS' last three: every sum over the batch in device order
-DETERMINISTIC = {"0-det": (0, {"deterministic_reduce": True}),
-                 "2-det": (2, {"deterministic_reduce": True, "bucket_size": 512}),
-                 "3-det": (3, {"deterministic_reduce": True, "max_grad_norm": 0.5})}
+# and mp_reference.DETERMINISTIC (stages 0-3): every sum over the batch in device order
 
 
 def make(stage, **options):
@@ -143,15 +141,8 @@ def test_deterministic_reduce_two_processes_bitwise_like_one(two_process_run, na
     d, _, out = two_process_run
     assert f"[0] stage {name} loss" in out and f"[1] stage {name} loss" in out
     got = [np.load(d / f"losses{name}.npy"), *leaves(d / f"stage{name}.npz")]
-    stage, options = DETERMINISTIC[name]
-    opt = make(stage, **options)
-    state = opt.init_state(awkward_params())
-    step = opt.train_step(awkward_loss)
-    losses = []
-    for b in regression_batches(10):
-        state, metrics = step(state, b)
-        losses.append(np.asarray(metrics["loss"]))
-    want = [np.stack(losses), *map(np.asarray, jax.tree.leaves(opt.full_params(state)))]
+    options = DETERMINISTIC[name][1]
+    want = deterministic_one_process(name)   # 1 x 8, shared with tests/test_mpirun.py
     assert len(got) == len(want)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
