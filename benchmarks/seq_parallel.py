@@ -15,8 +15,10 @@ Columns: the compiled peak per device (``compiled.memory_analysis()``: arguments
 outputs - donated + temporaries) of each, their ratio, the model state per device
 (params + Adam state placed, the same in both), the attention scores one layer holds
 at once in each (float32 ``batch x heads/P x S x S`` under ``seq=P``, ``batch x heads x
-(S/P)^2`` at S/P: the one term that is not linear in the tokens a device holds), and
-the all-to-all bytes per device and step read from the HLO (``comm_volume``).
+(S/P)^2`` at S/P: the one term that is not linear in the tokens a device holds;
+``--attention blockwise``: one block, ``batch x heads/P x B^2`` and ``batch x heads x
+min(B, S/P)^2`` with ``B = --attn-block``), and the all-to-all bytes per device and
+step read from the HLO (``comm_volume``).
 Only compiled, never run.
 
 ``--sweep S1,S2,..`` compiles the same pair for every S of the list and P of
@@ -25,6 +27,7 @@ against S, one line per P, with the S/P peaks dashed (a PNG).
 
     python benchmarks/seq_parallel.py                   # S = 2048, Llama 2 x 256
     python benchmarks/seq_parallel.py --seq 4096 --attention dot_product
+    python benchmarks/seq_parallel.py --attention blockwise --attn-block 128
     python benchmarks/seq_parallel.py --sweep 256,512,1024,2048 --plot docs/seq-peak.png
 """
 
@@ -46,7 +49,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--attention", default="xla", choices=["xla", "dot_product"])
+    parser.add_argument("--attention", default="xla",
+                        choices=["xla", "dot_product", "blockwise"])
+    parser.add_argument("--attn-block", type=int, default=128,
+                        help="the block of --attention blockwise (LlamaConfig.attn_block)")
     parser.add_argument("--degrees", default="1,2,4,8", help="the P to compile")
     parser.add_argument("--sweep", default=None,
                         help="comma-separated sequence lengths: one row per S and P")
@@ -78,7 +84,7 @@ def main() -> None:
     base = LlamaConfig(vocab=args.vocab, seq=max(seqs), layers=args.layers,
                        hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                        mlp_hidden=int(args.hidden * 8 / 3) // 8 * 8,
-                       attention=args.attention)
+                       attention=args.attention, attn_block=args.attn_block)
     params = llama_params(Llama(base), 0)  # the params do not depend on seq (rotary)
     psi = sum(x.size for x in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
@@ -119,8 +125,12 @@ def main() -> None:
                                                   Llama(cfg), rows)
             assert state_a == state_b, (state_a, state_b)
             peaks[S, p] = peak_a, peak_b
-            scores_a = b * (args.heads // p) * S * S * 4
-            scores_b = b * args.heads * (S // p) ** 2 * 4
+            if args.attention == "blockwise":  # one block of each (sequence, head)
+                scores_a = b * (args.heads // p) * min(args.attn_block, S) ** 2 * 4
+                scores_b = b * args.heads * min(args.attn_block, S // p) ** 2 * 4
+            else:
+                scores_a = b * (args.heads // p) * S * S * 4
+                scores_b = b * args.heads * (S // p) ** 2 * 4
             print((f"| {S} " if args.sweep else "")
                   + f"| {p} | {peak_a / MiB:.2f} | {peak_b / MiB:.2f} | "
                   f"{peak_a / peak_b:.3f} | {state_a / MiB:.2f} | {scores_a / MiB:.2f} | "

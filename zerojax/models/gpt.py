@@ -57,6 +57,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.activations import checkpoint_policy
+from zerojax.models.blockwise import blockwise_attention
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
 
 _INIT_STD = 0.02
@@ -89,7 +90,15 @@ class GPTConfig:
     CUDA GPUs only, ``dtype`` bfloat16 or float16, head_dim a multiple of 8 and at
     most 128); ``"auto"`` ``"cudnn"`` where it applies (a CUDA GPU, bf16/fp16 compute,
     such a head_dim), ``"dot_product"`` on other GPUs or shapes, and ``"xla"`` on the
-    CPU and TPU, resolved when the model is traced. All compute the same function.
+    CPU and TPU, resolved when the model is traced; ``"blockwise"`` the explicit
+    attention computed in blocks of ``attn_block`` queries and keys with an online
+    softmax and a recomputing backward (:mod:`zerojax.models.blockwise`, pure JAX,
+    every backend): no ``t x t`` scores held, one ``attn_block`` x ``attn_block`` block
+    per (sequence, head) at a time. All compute the same function.
+    attn_block: the block of ``attention="blockwise"`` (default 128): the attention
+    over ``n`` tokens (``n = P t`` under sequence parallelism) takes blocks of
+    ``min(attn_block, n)``, which must divide ``n`` (a ValueError naming the field
+    otherwise).
     remat_policy: what each rematerialised block keeps for the backward pass (with
     ``remat=True``): a name of :data:`MODEL_REMAT_POLICIES` (see
     :mod:`zerojax.activations`): ``"full"`` (default) nothing, ``"dots"`` the matmul
@@ -134,9 +143,11 @@ class GPTConfig:
     vocab_tiles: int | None = None
     seq_axis: str | None = None
     mlp_tiles: int | None = None
+    attn_block: int = 128
 
     def __post_init__(self):
-        check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"))
+        check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio",
+                                  "attn_block"))
 
     @property
     def head_dim(self) -> int:
@@ -147,7 +158,7 @@ class GPTConfig:
         return self.mlp_ratio * self.hidden
 
 
-ATTENTIONS = ("xla", "dot_product", "cudnn", "auto")
+ATTENTIONS = ("xla", "dot_product", "cudnn", "auto", "blockwise")
 MODEL_REMAT_POLICIES = ("full", "layer_inputs", "dots", "qkv_proj", "projections")
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -272,6 +283,12 @@ def dense_apply(x, kernel, bias, dtype) -> jax.Array:
     return y if bias is None else y + bias.astype(dtype)
 
 
+def attn_block(config, n: int) -> int:
+    """The block ``attention="blockwise"`` takes on ``n`` tokens: ``min(attn_block,
+    n)``."""
+    return min(config.attn_block, n)
+
+
 def _cudnn_head_dim(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 128
 
@@ -358,6 +375,9 @@ class Block(nn.Module):
         impl = resolve_attention(cfg)
 
         def attend(q, k, v):  # whole sequences (of the heads at hand)
+            if impl == "blockwise":  # online softmax over blocks, no t x t scores
+                return blockwise_attention(q, k, v, block=attn_block(cfg, q.shape[1]),
+                                           owner="GPTConfig.attn_block")
             if impl != "xla":  # fused: XLA's (dot_product) or cuDNN flash attention (cudnn)
                 return jax.nn.dot_product_attention(
                     q, k, v, is_causal=True,

@@ -87,6 +87,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.activations import checkpoint_policy
+from zerojax.models.blockwise import blockwise_attention
 from zerojax.models.gpt import (
     MLP_IN,
     MLP_OUT,
@@ -256,7 +257,8 @@ class LlamaConfig:
     float32; RMSNorm, rotary tables, softmax and the loss run in float32), ``nn.remat``
     per block, ``nn.scan`` over the blocks, a sharding constraint on the residual
     stream, the attention implementation (``"xla"``, ``"dot_product"``, ``"cudnn"``,
-    ``"auto"``) and what a rematerialised block saves. vocab_tiles: ``None``, or the
+    ``"auto"``, ``"blockwise"``; attn_block: the blockwise attention's block) and what
+    a rematerialised block saves. vocab_tiles: ``None``, or the
     number of sequence tiles :func:`zerojax.models.gpt.lm_loss` computes the head and
     its cross-entropy in (:func:`zerojax.tiling.lm_head_loss`), as for
     :class:`zerojax.models.gpt.GPTConfig`.
@@ -313,6 +315,7 @@ class LlamaConfig:
     seq_axis: str | None = None
     tie_embeddings: bool = False
     mlp_tiles: int | None = None
+    attn_block: int = 128
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -322,7 +325,8 @@ class LlamaConfig:
             heads = self.heads if isinstance(self.heads, int) and self.heads > 0 else 1
             object.__setattr__(self, "head_dim", self.hidden // heads)
         check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "kv_heads",
-                                  "mlp_hidden", "head_dim"), free_head_dim=explicit)
+                                  "mlp_hidden", "head_dim", "attn_block"),
+                           free_head_dim=explicit)
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim = {self.head_dim} must be even for "
                              f"rotary embeddings (they rotate pairs of dims); pick hidden "
@@ -554,16 +558,21 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def causal_attention(q, k, v, impl: str, dtype, window: int | None = None):
+def causal_attention(q, k, v, impl: str, dtype, window: int | None = None,
+                     block: int = 128):
     """Causal grouped-query attention: ``q`` ``(b, t, heads, d)``, ``k``/``v`` ``(b, t,
     kv_heads, d)``, query head ``h`` reading key/value head ``h // (heads //
     kv_heads)``; ``impl`` as :func:`zerojax.models.gpt.resolve_attention` returns it.
     ``window``: query ``i`` sees keys ``i - window < j <= i`` only (Mistral's sliding
     window, transformers' ``sliding_window_overlay``). The explicit ``"xla"``
     attention keeps float32 scores and groups the query heads instead of repeating
-    the keys and values."""
+    the keys and values; ``"blockwise"`` computes it in blocks of ``min(block, t)``
+    (:func:`zerojax.models.blockwise.blockwise_attention`), grouped the same way."""
     b, t, heads, d = q.shape
     kv = k.shape[2]
+    if impl == "blockwise":
+        return blockwise_attention(q, k, v, block=min(block, t), window=window,
+                                   owner="LlamaConfig.attn_block")
     if impl != "xla":  # fused: takes fewer key/value heads as they are
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(
@@ -621,7 +630,7 @@ class SelfAttention(nn.Module):
         impl = _attention(cfg)
 
         def attend(q, k, v):  # whole sequences (of the heads at hand)
-            return causal_attention(q, k, v, impl, cfg.dtype, window)
+            return causal_attention(q, k, v, impl, cfg.dtype, window, cfg.attn_block)
 
         att = (attend(q, k, v) if cfg.seq_axis is None
                else ulysses_attention(q, k, v, attend, cfg.seq_axis))
