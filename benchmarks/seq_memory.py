@@ -66,9 +66,10 @@ def largest_table() -> str:
                    "planned / ALST"], rows)
 
 
-def _compiled_cell(seq: int, p: int, stage: int):
+def _compiled_cell(seq: int, p: int, stage: int, attention: str = "xla",
+                   attn_block: int = 128):
     """(compiled peak, predicted peak, HLO all-to-all bytes, predicted all-to-all bytes)
-    per device."""
+    per device; ``attention`` / ``attn_block``: the GPT's (``GPTConfig``)."""
     import dataclasses
 
     import jax
@@ -89,7 +90,8 @@ def _compiled_cell(seq: int, p: int, stage: int):
     n = len(jax.devices())
     data = n // p
     batch = 2 * data  # two sequences per data rank
-    cfg = GPTConfig(vocab=256, seq=seq, layers=2, hidden=64, heads=4)  # GPT_GRID's heads
+    cfg = GPTConfig(vocab=256, seq=seq, layers=2, hidden=64, heads=4,  # GPT_GRID's heads
+                    attention=attention, attn_block=attn_block)
     if p > 1:
         mesh = zerojax.make_mesh(data=data, seq=p)
         model = GPT(dataclasses.replace(cfg, seq_axis="seq"))

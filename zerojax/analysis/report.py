@@ -377,9 +377,10 @@ class DecoderConfig:
     norm: str = "layernorm"
     bias: bool = True
     vocab_tiles: int | None = None
+    attn_block: int = 128
 
     def __post_init__(self):
-        for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio"):
+        for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio", "attn_block"):
             _count(f"DecoderConfig.{name}", getattr(self, name), minimum=1)
         if self.hidden % self.heads:
             raise ValueError(f"DecoderConfig.hidden {self.hidden} must be a multiple of "
@@ -706,6 +707,27 @@ def _logits_values(config, b: int, mp: int, softmax_bytes: int,
             + math.ceil(config.hidden * v / mp) * 4)
 
 
+def _blockwise_terms(config, b: int, mp: int, sp: int) -> tuple[int, int]:
+    """``(probs, scores)`` of :func:`gpt_phases` for ``attention="blockwise"``
+    (:mod:`zerojax.models.blockwise`), per device: what its backward keeps beside the
+    recomputed layer's MLP, the rows' float32 log-sum-exp, ``a s b / P``, and q, k, v
+    and the output twice in its grouped layout, ``2 (h + 2 kv d + h) b s / P`` (the
+    saved residuals and their layout copies; fitted to the compiled GPT steps of
+    ``tests/test_plan_seq.py``, whose excess over the xla-shaped terms scaled as ``8 h b
+    s / P``, 1.0 / 0.56 / 0.30 MiB at P = 1 / 2 / 4); and what its
+    backward holds, three float32 ``B x B`` blocks per (sequence, head) (the
+    probabilities, their gradient and the scores' gradient, ``B = min(attn_block,
+    s)``), the log-sum-exp and ``rowsum(dO O)`` statistics, and the float32 gradients of
+    q, k and v and the output's float32 cotangent, ``(h + 2 kv d + h) b s / P``."""
+    dm = _dims(config)
+    s = config.seq // sp
+    blk = min(getattr(config, "attn_block", 128), config.seq)
+    stats = math.ceil(dm.a * s * b / mp) * 4
+    cells = math.ceil(dm.a * b * blk * blk / (mp * sp)) * 4
+    linear = math.ceil((dm.qkv + dm.h) * b * s / mp) * 4
+    return stats + 2 * linear, 3 * cells + 2 * stats + linear
+
+
 def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = None,
                value_bytes: int = 4, internal_bytes: int | None = None,
                softmax_bytes: int = 4, platform: str = "gpu", seq_parallel: int = 1,
@@ -749,7 +771,9 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
 
     With cuDNN's flash attention (:func:`flash_attention`) the ``a s^2 b`` terms are
     its float32 softmax statistics, ``a s b / mp`` (not checked against a compiled GPU
-    step here: the CPU has no cuDNN). ``internal_bytes``: bytes per value of a layer's
+    step here: the CPU has no cuDNN). With ``attention="blockwise"`` (pure JAX, every
+    backend) they are :func:`_blockwise_terms`: ``B x B`` blocks and terms linear in
+    ``s``. ``internal_bytes``: bytes per value of a layer's
     internals when they differ from ``value_bytes`` (XLA:CPU up to jax 0.10 computes
     bf16 layers in float32 and holds a scanned stack's checkpoints in float32 for the
     backward loop). Measured on 8 CPU devices against compiled steps, with the
@@ -783,6 +807,9 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
         # (a / P heads over the whole sequence: a s b / P)
         probs = scores = split(a * s * b) * 4
+        mask = one_head = 0
+    elif config.attention == "blockwise":
+        probs, scores = _blockwise_terms(config, b, mp, sp)
         mask = one_head = 0
     else:
         sq = math.ceil(a * config.seq * config.seq * b / (mp * sp))
@@ -891,7 +918,7 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     layer = (4 * hbs + math.ceil(8 * hbs / mp)) * inner
     if not dm.gpt:  # the 8 h b s hold the GPT's 3 h of QKV and 4 h of MLP
         layer += math.ceil((dm.qkv - 3 * h + f - 4 * h) * b * s / mp) * inner
-    if flash_attention(config, platform):
+    if flash_attention(config, platform) or config.attention == "blockwise":
         layer += math.ceil(a * s * b / mp) * 4
     else:
         layer += math.ceil(3 * a * whole * whole * b / (mp * sp)) * softmax_bytes
@@ -905,7 +932,7 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     # the attention's (q, k, v, its output, the residual) in the compute dtype and
     # six of the LayerNorms' float32 values (read from the compiled stacks,
     # jax 0.10.2 and 0.12); the layer being differentiated works beside them
-    if flash_attention(config, platform):
+    if flash_attention(config, platform) or config.attention == "blockwise":
         soft = math.ceil(a * s * b / mp) * 4
     else:
         soft = math.ceil(a * whole * whole * b / (mp * sp)) * (softmax_bytes + value_bytes)
