@@ -27,26 +27,26 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_seq_parallel import GPT_CFG as SP_GPT, LLAMA_CFG as SP_LLAMA, _check
 
 import zerojax
 from zerojax.analysis import compiled_memory
 from zerojax.models.blockwise import blockwise_attention
-from zerojax.models.gpt import GPT, GPTConfig, gpt_params, lm_loss, markov_tokens, shift_tokens
+from zerojax.models.gpt import GPT, gpt_params, lm_loss, markov_tokens, shift_tokens
 from zerojax.models.llama import Llama, LlamaConfig, causal_attention, llama_params
 
-B, S = 4, 32
-GPT_CFG = GPTConfig(vocab=64, seq=S, layers=2, hidden=32, heads=8, mlp_ratio=2,
-                    attn_block=8)
-LLAMA_CFG = LlamaConfig(vocab=64, seq=S, layers=2, hidden=32, heads=8, kv_heads=2,
-                        mlp_hidden=48, remat=False, attn_block=8)
+B, S = 4, 32  # test_seq_parallel's models (GPT 2 x 32, Llama GQA 8 / 2 heads), S = 32
+GPT_CFG = dataclasses.replace(SP_GPT, attn_block=8)
+LLAMA_CFG = dataclasses.replace(SP_LLAMA, attn_block=8)
 # float32 rounding, measured (jax 0.10.2, CPU): the function's output and gradients
 # within 3.2e-7 of their largest element; the models' loss within 4.8e-7 and gradients
 # within 3.7e-8 (absolute, elements reach ~0.3)
 FN_TOL = 2e-6  # relative to the largest element
-LOSS_TOL, GRAD_TOL = 2e-6, 2e-7
+# (test_seq_parallel's _check: loss 2e-6, gradients 2e-7)
 
 
 def _model(family, attention="blockwise", seq_axis=None):
+    """test_seq_parallel's models with ``attention`` and ``attn_block=8``."""
     cfg = GPT_CFG if family == "gpt" else LLAMA_CFG
     cfg = dataclasses.replace(cfg, attention=attention, seq_axis=seq_axis)
     return GPT(cfg) if family == "gpt" else Llama(cfg)
@@ -90,9 +90,7 @@ def test_function_equals_explicit_attention(b, s, heads, kv, d, block, window):
 def data():
     tokens = markov_tokens(1, B, S, 64, seed=3)[0]  # (B, S + 1)
     weights = np.ones((B, S), np.float32)  # padding: rows end early, one row half-weight
-    weights[0, 20:] = 0
-    weights[1, 3:] = 0
-    weights[2] = 0.5
+    weights[0, 20:], weights[1, 3:], weights[2] = 0, 0, 0.5
     params = {"gpt": gpt_params(_model("gpt"), 0), "llama": llama_params(_model("llama"), 0)}
     return tokens, weights, params
 
@@ -112,18 +110,6 @@ def reference(data):
     tokens, weights, params = data
     return {fam: jax.jit(jax.value_and_grad(_weighted(_model(fam, "xla"), tokens)))(
         params[fam], weights) for fam in ("gpt", "llama")}
-
-
-def _check(got_loss, got_grads, ref, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL):
-    ref_loss, ref_grads = ref
-    d_loss = abs(float(got_loss) - float(ref_loss))
-    assert d_loss <= loss_tol, f"loss {float(got_loss)} vs {float(ref_loss)}: {d_loss:.3g}"
-    worst = max((float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))),
-                 jax.tree_util.keystr(k))
-                for (k, a), b in zip(jax.tree_util.tree_flatten_with_path(got_grads)[0],
-                                     jax.tree.leaves(ref_grads)))
-    assert worst[0] <= grad_tol, f"gradient {worst[1]} off by {worst[0]:.3g}"
-    return d_loss, worst[0]
 
 
 def _seq_parallel_grads(family, p, params, tokens, weights):

@@ -60,7 +60,8 @@ names zerojax's remat policies save (``"qkv_proj"`` for each of q, k and v,
 ``LlamaConfig(remat_policy=...)`` and ``zerojax.zero(remat_policy=...)`` work as for
 the GPT. ``LlamaConfig(attention=...)`` takes the GPT's attention implementations
 (:data:`zerojax.models.gpt.ATTENTIONS`); the fused ones hand the grouped key/value
-heads to ``jax.nn.dot_product_attention`` unrepeated.
+heads to ``jax.nn.dot_product_attention`` unrepeated, and ``"blockwise"`` groups them
+as the explicit one does (:mod:`zerojax.models.blockwise`, ``attn_block``).
 
 Hugging Face layout (``LlamaForCausalLM.state_dict()``, safetensors): see
 :func:`hf_llama_mapping` (one :class:`HFTensor` per HF tensor: its name, the params
