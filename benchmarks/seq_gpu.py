@@ -2,10 +2,11 @@
 with cuDNN flash attention): the compiled stage-3 step's peak per device at sequence
 length S with ``seq=P`` against the peak at S/P without it.
 
-The CPU backend has no flash attention: every attention it compiles holds the S x S
-scores, which under Ulysses are heads/P x S x S per device against heads x (S/P)^2 at
-S/P, so ``benchmarks/seq_parallel.py`` on the CPU cannot show the linear memory Ulysses
-gives. On a CUDA GPU ``attention="cudnn"`` never holds the scores. One GPU is enough:
+The CPU backend has no fused flash attention: its "xla" / "dot_product" attentions
+hold the S x S scores, which under Ulysses are heads/P x S x S per device against
+heads x (S/P)^2 at S/P; only the pure-JAX ``attention="blockwise"``
+(``benchmarks/seq_parallel.py --attention blockwise``) shows there the linear memory
+Ulysses gives. On a CUDA GPU ``attention="cudnn"`` never holds the scores. One GPU is enough:
 JAX's mock GPU topology (``jax_mock_gpu_topology="1xNx1"``, ``jax_cuda_visible_devices=0``)
 makes the one GPU's compiler build the program for N devices (collectives included)
 without running it, so ``compiled.memory_analysis()`` gives each device's peak.
