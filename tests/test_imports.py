@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # package's ``__init__`` is named by the package, ``zerojax.models``).
 LAYERS = [
     ("layout", ["zerojax.compat", "zerojax.mesh", "zerojax.partition", "zerojax.state",
-                "zerojax.quant", "zerojax.activations", "zerojax.tiling"]),
+                "zerojax.quant", "zerojax.activations", "zerojax.tiling",
+                "zerojax.modelspec"]),
     ("ops", ["zerojax.collectives", "zerojax.schedule"]),
     ("runtime", ["zerojax.launchers", "zerojax.preemption", "zerojax.distributed",
                  "zerojax.hostmem", "zerojax.nvme_lock"]),

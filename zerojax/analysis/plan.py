@@ -50,6 +50,7 @@ from zerojax.analysis.memory import (
     nvme_buffer_bytes,
 )
 from zerojax.analysis.report import comm_elements
+from zerojax.modelspec import DecoderFamily, Shape, check_int, check_vocab_tiles
 
 __all__ = [
     "ModelPlan",
@@ -384,25 +385,18 @@ def paper_table1(dps: Sequence[int] = TABLE1_DP,
 # --- the question as asked: a model's shape (or the largest), sequence, batch, optimizer ---
 
 @dataclasses.dataclass(frozen=True)
-class ModelShape:
+class ModelShape(DecoderFamily):
     """A decoder's shape, planned with zerojax's memory model. With the defaults it is
     the reference :class:`~zerojax.models.gpt.GPT` (learned positions, one per token
     of ``seq``, tied embedding, GELU MLP of ``mlp_ratio * hidden``, LayerNorms and
-    biases, scanned and rematerialised blocks). The other fields describe other
-    families (:meth:`llama`; the presets' Llama-2 and Llama-3 shapes):
-
-    * ``kv_heads``: grouped-query attention's key-value heads (None: ``heads``);
-    * ``mlp_hidden``: the MLP's intermediate width (None: ``mlp_ratio * hidden``);
-    * ``gated``: a gated MLP (SwiGLU: gate, up and down, three matrices);
-    * ``tied``: logits through the token embedding (False: an untied head);
-    * ``positions``: rows of a learned position table (None: ``seq``, the reference
-      GPT's; 0: none, rotary positions). A fixed count makes the parameter count
-      independent of ``seq``;
-    * ``norm``: ``"layernorm"`` or ``"rmsnorm"`` (a scale, no bias);
-    * ``bias``: biases on the attention and MLP projections;
-    * ``vocab_tiles``: the LM head and loss computed in that many sequence tiles
-      (:func:`zerojax.tiling.lm_head_loss`, ``GPTConfig(vocab_tiles=...)``): the
-      planner counts one tile's logits, not the whole ``b s V`` (None: untiled).
+    biases, scanned and rematerialised blocks). The keyword-only fields of
+    :class:`zerojax.modelspec.DecoderFamily` describe other families (:meth:`llama`;
+    the presets' Llama-2 and Llama-3 shapes): ``kv_heads``, ``mlp_hidden``, ``gated``,
+    ``tied``, ``positions`` (None: ``seq``, the reference GPT's; 0: rotary positions; a
+    fixed count makes the parameter count independent of ``seq``), ``norm``, ``bias``.
+    ``vocab_tiles``: the LM head and loss computed in that many sequence tiles
+    (:func:`zerojax.tiling.lm_head_loss`, ``GPTConfig(vocab_tiles=...)``): the planner
+    counts one tile's logits, not the whole ``b s V`` (None: untiled).
     """
 
     layers: int
@@ -411,35 +405,17 @@ class ModelShape:
     vocab: int = 50304
     mlp_ratio: int = 4
     name: str = ""
-    kv_heads: int | None = None
-    mlp_hidden: int | None = None
-    gated: bool = False
-    tied: bool = True
-    positions: int | None = None
-    norm: str = "layernorm"
-    bias: bool = True
     vocab_tiles: int | None = None
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "vocab", "mlp_ratio"):
-            _count(f, getattr(self, f), minimum=1)
-        if self.vocab_tiles is not None:
-            _count("vocab_tiles", self.vocab_tiles, minimum=1,
-                   hint="the LM head's sequence tiles, or None for no tiling")
+            check_int(f"ModelShape.{f}", getattr(self, f))
+        check_vocab_tiles("ModelShape", self.vocab_tiles)
         if self.hidden % self.heads:
-            raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
-        if self.kv_heads is not None:
-            _count("kv_heads", self.kv_heads, minimum=1, hint="key-value heads (GQA)")
-            if self.heads % self.kv_heads:
-                raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads} "
-                                 "(each key-value head serves heads / kv_heads query heads)")
-        if self.mlp_hidden is not None:
-            _count("mlp_hidden", self.mlp_hidden, minimum=1, hint="the MLP's width")
-        if self.positions is not None:
-            _count("positions", self.positions, minimum=0,
-                   hint="rows of the learned position table, 0 for rotary positions")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"norm {self.norm!r} is not 'layernorm' or 'rmsnorm'")
+            raise ValueError(f"ModelShape.hidden ({self.hidden}) must be divisible by heads "
+                             f"({self.heads}) so each head gets hidden // heads dims; pick "
+                             f"hidden as a multiple of heads")
+        self.check_family(self.heads)
 
     @classmethod
     def llama(cls, layers: int, hidden: int, heads: int, *, kv_heads: int,
@@ -459,6 +435,12 @@ class ModelShape:
             None, self.mlp_ratio * self.hidden) and not self.gated and self.tied
             and self.norm == "layernorm" and self.bias)
 
+    def shape(self, seq: int) -> Shape:
+        """The :class:`zerojax.modelspec.Shape` at sequence length ``seq``."""
+        return self.family_shape(vocab=self.vocab, seq=seq, layers=self.layers,
+                                 hidden=self.hidden, heads=self.heads,
+                                 mlp_ratio=self.mlp_ratio)
+
     def config(self, seq: int, dtype: Any = None, attention: str = "xla"):
         """The config the memory model reads at sequence length ``seq``: the reference
         ``GPTConfig`` for a GPT shape whose positions are ``seq`` (or not fixed), else a
@@ -466,41 +448,27 @@ class ModelShape:
         import jax.numpy as jnp
 
         dtype = jnp.float32 if dtype is None else dtype
+        size = dict(vocab=self.vocab, seq=seq, layers=self.layers, hidden=self.hidden,
+                    heads=self.heads, mlp_ratio=self.mlp_ratio, dtype=dtype,
+                    attention=attention, vocab_tiles=self.vocab_tiles)
         if self.gpt_shaped and self.positions in (None, seq):
             from zerojax.models.gpt import GPTConfig
 
-            return GPTConfig(vocab=self.vocab, seq=seq, layers=self.layers,
-                             hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
-                             dtype=dtype, attention=attention, vocab_tiles=self.vocab_tiles)
+            return GPTConfig(**size)
         from zerojax.analysis.report import DecoderConfig
 
-        return DecoderConfig(vocab=self.vocab, seq=seq, layers=self.layers,
-                             hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
-                             dtype=dtype, attention=attention, kv_heads=self.kv_heads,
-                             mlp_hidden=self.mlp_hidden, gated=self.gated, tied=self.tied,
-                             positions=self.positions, norm=self.norm, bias=self.bias,
-                             vocab_tiles=self.vocab_tiles)
+        return DecoderConfig(**size, **{f.name: getattr(self, f.name)
+                                        for f in dataclasses.fields(DecoderFamily)})
 
     def num_params(self, seq: int | None = None) -> int:
-        """Psi: every parameter, exactly. ``seq`` is the position table's rows when
-        ``positions`` is None (the reference GPT's); with fixed ``positions`` (every
-        preset) it is not needed and does not change the count."""
-        positions = self.positions if self.positions is not None else seq
-        if positions is None:
+        """Psi: every parameter, exactly (:meth:`zerojax.modelspec.Shape.num_params`).
+        ``seq`` is the position table's rows when ``positions`` is None (the reference
+        GPT's); with fixed ``positions`` (every preset) it is not needed and does not
+        change the count."""
+        if self.positions is None and seq is None:
             raise ValueError(f"{self.name or 'this shape'} learns one position per token "
                              "of the sequence (positions=None): give seq, or fix positions")
-        h = self.hidden
-        f = self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * h
-        if self.gpt_shaped:
-            return (self.vocab * h + positions * h + 2 * h
-                    + self.layers * (4 * h * h + 2 * f * h + 9 * h + f))
-        kv = (self.kv_heads or self.heads) * (h // self.heads)  # the k and v widths
-        nb = int(self.bias)
-        norm = h if self.norm == "rmsnorm" else 2 * h
-        attn = h * (h + 2 * kv) + nb * (h + 2 * kv) + h * h + nb * h
-        mlp = (3 if self.gated else 2) * h * f + nb * ((2 if self.gated else 1) * f + h)
-        return (self.vocab * h * (1 if self.tied else 2) + positions * h + norm
-                + self.layers * (attn + mlp + 2 * norm))
+        return self.shape(0 if seq is None else seq).num_params()
 
 
 # Llama-2 (Touvron et al. 2023) and Llama-3 (Meta, 2024) from their Hugging Face

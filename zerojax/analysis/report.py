@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from zerojax.analysis.memory import (
     estimate_activations,
     estimate_memory,
 )
+from zerojax.modelspec import DecoderFamily, DecoderSpec, Shape, shape_of
 
 __all__ = [
     "MemoryReport",
@@ -339,124 +340,36 @@ def format_comparison(rows: list[Comparison]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(DecoderSpec, DecoderFamily):
     """A decoder's shape as the memory model reads it, for shapes the reference
-    ``GPTConfig`` cannot say: the ``GPTConfig`` fields the prediction reads (vocab,
-    seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy) plus
-
-    * ``kv_heads``: grouped-query attention's key-value heads (None: ``heads``);
-    * ``mlp_hidden``: the MLP's intermediate width (None: ``mlp_ratio * hidden``);
-    * ``gated``: a gated MLP (SwiGLU: gate and up projections of ``mlp_hidden``, then
-      down), three matrices in place of two;
-    * ``tied``: logits through the token embedding (False: an ``(hidden, vocab)`` head);
-    * ``positions``: rows of a learned position table (None: ``seq``, as the reference
-      GPT; 0: none, rotary positions);
-    * ``norm``: ``"layernorm"`` (scale and bias) or ``"rmsnorm"`` (scale only);
-    * ``bias``: biases on the attention and MLP projections.
+    ``GPTConfig`` cannot say: the fields of :class:`zerojax.modelspec.DecoderSpec`
+    (vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
+    vocab_tiles) and ``mlp_ratio``, as ``GPTConfig``'s, plus the keyword-only
+    :class:`zerojax.modelspec.DecoderFamily` fields (``kv_heads``, ``mlp_hidden``,
+    ``gated``, ``tied``, ``positions``, ``norm``, ``bias``).
 
     ``ModelShape.config`` makes one for a preset that is not the reference GPT
     (Llama-2 / Llama-3: GQA, SwiGLU, untied head, rotary positions, RMSNorm, no
     biases); with every default it describes the reference GPT."""
 
-    vocab: int = 256
-    seq: int = 128
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
     mlp_ratio: int = 4
-    dtype: Any = jnp.float32
-    remat: bool = True
-    scan: bool = True
-    attention: str = "xla"
-    remat_policy: str = "full"
-    kv_heads: int | None = None
-    mlp_hidden: int | None = None
-    gated: bool = False
-    tied: bool = True
-    positions: int | None = None
-    norm: str = "layernorm"
-    bias: bool = True
-    vocab_tiles: int | None = None
-    attn_block: int = 128
 
     def __post_init__(self):
-        for name in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio", "attn_block"):
-            _count(f"DecoderConfig.{name}", getattr(self, name), minimum=1)
-        if self.hidden % self.heads:
-            raise ValueError(f"DecoderConfig.hidden {self.hidden} must be a multiple of "
-                             f"heads {self.heads}")
-        kv = self.heads if self.kv_heads is None else self.kv_heads
-        _count("DecoderConfig.kv_heads", kv, minimum=1)
-        if self.heads % kv:
-            raise ValueError(f"DecoderConfig.kv_heads {kv} must divide heads {self.heads} "
-                             "(each key-value head serves heads / kv_heads query heads)")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"DecoderConfig.norm {self.norm!r} is not 'layernorm' or "
-                             "'rmsnorm'")
+        self.check_shape(("mlp_ratio",), seq_tiles=False)
+        self.check_family(self.heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def shape(self) -> Shape:
+        return self.family_shape(vocab=self.vocab, seq=self.seq, layers=self.layers,
+                                 hidden=self.hidden, heads=self.heads,
+                                 mlp_ratio=self.mlp_ratio)
 
 
-class _Dims(NamedTuple):
-    """A config's shape (``GPTConfig``, :class:`DecoderConfig`, or any config with
-    those attribute names): the reference GPT's where an attribute is absent."""
-
-    h: int
-    v: int
-    s: int
-    L: int
-    a: int
-    kv: int
-    d: int
-    f: int
-    gated: bool
-    tied: bool
-    positions: int
-    rms: bool
-    bias: bool
-
-    @property
-    def gpt(self) -> bool:
-        """The reference GPT's layout (its tree, specs and calibrated counts)."""
-        return (self.kv == self.a and not self.gated and self.tied
-                and self.positions == self.s and not self.rms and self.bias)
-
-    @property
-    def qkv(self) -> int:
-        """The QKV projection's width: ``a d + 2 kv d`` (3 h without GQA, where ``a d =
-        h``)."""
-        return (self.a + 2 * self.kv) * self.d
-
-    @property
-    def mlp_values(self) -> int:
-        """The MLP's intermediate values per position in units of the GPT's ``f``: a
-        gated MLP holds gate, up and their product where the GPT holds the
-        pre-activation and the GELU (3 f / 2 for 2 f)."""
-        return 3 * self.f // 2 if self.gated else self.f
-
-
-def _dims(config) -> _Dims:
-    """The shape of a ``GPTConfig``, a :class:`DecoderConfig` or a
-    :class:`~zerojax.models.llama.LlamaConfig` (SwiGLU, rotary, RMSNorm; its
-    ``head_dim`` and ``tie_embeddings``; biases and Qwen3's q/k norms, under 0.01% of
-    the params, not counted)."""
-    from zerojax.models.llama import LlamaConfig
-
-    h, a = config.hidden, config.heads
-    kv = getattr(config, "kv_heads", None) or a
-    f = getattr(config, "mlp_hidden", None) or getattr(config, "mlp_ratio", 4) * h
-    if isinstance(config, LlamaConfig):
-        return _Dims(h, config.vocab, config.seq, config.layers, a, kv, config.head_dim, f,
-                     gated=True, tied=config.tie_embeddings, positions=0, rms=True,
-                     bias=False)
-    positions = getattr(config, "positions", None)
-    return _Dims(h, config.vocab, config.seq, config.layers, a, kv, h // a, f,
-                 bool(getattr(config, "gated", False)), bool(getattr(config, "tied", True)),
-                 config.seq if positions is None else positions,
-                 getattr(config, "norm", "layernorm") == "rmsnorm",
-                 bool(getattr(config, "bias", True)))
+def _dims(config) -> Shape:
+    """The shape of a ``GPTConfig``, a :class:`DecoderConfig`, a
+    :class:`~zerojax.models.llama.LlamaConfig` (``config.shape``), or any config with
+    those attribute names (:func:`zerojax.modelspec.shape_of`)."""
+    return shape_of(config)
 
 
 def _decoder_tree(config, leaf, *, lin, norm, lead_layer) -> dict:
@@ -465,16 +378,17 @@ def _decoder_tree(config, leaf, *, lin, norm, lead_layer) -> dict:
     ``lm_head``, no position table with rotary positions): ``lin(din, dout, lead,
     kind)`` and ``norm(lead)`` make its leaves, ``leaf(shape)`` the top-level ones."""
     dm = _dims(config)
-    h, f, d = dm.h, dm.f, dm.d
+    h, f, d = dm.hidden, dm.mlp_hidden, dm.head_dim
 
     def block(*lead):
         out = {}
-        if dm.kv == dm.a:
+        if dm.kv_heads == dm.heads:
             out["qkv"] = lin(h, dm.qkv, lead, "col")
         else:
-            out.update(query=lin(h, dm.a * d, lead, "col"), key=lin(h, dm.kv * d, lead, "col"),
-                       value=lin(h, dm.kv * d, lead, "col"))
-        out.update(attn_out=lin(dm.a * d, h, lead, "row"), ln_1=norm(lead), ln_2=norm(lead))
+            kv = dm.kv_heads * d
+            out.update(query=lin(h, dm.heads * d, lead, "col"), key=lin(h, kv, lead, "col"),
+                       value=lin(h, kv, lead, "col"))
+        out.update(attn_out=lin(dm.heads * d, h, lead, "row"), ln_1=norm(lead), ln_2=norm(lead))
         if dm.gated:
             out["mlp_gate"] = lin(h, f, lead, "col")
         out.update(mlp_in=lin(h, f, lead, "col"), mlp_out=lin(f, h, lead, "row"))
@@ -488,7 +402,7 @@ def _decoder_tree(config, leaf, *, lin, norm, lead_layer) -> dict:
     if config.scan:
         out["blocks"] = block(*lead_layer)
     else:
-        out.update({f"blocks_{i}": block() for i in range(dm.L)})
+        out.update({f"blocks_{i}": block() for i in range(dm.layers)})
     return out
 
 
@@ -501,7 +415,7 @@ def gpt_param_shapes(config, dtype: Any = jnp.float32) -> dict:
     ``lm_head``, a ``pos_embed`` of ``positions`` rows or none), leaf for leaf the sizes
     of that model."""
     dm = _dims(config)
-    h, v, s, L, f = dm.h, dm.v, dm.s, dm.L, dm.f
+    h, v, s, L, f = dm.hidden, dm.vocab, dm.seq, dm.layers, dm.mlp_hidden
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
     if not dm.gpt:  # a DecoderConfig's own shape (GQA, SwiGLU, untied, ...)
         tops = {"embed": (v, h), "pos_embed": (dm.positions, h), "lm_head": (h, v)}
@@ -650,17 +564,17 @@ def ulysses_bytes(config, batch: int, seq_parallel: int, *, value_bytes: int = 2
     dm = _dims(config)
     s = seq_local(config.seq, sp)
     b = _count("batch", batch, minimum=0)
-    heads = math.ceil(dm.a / mp) + max(math.ceil(dm.kv / mp), sp)
-    forward = (sp - 1) * b * s * 2 * heads * dm.d * value_bytes / sp
-    return math.ceil(forward * (3 if remat else 2) * dm.L)
+    heads = math.ceil(dm.heads / mp) + max(math.ceil(dm.kv_heads / mp), sp)
+    forward = (sp - 1) * b * s * 2 * heads * dm.head_dim * value_bytes / sp
+    return math.ceil(forward * (3 if remat else 2) * dm.layers)
 
 
 # the remat policies whose saved tensors the model counts, and what each keeps per layer
 # beyond the layer input (in units of b s values, split over the model axis): the QKV
 # projection (3 h) and the MLP's first projection (f); see zerojax.activations
 # (a gated MLP saves its gate and up projections, 2 f; GQA's QKV is h + 2 kv d wide)
-_SAVED = {"dots": lambda dm: dm.qkv + dm.f * (1 + dm.gated),
-          "projections": lambda dm: dm.qkv + dm.f * (1 + dm.gated),
+_SAVED = {"dots": lambda dm: dm.qkv + dm.mlp_hidden * (1 + dm.gated),
+          "projections": lambda dm: dm.qkv + dm.mlp_hidden * (1 + dm.gated),
           "qkv_proj": lambda dm: dm.qkv}
 
 
@@ -722,9 +636,9 @@ def _blockwise_terms(config, b: int, mp: int, sp: int) -> tuple[int, int]:
     dm = _dims(config)
     s = config.seq // sp
     blk = min(getattr(config, "attn_block", 128), config.seq)
-    stats = math.ceil(dm.a * s * b / mp) * 4
-    cells = math.ceil(dm.a * b * blk * blk / (mp * sp)) * 4
-    linear = math.ceil((dm.qkv + dm.h) * b * s / mp) * 4
+    stats = math.ceil(dm.heads * s * b / mp) * 4
+    cells = math.ceil(dm.heads * b * blk * blk / (mp * sp)) * 4
+    linear = math.ceil((dm.qkv + dm.hidden) * b * s / mp) * 4
     return stats + 2 * linear, 3 * cells + 2 * stats + linear
 
 
@@ -827,7 +741,7 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         # SwiGLU's backward: gate, up, silu(gate), their product and the cotangents of
         # the three, 7 f in float32 where the GELU holds 4 (12 for the GELU's 7 in a
         # 16-bit compute dtype)
-        f, mlp_values = dm.f, (7 if inner >= 4 else 12)
+        f, mlp_values = dm.mlp_hidden, (7 if inner >= 4 else 12)
     if dm.positions == 0:
         # rotary positions: the rotated q and k and their rotate-half copies, live
         # beside the recomputed layer's MLP (compiled Llama, 8 CPU devices)
@@ -956,7 +870,7 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
     try:
         key = (jax.tree.structure(shapes),
                tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)),
-               _dims(config)._replace(s=0), type(config).__name__, dp, stage, id(tx),
+               _dims(config)._replace(seq=0), type(config).__name__, dp, stage, id(tx),
                str(param_dtype), mp, replicas, tuple(sorted(options.items())))
         hash(key)
     except TypeError:  # an option value that is not hashable: not remembered
@@ -1039,7 +953,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
             f"data devices is dp = {replicas} x D")
     h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
     dm = _dims(config)
-    f = dm.f
+    f = dm.mlp_hidden
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
     split = lambda n: -(-n // mp)  # noqa: E731  (a leaf split over the model axis)
     # per device: QKV and MLP-in column-parallel, attention-out and MLP-out row-parallel
@@ -1048,8 +962,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     psi = split(v * h) + s * h + L * layer + 2 * h
     if not dm.gpt:  # GQA's k and v, a gated MLP, RMSNorm, no biases, an untied head
         nb = int(dm.bias)
-        qkv = (split(h * dm.qkv + nb * dm.qkv) if dm.kv == dm.a else
-               split(h * h + nb * h) + 2 * split(h * dm.kv * dm.d + nb * dm.kv * dm.d))
+        qkv = (split(h * dm.qkv + nb * dm.qkv) if dm.kv_heads == dm.heads else
+               split(h * h + nb * h) + 2 * split((h + nb) * dm.kv_heads * dm.head_dim))
         layer = (qkv + split(h * h) + nb * h + (1 + dm.gated) * split(h * f + nb * f)
                  + split(f * h) + nb * h + 2 * h * (1 if dm.rms else 2))
         psi = (split(v * h) * (1 if dm.tied else 2) + dm.positions * h + L * layer

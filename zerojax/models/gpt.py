@@ -59,12 +59,13 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax.activations import checkpoint_policy
 from zerojax.models.blockwise import blockwise_attention
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
+from zerojax.modelspec import DecoderSpec, check_tiles
 
 _INIT_STD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(DecoderSpec):
     """Shape and options of :class:`GPT`.
 
     vocab: vocabulary size. seq: maximum sequence length (size of the position
@@ -128,30 +129,15 @@ class GPTConfig:
     of the MLP: ``"full"``, ``"layer_inputs"``, ``"qkv_proj"``, Pa).
     """
 
-    vocab: int = 256
-    seq: int = 128
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
+    # vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
+    # vocab_tiles, attn_block: zerojax.modelspec.DecoderSpec's (the one description)
     mlp_ratio: int = 4
-    dtype: Any = jnp.float32
-    remat: bool = True
-    scan: bool = True
     activation_sharding: Any = None
-    attention: str = "xla"
-    remat_policy: str = "full"
-    vocab_tiles: int | None = None
     seq_axis: str | None = None
     mlp_tiles: int | None = None
-    attn_block: int = 128
 
     def __post_init__(self):
-        check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio",
-                                  "attn_block"))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+        check_model_config(self, ("mlp_ratio",))
 
     @property
     def mlp_hidden(self) -> int:
@@ -164,23 +150,14 @@ _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None:
-    """Validate the options a decoder config shares (GPTConfig, LlamaConfig): the
-    positive ints named by ``ints``, ``hidden % heads``, the compute dtype, ``remat``,
-    ``scan``, ``remat_policy``, ``attention`` (and what cuDNN needs), ``vocab_tiles``,
-    ``mlp_tiles`` and ``activation_sharding``; each error names the config's class, the field and
-    the value."""
+    """Validate the options a model config shares (GPTConfig, LlamaConfig): the shape
+    (:meth:`zerojax.modelspec.DecoderSpec.check_shape`: the positive ints, those named
+    by ``ints`` too, ``hidden % heads``, ``vocab_tiles``), the compute dtype, ``remat``,
+    ``scan``, ``remat_policy``, ``attention`` (and what cuDNN needs), ``mlp_tiles``,
+    ``seq_axis`` and ``activation_sharding``; each error names the config's class, the
+    field and the value."""
     cls = type(config).__name__
-    for name in ints:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{cls}.{name} must be an int, got {value!r} "
-                             f"({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"{cls}.{name} must be >= 1, got {value}")
-    if config.hidden % config.heads and not free_head_dim:
-        raise ValueError(
-            f"{cls}.hidden ({config.hidden}) must be divisible by heads ({config.heads}) "
-            f"so each head gets hidden // heads dims; pick hidden as a multiple of heads")
+    config.check_shape(ints, free_head_dim=free_head_dim)
     try:
         dtype = jnp.dtype(config.dtype)
     except TypeError as e:
@@ -204,10 +181,8 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
     if config.attention == "cudnn" and not _cudnn_head_dim(config.head_dim):
         raise ValueError(f"{cls}.attention='cudnn' needs head_dim = hidden / heads "
                          f"a multiple of 8 and at most 128, got {config.head_dim}")
-    _check_tiles("vocab_tiles", config.vocab_tiles, config.seq, cls,
-                 "the loss's head is computed in")
-    _check_tiles("mlp_tiles", getattr(config, "mlp_tiles", None), config.seq, cls,
-                 "of the sequence the MLP is computed in")
+    check_tiles(cls, "mlp_tiles", getattr(config, "mlp_tiles", None), config.seq,
+                "tiles of the sequence the MLP is computed in")
     axis = getattr(config, "seq_axis", None)
     if axis is not None and (not isinstance(axis, str) or not axis):
         raise ValueError(f"{cls}.seq_axis must be None or a mesh axis name (\"seq\"), got "
@@ -221,18 +196,6 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
             f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
 # activations named with checkpoint_name for remat policies (MaxText's names)
 QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
-
-
-def _check_tiles(field: str, tiles, seq: int, owner: str, what: str) -> None:
-    """``owner.field`` (``vocab_tiles``, ``mlp_tiles``): None or an int in [1, seq]."""
-    if tiles is None:
-        return
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"{owner}.{field} must be None or an int >= 1 (the number of "
-                         f"tiles {what}), got {tiles!r}")
-    if tiles > seq:
-        raise ValueError(f"{owner}.{field}={tiles} is larger than seq={seq}: the "
-                         f"tiles split the sequence, each needs a token; use at most {seq}")
 
 
 def tiled_tokens(fn, x: jax.Array, tiles: int | None, owner: str = "config") -> jax.Array:

@@ -103,6 +103,7 @@ from zerojax.models.gpt import (
     tiled_tokens,
 )
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
+from zerojax.modelspec import DecoderSpec, Shape, check_kv_heads
 
 _INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
@@ -240,7 +241,7 @@ def _window(hf: dict, family: str, layers: int, problems: list) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(DecoderSpec):
     """Shape and options of :class:`Llama`.
 
     vocab: vocabulary size (HF ``vocab_size``). seq: the longest sequence the model is
@@ -289,22 +290,13 @@ class LlamaConfig:
     backward (:func:`zerojax.models.gpt.tiled_tokens`).
     """
 
-    vocab: int = 256
-    seq: int = 128
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
+    # vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
+    # vocab_tiles, attn_block: zerojax.modelspec.DecoderSpec's (the one description)
     kv_heads: int | None = None
     mlp_hidden: int = 344
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    dtype: Any = jnp.float32
-    remat: bool = True
-    scan: bool = True
     activation_sharding: Any = None
-    attention: str = "xla"
-    remat_policy: str = "full"
-    vocab_tiles: int | None = None
     family: str = "llama"
     head_dim: int | None = None
     rope_llama3: tuple | None = None
@@ -316,7 +308,6 @@ class LlamaConfig:
     seq_axis: str | None = None
     tie_embeddings: bool = False
     mlp_tiles: int | None = None
-    attn_block: int = 128
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -325,18 +316,13 @@ class LlamaConfig:
         if not explicit:
             heads = self.heads if isinstance(self.heads, int) and self.heads > 0 else 1
             object.__setattr__(self, "head_dim", self.hidden // heads)
-        check_model_config(self, ("vocab", "seq", "layers", "hidden", "heads", "kv_heads",
-                                  "mlp_hidden", "head_dim", "attn_block"),
+        check_model_config(self, ("kv_heads", "mlp_hidden", "head_dim"),
                            free_head_dim=explicit)
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim = {self.head_dim} must be even for "
                              f"rotary embeddings (they rotate pairs of dims); pick hidden "
                              f"and heads with an even quotient, or an even head_dim")
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"LlamaConfig.heads ({self.heads}) must be a multiple of kv_heads "
-                f"({self.kv_heads}): each key/value head serves heads // kv_heads query "
-                f"heads (grouped-query attention); pick kv_heads dividing heads")
+        check_kv_heads("LlamaConfig", self.heads, self.kv_heads)
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -362,6 +348,16 @@ class LlamaConfig:
                     f"LlamaConfig.rope_llama3 must be None or (factor, low_freq_factor, "
                     f"high_freq_factor, original_max_position_embeddings), positive, "
                     f"high_freq_factor > low_freq_factor, got {r!r}")
+
+    @property
+    def shape(self) -> Shape:
+        """The shape the planner reads (:class:`zerojax.modelspec.Shape`): a SwiGLU MLP,
+        rotary positions, RMSNorm, its ``head_dim`` and ``tie_embeddings``; the family's
+        biases and Qwen3's q/k norms (under 0.01% of the params) are not counted
+        (:func:`llama_param_count` counts them)."""
+        return Shape(self.vocab, self.seq, self.layers, self.hidden, self.heads,
+                     self.kv_heads, self.head_dim, self.mlp_hidden, gated=True,
+                     tied=self.tie_embeddings, positions=0, rms=True, bias=False)
 
     # --- Hugging Face config.json ------------------------------------------------------
 
