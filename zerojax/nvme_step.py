@@ -148,6 +148,8 @@ class NvmeTrainStep:
         scaled = scale is not None
         tx = opt.inner
 
+        laid = (part_sh if stage > 0 else shardings(mesh, specs.params), inner_sh)
+
         def fn(*leaves):  # the in-memory offloaded update (step._offloaded_update's fn)
             own = jax.tree.unflatten(own_def, leaves[:n_own])
             inner = jax.tree.unflatten(inner_def, leaves[n_own:n_own + n_inner])
@@ -165,15 +167,8 @@ class NvmeTrainStep:
                                            unpad_tree(inner, inner_lays), p)
             new_own = pad_tree(optax.apply_updates(p, updates), own_lays)
             new_inner = pad_tree(new_inner, inner_lays)
-            new_own, new_inner = jax.tree.map(lambda new, old: jnp.where(fin, new, old),
-                                              (new_own, new_inner), (own, inner))
-            new_own = constrain(new_own, part_sh if stage > 0 else
-                                shardings(mesh, specs.params))
-            new_inner = constrain(new_inner, inner_sh)
-            compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_own) if mixed
-                       else [])
-            return [*jax.tree.leaves(new_own), *jax.tree.leaves(new_inner),
-                    *jax.tree.leaves(compute)]
+            return S.update_tail((new_own, new_inner), (own, inner), fin, laid,
+                                 cfg.param_dtype)
 
         if stage == 0:
             raise AssertionError("stage 0 is refused by the config")

@@ -949,6 +949,22 @@ def seq_of(opt) -> tuple | None:
     return (opt.seq_axis, opt.seq_size) if opt.seq_axis is not None else None
 
 
+def update_tail(new, old, finite, laid, param_dtype) -> list:
+    """The end of an offloaded update (host memory's and NVMe's): the new ``(owned,
+    inner)`` where ``finite``, else the ``old`` values (per leaf, on the device); laid
+    out on ``laid``'s ``(owned, inner)`` shardings (None: not constrained); then the
+    owned values cast to ``param_dtype`` (None: no compute copy). As flat leaves: the
+    owned, the inner state, the compute copy."""
+    new_owned, new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), tuple(new),
+                                        tuple(old))
+    if laid is not None:
+        new_owned, new_inner = constrain(new_owned, laid[0]), constrain(new_inner, laid[1])
+    compute = ([] if param_dtype is None else
+               jax.tree.map(lambda x: x.astype(param_dtype), new_owned))
+    return [*jax.tree.leaves(new_owned), *jax.tree.leaves(new_inner),
+            *jax.tree.leaves(compute)]
+
+
 def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree):
     """The update of a step with offloaded state: ``(new_owned, new_inner,
     new_params)``, the offloaded ones in host memory.
@@ -972,20 +988,14 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     flat, treedef = jax.tree.flatten((owned, inner_state, grads))
 
+    # (under Explicit axes, auto_axes' out_sharding lays the new values out)
+    laid = None if explicit else (part_sh if stage > 0 else shardings(mesh, specs.params),
+                                  inner_sh)
+
     def fn(*leaves):
         *leaves, finite = leaves  # an operand: under Explicit axes, of the Auto mesh
         ops = jax.tree.unflatten(treedef, leaves)
-        new_owned, new_inner = update(ops)
-        new_owned, new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                            (new_owned, new_inner), ops[:2])
-        if not explicit:  # (under Explicit axes, auto_axes' out_sharding lays them out)
-            new_owned = constrain(new_owned, part_sh if stage > 0 else
-                                  shardings(mesh, specs.params))
-            new_inner = constrain(new_inner, inner_sh)
-        compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
-                   else [])
-        return [*jax.tree.leaves(new_owned), *jax.tree.leaves(new_inner),
-                *jax.tree.leaves(compute)]
+        return update_tail(update(ops), ops[:2], finite, laid, cfg.param_dtype)
 
     on_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
                + [False] * (len(flat) - n_own - n_inner + 1))
