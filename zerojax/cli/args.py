@@ -93,15 +93,22 @@ def reserve_size(text: str) -> float:
     return byte_size(text, allow_zero=True)
 
 
-def bytes_per_param(text: str) -> float:
-    """'12', '0.41' -> bytes per parameter (>= 0; fractions allowed)."""
-    _negative(text, "bytes per parameter", "12 (mixed-precision Adam) or 0")
+def _real(text: str, what: str, example: str, noun: str, examples: str) -> float:
+    """``text`` as a float: a negative one refused as :func:`_negative` words it (``what``,
+    ``example``), a word as "is not ``noun``; write e.g. ``examples``"."""
+    _negative(text, what, example)
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of bytes per parameter; write e.g. 12 (mixed-precision "
-            "Adam), 8 (fp32 Adam), 4 (momentum) or 0.41 (Adafactor)") from None
+            f"{text!r} is not {noun}; write e.g. {examples}") from None
+
+
+def bytes_per_param(text: str) -> float:
+    """'12', '0.41' -> bytes per parameter (>= 0; fractions allowed)."""
+    value = _real(text, "bytes per parameter", "12 (mixed-precision Adam) or 0",
+                  "a number of bytes per parameter", "12 (mixed-precision Adam), 8 (fp32 "
+                  "Adam), 4 (momentum) or 0.41 (Adafactor)")
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(
             f"{text!r}: bytes per parameter must be >= 0; write e.g. 12 (mixed-precision "
@@ -142,6 +149,18 @@ def positive_int(text: str, *, ceiling: int = MAX_COUNT, what: str = "a count") 
     return value
 
 
+def model_arguments(group, *, layers: int, hidden: int, heads: int, seq: int,
+                    vocab: int) -> None:
+    """``--layers --hidden --heads --seq --vocab``: the reference GPT's shape
+    (``GPTConfig``'s fields of those names), positive whole numbers with these
+    defaults, added to ``group`` (a parser or an argument group)."""
+    group.add_argument("--layers", type=positive_int, default=layers, help="decoder blocks")
+    group.add_argument("--hidden", type=positive_int, default=hidden, help="model width")
+    group.add_argument("--heads", type=positive_int, default=heads, help="attention heads")
+    group.add_argument("--seq", type=positive_int, default=seq, help="tokens per sequence")
+    group.add_argument("--vocab", type=positive_int, default=vocab, help="vocabulary size")
+
+
 def device_count(text: str) -> int:
     """--devices: a whole number in [1, ``MAX_DEVICES``]."""
     return positive_int(text, ceiling=MAX_DEVICES,
@@ -150,12 +169,8 @@ def device_count(text: str) -> int:
 
 def mem_fraction(text: str) -> float:
     """'0.75', '0.95' -> the fraction of a GPU's memory JAX's allocator takes."""
-    _negative(text, "a memory fraction", "0.75 (JAX's default) or 0.95")
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a fraction; write e.g. 0.75 (JAX's default) or 0.95") from None
+    value = _real(text, "a memory fraction", "0.75 (JAX's default) or 0.95", "a fraction",
+                  "0.75 (JAX's default) or 0.95")
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not in (0, 1]; write e.g. 0.75 (JAX's default) or 0.95 "

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zerojax.cli.args import positive_int
+from zerojax.cli.args import model_arguments, positive_int
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 RUN_NAMES = ("optax, 1 device", "jit DP", "FSDP (MaxText-style)")
@@ -70,11 +70,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=positive_int, default=8,
                    help=f"simulated CPU devices (unless XLA_FLAGS sets {DEVICE_COUNT_FLAG} "
                         "or jax has already started); all of them form the data axis")
-    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=positive_int, default=256, help="model width")
-    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
-    p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
-    p.add_argument("--vocab", type=positive_int, default=256, help="vocabulary size")
+    model_arguments(p, layers=4, hidden=256, heads=4, seq=64, vocab=256)
     p.add_argument("--batch", type=positive_int, default=32,
                    help="global batch (sequences); a multiple of --devices")
     p.add_argument("--unrolled", action="store_true",

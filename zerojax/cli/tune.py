@@ -103,7 +103,7 @@ def _ints(text: str, name: str, minimum: int = 1) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from zerojax.activations import REMAT_POLICIES
-    from zerojax.cli.args import byte_size, positive_int
+    from zerojax.cli.args import byte_size, model_arguments, positive_int
 
     g = p.add_argument_group("devices")
     g.add_argument("--devices", type=positive_int, default=8,
@@ -123,11 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "matmul FLOP/s and all-reduce bandwidth, timed here first), or "
                         "auto: the preset of the GPU's device_kind, else measure (CPU)")
     g = p.add_argument_group("the model (reference GPT) and batch")
-    g.add_argument("--layers", type=positive_int, default=2, help="decoder blocks")
-    g.add_argument("--hidden", type=positive_int, default=128, help="model width")
-    g.add_argument("--heads", type=positive_int, default=4, help="attention heads")
-    g.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
-    g.add_argument("--vocab", type=positive_int, default=128, help="vocabulary size")
+    model_arguments(g, layers=2, hidden=128, heads=4, seq=64, vocab=128)
     g.add_argument("--batch", type=positive_int, default=32,
                    help="global batch in sequences (a multiple of the data-parallel "
                         "devices x the largest --accum)")
