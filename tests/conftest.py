@@ -50,9 +50,39 @@ SERIAL_MODULES = frozenset({
 })
 
 
+# Tests whose assertion holds only at XLA's default LLVM level (each measured failing at
+# -O0 on jax 0.10.2): the born-sharded init bitwise equal to the eager init (at -O0 the
+# two programs' erf_inv differ by 1 ulp in 998 of 2,304 values of one leaf), and ZeRO++'s
+# loss within 10% of exact training (12.98% at -O0: the quantized run's trajectory moves
+# with rounding). At -O0 they are deselected, saying so; scripts/test.sh runs them in a
+# second pass with ZEROJAX_TEST_FULL_OPT=1 (`pytest -m full_opt`).
+FULL_OPT_TESTS = {
+    "test_sharded_init.py": None,  # every test of the module (bitwise against eager init)
+    "test_zeropp.py": {"test_trains_close_to_exact_stage3"},
+}
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
+    kept, deselected = [], []
     for item in items:
         if item.path.name in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        names = FULL_OPT_TESTS.get(item.path.name, ())
+        if names is None or item.originalname in names:
+            item.add_marker(pytest.mark.full_opt)
+            if _opt in os.environ.get("XLA_FLAGS", ""):
+                deselected.append(item)
+                continue
+        kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
+def pytest_report_header(config):
+    if _opt in os.environ.get("XLA_FLAGS", ""):
+        return ("XLA:CPU at LLVM -O0 (tests/conftest.py); tests marked full_opt run with "
+                "ZEROJAX_TEST_FULL_OPT=1 (scripts/test.sh's second pass)")
+    return None
