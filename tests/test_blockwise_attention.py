@@ -26,13 +26,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
-from test_seq_parallel import GPT_CFG as SP_GPT, LLAMA_CFG as SP_LLAMA, _check
+from test_seq_parallel import (
+    GPT_CFG as SP_GPT,
+    LLAMA_CFG as SP_LLAMA,
+    _check,
+    padded_batch,
+    seq_loss_and_grads,
+)
 
 import zerojax
 from zerojax.analysis import compiled_memory
 from zerojax.models.blockwise import blockwise_attention
-from zerojax.models.gpt import GPT, gpt_params, lm_loss, markov_tokens, shift_tokens
+from zerojax.models.gpt import GPT, gpt_params, lm_loss, shift_tokens
 from zerojax.models.llama import Llama, LlamaConfig, causal_attention, llama_params
 
 B, S = 4, 32  # test_seq_parallel's models (GPT 2 x 32, Llama GQA 8 / 2 heads), S = 32
@@ -88,9 +93,7 @@ def test_function_equals_explicit_attention(b, s, heads, kv, d, block, window):
 
 @pytest.fixture(scope="module")
 def data():
-    tokens = markov_tokens(1, B, S, 64, seed=3)[0]  # (B, S + 1)
-    weights = np.ones((B, S), np.float32)  # padding: rows end early, one row half-weight
-    weights[0, 20:], weights[1, 3:], weights[2] = 0, 0, 0.5
+    tokens, weights = padded_batch()  # test_seq_parallel's: B, S = 4, 32
     params = {"gpt": gpt_params(_model("gpt"), 0), "llama": llama_params(_model("llama"), 0)}
     return tokens, weights, params
 
@@ -115,19 +118,7 @@ def reference(data):
 def _seq_parallel_grads(family, p, params, tokens, weights):
     """Loss and gradients of the blockwise model under shard_map over ``seq`` = p, the
     loss normalised over the whole sequences."""
-    mesh = zerojax.make_mesh(data=1, seq=p, devices=jax.devices()[:p])
-    loss = lm_loss(_model(family, seq_axis="seq"), weighted=True)
-
-    def body(prm, batch):
-        def local(prm):
-            ls, w = loss(prm, batch)
-            return ls / jax.lax.psum(w, "seq")
-        value, grads = jax.value_and_grad(local)(prm)
-        return jax.lax.psum(value, "seq"), jax.tree.map(lambda g: jax.lax.psum(g, "seq"), grads)
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "seq")),
-                               out_specs=(P(), P()), check_vma=False))
-    return fn(params, shift_tokens(tokens, weights))
+    return seq_loss_and_grads(_model(family, seq_axis="seq"), p, params, tokens, weights)
 
 
 @pytest.mark.parametrize("family,p", [("gpt", 1), ("gpt", 4), ("llama", 1), ("llama", 2)])

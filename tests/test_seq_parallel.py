@@ -54,13 +54,20 @@ def _model(family, seq_axis=None):
     return GPT(cfg) if family == "gpt" else Llama(cfg)
 
 
-@pytest.fixture(scope="module")
-def data():
-    tokens = markov_tokens(1, B, S, 64, seed=3)[0]  # (B, S + 1)
-    weights = np.ones((B, S), np.float32)  # padding: rows end early, one row half-weight
+def padded_batch():
+    """(tokens (B, S + 1), weights (B, S)): rows that end early and one half-weight
+    row (shared with tests/test_tiled_mlp.py and tests/test_blockwise_attention.py)."""
+    tokens = markov_tokens(1, B, S, 64, seed=3)[0]
+    weights = np.ones((B, S), np.float32)
     weights[0, 20:] = 0
     weights[1, 3:] = 0
     weights[2] = 0.5
+    return tokens, weights
+
+
+@pytest.fixture(scope="module")
+def data():
+    tokens, weights = padded_batch()
     params = {"gpt": gpt_params(_model("gpt"), 0), "llama": llama_params(_model("llama"), 0)}
     return tokens, weights, params
 
@@ -103,8 +110,14 @@ def _shard_map_grads(family, p, params, tokens, weights, normalise="global"):
     each device its slice of inputs, targets and weights; the loss is sum(weighted
     losses) / sum(weights) over all devices (``normalise="local"``: each device's own
     weighted mean, averaged: wrong under uneven padding)."""
+    return seq_loss_and_grads(_model(family, "seq"), p, params, tokens, weights, normalise)
+
+
+def seq_loss_and_grads(model, p, params, tokens, weights, normalise="global"):
+    """``_shard_map_grads`` for any seq-parallel ``model`` (shared with
+    tests/test_tiled_mlp.py and tests/test_blockwise_attention.py)."""
     mesh = zerojax.make_mesh(data=1, seq=p, devices=jax.devices()[:p])
-    loss = lm_loss(_model(family, "seq"), weighted=True)
+    loss = lm_loss(model, weighted=True)
 
     def local(prm, batch):
         ls, w = loss(prm, batch)

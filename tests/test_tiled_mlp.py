@@ -19,11 +19,19 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_seq_parallel import GPT_CFG, LLAMA_CFG, B, S, _check
+from test_seq_parallel import (
+    GPT_CFG,
+    LLAMA_CFG,
+    B,
+    S,
+    _check,
+    padded_batch,
+    seq_loss_and_grads,
+)
 
 import zerojax
 from zerojax.analysis import saved_checkpoints
-from zerojax.models.gpt import GPT, GPTConfig, gpt_params, lm_loss, markov_tokens, shift_tokens
+from zerojax.models.gpt import GPT, GPTConfig, gpt_params, lm_loss, shift_tokens
 from zerojax.models.llama import Llama, LlamaConfig, llama_params
 
 # float32 rounding, measured (jax 0.10.2 and 0.12, CPU, every case below): loss within
@@ -40,11 +48,7 @@ def _model(family, tiles=None, seq_axis=None):
 
 @pytest.fixture(scope="module")
 def data():
-    tokens = markov_tokens(1, B, S, 64, seed=3)[0]  # (B, S + 1)
-    weights = np.ones((B, S), np.float32)  # padding: rows end early, one row half-weight
-    weights[0, 20:] = 0
-    weights[1, 3:] = 0
-    weights[2] = 0.5
+    tokens, weights = padded_batch()
     # initialised under jit: 2.4x faster than eagerly here
     params = {"gpt": jax.jit(lambda: gpt_params(_model("gpt"), 0))(),
               "llama": jax.jit(lambda: llama_params(_model("llama"), 0))()}
@@ -93,20 +97,8 @@ def test_sequence_parallel(data, reference, family, p, tiles):
     """Under shard_map over seq = P: each device tiles its S / P tokens (GPT: 2 tiles of
     8 tokens; Llama, GQA kv heads repeated: 4 tiles of 2)."""
     tokens, weights, params = data
-    mesh = zerojax.make_mesh(data=1, seq=p, devices=jax.devices()[:p])
-    loss = lm_loss(_model(family, tiles, "seq"), weighted=True)
-
-    def body(prm, batch):
-        def local(prm):
-            ls, w = loss(prm, batch)
-            return ls / jax.lax.psum(w, "seq")
-
-        value, grads = jax.value_and_grad(local)(prm)
-        return jax.lax.psum(value, "seq"), jax.tree.map(lambda g: jax.lax.psum(g, "seq"), grads)
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "seq")),
-                               out_specs=(P(), P()), check_vma=False))
-    got = fn(params[family], shift_tokens(tokens, weights))
+    got = seq_loss_and_grads(_model(family, tiles, "seq"), p, params[family], tokens,
+                             weights)
     print(family, p, tiles, "loss, gradient off by", _check(*got, reference[family],
                                                             LOSS_TOL, GRAD_TOL))
 
