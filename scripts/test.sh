@@ -4,13 +4,25 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/setup.sh"
 cd "$here/.."
-# Two passes (tests/conftest.py): the suite compiled at LLVM -O0 (the tests marked
-# full_opt deselected), then those tests at XLA's default level. Exit status 5 (no test
-# selected, e.g. arguments naming only one pass's tests) counts as passing; both must.
-status=0
-"$PY" -m pytest -q "$@" || status=$?
-if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
-status=0
-ZEROJAX_TEST_FULL_OPT=1 "$PY" -m pytest -q -m full_opt "$@" || status=$?
-if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+# Passes (tests/conftest.py): the suite compiled at LLVM -O0 (the tests marked full_opt
+# deselected), then those tests at XLA's default level. With pytest-xdist installed (a
+# dev dependency) the -O0 pass is two: the modules not marked serial on
+# ZEROJAX_TEST_WORKERS workers (default 2; a module stays in one worker, so its
+# module-scoped fixtures compile once), then the serial ones (process groups, memory and
+# seconds measured) alone. ZEROJAX_TEST_WORKERS=1 runs the -O0 pass in one process.
+# Exit status 5 (no test selected, e.g. arguments naming only one pass's tests) counts
+# as passing; every pass must pass.
+run() {
+  local status=0
+  "$@" || status=$?
+  if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+}
+workers="${ZEROJAX_TEST_WORKERS:-2}"
+if [ "$workers" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+  run "$PY" -m pytest -q -n "$workers" --dist loadfile -m "not serial" "$@"
+  run "$PY" -m pytest -q -m serial "$@"
+else
+  run "$PY" -m pytest -q "$@"
+fi
+ZEROJAX_TEST_FULL_OPT=1 run "$PY" -m pytest -q -m full_opt "$@"
 exit 0

@@ -36,10 +36,10 @@ if os.environ.get("ZEROJAX_TEST_COMPILE_CACHE"):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# Prepared for pytest-xdist, not enabled (issue 43's CI item; 2 workers measured 0.77x
-# of the serial time): the modules below start process groups, or measure resident
-# memory or seconds, and must not share the machine with another worker. A parallel
-# run would be two passes,
+# pytest-xdist (issue 43's CI item; 2 workers measured 0.77x of the serial time): the
+# modules below start process groups, or measure resident memory or seconds, and must
+# not share the machine with another worker. scripts/test.sh runs the -O0 suite in two
+# passes,
 #     pytest -n 2 --dist loadfile -m "not serial"    # module fixtures stay in one worker
 #     pytest -m serial
 # and `-m serial` / `-m "not serial"` work without xdist too.
