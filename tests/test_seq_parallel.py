@@ -11,9 +11,10 @@ Two levels, to keep compiles few (one per case, references module-scoped):
 * the ZeRO step (``zerojax.zero(...).train_step``) on ``make_mesh(data=D, seq=P)``:
   loss and one SGD(lr=1) update against the one-device reference: GPT data x seq =
   2 x 4 at stage 3 (mean loss), Llama seq=8 at stage 2 (weighted, kv heads repeated
-  4x), GPT data x seq x model = 2 x 2 x 2 at stage 3, Llama data x seq = 4 x 2 at
-  stage 3 with bf16 params; the all-to-all elements in the compiled HLO against the
-  Ulysses count, and the ZeRO collectives over data x seq.
+  4x), GPT and Llama data x seq x model = 2 x 2 x 2 at stage 3, Llama data x seq =
+  4 x 2 at stage 3 with bf16 params; the all-to-all elements in the compiled HLO
+  against the Ulysses count and the planner's ``ulysses_bytes`` (heads / model with
+  a model axis, no all-gather over it), and the ZeRO collectives over data x seq.
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax.analysis.comm import comm_volume
+from zerojax.analysis.report import ulysses_bytes
 from zerojax.models import gpt as gpt_mod
 from zerojax.models.gpt import (
     GPT,
@@ -37,7 +39,8 @@ from zerojax.models.gpt import (
     markov_tokens,
     shift_tokens,
 )
-from zerojax.models.llama import Llama, LlamaConfig, llama_params
+from zerojax.models.llama import Llama, LlamaConfig, llama_param_specs, llama_params
+from zerojax.models.ulysses import model_split
 from zerojax.step import check_batch
 
 B, S = 4, 32
@@ -157,28 +160,33 @@ def test_negative_controls_fail(data, reference, monkeypatch):
         _check(loss, grads, reference["gpt", True])
 
 
-def _attention_elements(cfg, b, t, p, passes):
+def _attention_elements(cfg, b, t, p, passes, mp=1):
     """Ulysses' all-to-all elements per device and step: per layer and pass q, k, v
-    and the output, each this device's (b, t) slice of all heads (k, v: max(kv_heads,
-    P) heads, repeated where fewer), i.e. 4 x the attention inputs/outputs / P of a
-    whole (b, P t) sequence; passes: forward and backward, plus a recomputed forward
-    with remat."""
+    and the output, each this device's (b, t) slice of its heads (heads / mp; k, v:
+    max(kv_heads / mp, P) heads, repeated where fewer), i.e. 4 x the attention
+    inputs/outputs / P of a whole (b, P t) sequence; passes: forward and backward,
+    plus a recomputed forward with remat."""
     kv = getattr(cfg, "kv_heads", cfg.heads)
     hd = cfg.hidden // cfg.heads
-    return passes * cfg.layers * b * t * hd * (2 * cfg.heads + 2 * max(kv, p))
+    return passes * cfg.layers * b * t * hd * (2 * cfg.heads // mp + 2 * max(kv // mp, p))
 
 
 @pytest.mark.parametrize("family,d,p,m,stage,weighted", [
-    ("gpt", 2, 4, 1, 3, False), ("llama", 1, 8, 1, 2, True), ("gpt", 2, 2, 2, 3, True)])
+    ("gpt", 2, 4, 1, 3, False), ("llama", 1, 8, 1, 2, True), ("gpt", 2, 2, 2, 3, True),
+    ("llama", 2, 2, 2, 3, True)])
 def test_zero_step_equals_one_device(data, reference, family, d, p, m, stage, weighted):
     """ZeRO over data x seq (x model): the step's loss and its SGD(lr=1) update (params
     - grad) equal the one-device reference; the all-to-all elements are Ulysses'
-    count; every ZeRO collective spans data x seq."""
+    count, the bytes the planner's ``ulysses_bytes(mp=m)``; every ZeRO collective
+    spans data x seq. With model = 2 (Megatron specs; Llama: 4 query heads and one
+    kv head per model shard, repeated to P = 2) the attention runs manual over
+    ``model`` too: heads / model move, and nothing is all-gathered over ``model``."""
     tokens, weights, params = data
     mesh = zerojax.make_mesh(data=d, seq=p, model=m)
     batch = shift_tokens(tokens, weights) if weighted else shift_tokens(tokens)
     opt = zerojax.zero(optax.sgd(1.0), mesh=mesh, stage=stage)
-    specs = gpt_param_specs(_model("gpt")) if m > 1 else None
+    specs = None if m == 1 else (gpt_param_specs if family == "gpt" else llama_param_specs)(
+        _model(family))
     state = opt.init_state(params[family], model_specs=specs)
     step = opt.train_step(lm_loss(_model(family, "seq"), weighted=weighted), weighted=weighted)
     placed = step.place_batch(batch)
@@ -190,23 +198,43 @@ def test_zero_step_equals_one_device(data, reference, family, d, p, m, stage, we
     print(family, d, p, m, "loss, update off by",
           _check(metrics["loss"], grads, reference[family, weighted]))
     if stage == 3:  # the stored params are 1/(d p) of each leaf per device (x model)
-        emb = new.params["embed"]["embedding"]
+        emb = new.params["embed" if family == "gpt" else "token_embedder"]["embedding"]
         assert emb.addressable_shards[0].data.size * d * p * m == emb.size
     # communication: Ulysses' all-to-alls over seq, ZeRO's gathers / reductions over
     # data x seq, nothing else but the model axis's Megatron collectives
     cfg = _model(family).config
     vol = comm_volume(compiled, mesh=mesh).by_axes()
     passes = 3 if cfg.remat else 2
-    want = _attention_elements(cfg, B // d, S // p, p, passes)
-    # with model=2 too (measured): the compiler all-gathers q, k, v over model before
-    # the all-to-all, so each device moves all heads of its slice, not heads / model
+    want = _attention_elements(cfg, B // d, S // p, p, passes, m)
     assert vol[("seq",)].all_to_all == want, (vol[("seq",)].all_to_all, want)
+    # the planner's bytes sent: (P - 1) / P of each float32 operand
+    assert want * 4 * (p - 1) == p * ulysses_bytes(cfg, B // d, p, value_bytes=4,
+                                                   remat=cfg.remat, mp=m)
+    if m > 1:  # measured before the attention ran manual over model: 14,336 (GPT),
+        # 5,120 (Llama) elements of q, k, v all-gathered over model
+        assert vol[("model",)].all_gather == 0, vol[("model",)]
     zero_axes = ("data", "seq") if d > 1 else ("seq",)  # a size-1 axis is no group
     assert set(vol) <= {("seq",), zero_axes, ("model",)}, set(vol)
     assert vol[zero_axes].reduce_scatter > 0
     if d > 1:
         assert vol[zero_axes].all_to_all == 0
     assert all(v.reduce_scatter == 0 for k, v in vol.items() if k != zero_axes)
+
+
+def test_model_split_only_where_heads_divide():
+    """Ulysses' attention goes manual over ``model`` (size m) only under a mesh where
+    heads divide by m P and kv_heads by m, kv_heads / m a multiple or divisor of P;
+    elsewhere it stays with the compiler (all heads moved, as before)."""
+    assert model_split(8, 8, 2) is None  # no mesh: nothing to split over
+    mesh = zerojax.make_mesh(data=2, seq=2, model=2).abstract_mesh
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert model_split(8, 8, 2) is mesh and model_split(8, 2, 2) is mesh
+        assert model_split(8, 2, 4) is mesh  # one kv head per shard, repeated 4x
+        assert model_split(6, 6, 2) is None  # 6 heads over model x seq = 4
+        assert model_split(8, 1, 2) is None  # one kv head over model = 2
+        assert model_split(16, 6, 4) is None  # 3 kv heads per shard against P = 4
+    with jax.sharding.use_abstract_mesh(zerojax.make_mesh(data=4, seq=2).abstract_mesh):
+        assert model_split(8, 8, 2) is None  # no model axis
 
 
 def test_stage3_bf16_params(data, reference):

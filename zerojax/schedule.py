@@ -142,7 +142,11 @@ def _value(lazy: _Lazy, mats: dict):
 
 def _remesh(v, mesh):
     """A sharding param recorded on the mesh the loss was traced under (``jax.set_mesh``)
-    restated on the mesh of the per-device body (``data`` manual there)."""
+    restated on the mesh of the per-device body (``data`` manual there); a nested
+    ``shard_map``'s mesh (Ulysses' attention manual over ``model``) is that mesh."""
+    if (isinstance(v, jax.sharding.AbstractMesh) and v != mesh
+            and v.axis_names == mesh.axis_names):
+        return mesh
     if (isinstance(v, NamedSharding) and isinstance(v.mesh, jax.sharding.AbstractMesh)
             and v.mesh != mesh and v.mesh.axis_names == mesh.axis_names):
         manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
@@ -223,12 +227,31 @@ def eval_jaxpr(jaxpr, consts, args, ctx: _Ctx) -> list:
             # reach the checkpoints inside, or re-evaluate the body's equations on
             # the body's mesh
             outs = _eval_lazy_eqn(eqn, ins, scope)
+        elif ctx.remesh and eqn.primitive.name == "shard_map" and not eqn.params["jaxpr"].constvars:
+            outs = _eval_shard_map(eqn, ins, ctx)
         else:
             outs = _bind(eqn, ins)
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     return [scope.materialize(read(v)) for v in jaxpr.outvars]
+
+
+def _eval_shard_map(eqn, ins, ctx: _Ctx) -> list:
+    """A ``shard_map`` inside the loss (Ulysses' attention manual over ``model``,
+    models/ulysses.py) re-run on the body's mesh, its equations evaluated here so their
+    shardings are restated as any other's (bound as traced, they name the tracing mesh,
+    where ``data`` was not manual)."""
+    p = eqn.params
+    jaxpr = p["jaxpr"]
+
+    def body(*xs):
+        return tuple(eval_jaxpr(jaxpr, (), list(xs), ctx))
+
+    return list(jax.shard_map(
+        body, mesh=jax.sharding.get_abstract_mesh(), in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]), axis_names=set(p["newly_manual_axes"]),
+        check_vma=p["check_vma"])(*ins))
 
 
 def _eval_lazy_eqn(eqn, ins, scope: _Scope) -> list:

@@ -21,6 +21,7 @@ One ``jax.jit``-compiled function ``step(state, batch) -> (state, metrics)``:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -245,14 +246,20 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
         key_struct = [jax.ShapeDtypeStruct(rng.shape, rng.dtype)] if keyed else []
         # with sequence parallelism the loss's collectives over ``seq`` (Ulysses'
         # all-to-alls) are traced with that axis bound, and run in the body
-        closed, out_shape = jax.make_jaxpr(
-            call_loss, return_shape=True, axis_env=[seq] if seq else None)(
-            full_structs, local_struct, *key_struct)
+        # beside a model axis, under the mesh: Ulysses' attention then runs manual over
+        # ``model`` too, moving heads / model (models/ulysses.py, model_split)
+        under = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+                 if seq and model_axis and jax.sharding.get_abstract_mesh().empty
+                 else contextlib.nullcontext())
+        with under:
+            closed, out_shape = jax.make_jaxpr(
+                call_loss, return_shape=True, axis_env=[seq] if seq else None)(
+                full_structs, local_struct, *key_struct)
+            # traced under a mesh context (jax.set_mesh): its shardings name that mesh
+            remesh = not jax.sharding.get_abstract_mesh().empty
         _split_out(out_shape, has_aux, weighted)
         out_tree = jax.tree.structure(out_shape)
         closed = localize_constraints(closed, frozenset(manual))
-        # traced under a mesh context (jax.set_mesh): its shardings name that mesh
-        remesh = not jax.sharding.get_abstract_mesh().empty
 
         options = dict(reduce_dtype=reduce_dtype, bucket_size=cfg.bucket_size,
                        prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
 
 
 def seq_degree(axis: str, owner: str) -> int:
@@ -58,7 +59,27 @@ def _largest_divisor(heads: int, kv: int, p: int) -> int:
                if heads % d == 0 and (kv % d == 0 or d % kv == 0))
 
 
-def ulysses_attention(q, k, v, attend: Callable, axis: str):
+def model_split(heads: int, kv_heads: int, p: int, axis: str = "model"):
+    """The abstract mesh to split the attention's heads over ``axis`` with, or None.
+
+    Where the loss is traced under a mesh (``jax.set_mesh``; zerojax's step traces a
+    seq-parallel loss under its own mesh) whose ``axis`` has size ``m > 1`` and is
+    left to the compiler (not manual), and ``heads`` divide by ``m p`` and
+    ``kv_heads`` by ``m`` (with ``kv_heads / m`` a multiple or a divisor of ``p``),
+    each ``m``-th of the heads is a Ulysses problem of its own: the mesh returned."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        return None
+    m = int(mesh.shape[axis])
+    if m < 2 or mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Manual:
+        return None
+    if heads % (m * p) or kv_heads % m:
+        return None
+    kv = kv_heads // m
+    return mesh if kv % p == 0 or p % kv == 0 else None
+
+
+def ulysses_attention(q, k, v, attend: Callable, axis: str, model_axis: str = "model"):
     """``attend(q, k, v)`` over whole sequences, given each device's sequence slice.
 
     ``q`` ``(b, t, heads, d)``, ``k`` / ``v`` ``(b, t, kv_heads, d)``: this device's
@@ -72,8 +93,27 @@ def ulysses_attention(q, k, v, attend: Callable, axis: str):
     head is repeated ``P / kv_heads`` times first, so every device gets the one its
     query heads read (the all-to-all then moves P key/value heads' worth). Per device
     and layer the forward moves ``(q + k + v + out) (P - 1) / P`` of its slice's
-    elements; the backward the same again."""
+    elements; the backward the same again.
+
+    With a tensor-parallel ``model_axis`` of size ``m`` left to the compiler
+    (:func:`model_split`), the whole of it (all-to-alls and ``attend``) runs in a
+    ``shard_map`` manual over ``model_axis`` too, on each device's ``heads / m`` heads
+    (``kv_heads / m``: contiguous blocks, so query head ``h`` still reads key/value head
+    ``h // (heads / kv_heads)``): the all-to-alls move ``heads / m`` of the slice. Left
+    to the compiler, they would not be split along ``model``: ``all_to_all`` lowers
+    with explicit device groups, and the partitioner all-gathers its operand over
+    ``model`` first (every device moving all heads)."""
     p = jax.lax.axis_size(axis)
+    mesh = model_split(q.shape[2], k.shape[2], p, model_axis)
+    if mesh is None:
+        return _ulysses(q, k, v, attend, axis, p)
+    heads = P(None, None, model_axis, None)
+    return jax.shard_map(lambda q, k, v: _ulysses(q, k, v, attend, axis, p), mesh=mesh,
+                         in_specs=(heads,) * 3, out_specs=heads, axis_names={model_axis},
+                         check_vma=False)(q, k, v)
+
+
+def _ulysses(q, k, v, attend: Callable, axis: str, p: int):
     kv = k.shape[2]
     if kv % p:  # fewer kv heads than devices: repeat each to p / kv heads
         k, v = (jnp.repeat(x, p // kv, axis=2) for x in (k, v))
