@@ -2,12 +2,15 @@
 
 import importlib
 
+from zerojax import _aliases
 from zerojax.analysis import comm_volume, estimate_memory, memory_report
 from zerojax.analysis.plan import plan
-from zerojax.config import ZeroConfig
-from zerojax.mesh import make_mesh
-from zerojax.optimizer import ZeroOptimizer, zero
-from zerojax.state import TrainState
+from zerojax.api.config import ZeroConfig
+from zerojax.api.optimizer import ZeroOptimizer, zero
+from zerojax.core.mesh import make_mesh
+from zerojax.core.state import TrainState
+
+_aliases.install()  # the old flat names (zerojax.step, ...) import as the moved modules
 
 __all__ = [
     "make_mesh", "zero", "ZeroOptimizer", "ZeroConfig", "TrainState",
@@ -28,7 +31,7 @@ _SUBMODULES = ("activations", "analysis", "checkpoint", "cli", "collectives", "c
 def __getattr__(name):
     # checkpoints import orbax (slow to import); only when asked for
     if name == "load_params":  # zerojax.load: no orbax
-        from zerojax import load
+        from zerojax.io import load
 
         return load.load_params
     if name == "load_hf":  # the Llama family's loader (zerojax.models.llama)
@@ -36,14 +39,14 @@ def __getattr__(name):
 
         return llama.load_hf
     if name in _CHECKPOINT:
-        from zerojax import checkpoint, export
+        from zerojax.io import checkpoint, export
 
         return getattr(export if name != "CheckpointManager" else checkpoint, name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"zerojax.{name}")
+    if name in _SUBMODULES or name in _aliases.MOVED or name in _aliases.PACKAGES:
+        return importlib.import_module(_aliases.ALIASES.get(f"zerojax.{name}", f"zerojax.{name}"))
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted({*globals(), *__all__, *_SUBMODULES})
+    return sorted({*globals(), *__all__, *_SUBMODULES, *_aliases.MOVED, *_aliases.PACKAGES})
 __version__ = "0.1.0"

@@ -45,7 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
-from zerojax.compat import replica_group_size, replica_groups, replica_groups_attr
+from zerojax.core.compat import replica_group_size, replica_groups, replica_groups_attr
 
 __all__ = ["CollectiveOp", "CommVolume", "collective_counts", "comm_volume"]
 

@@ -302,7 +302,7 @@ def link_traffic(num_params: int, stage: int, *, per_node: int, nodes: int,
     bytes) and 2048 for int8 (0.2505); hierarchical, inside first, where the mesh has
     both axes; HSDP's across all-reduce becomes a quantized reduce-scatter plus an
     exact all-gather) change the bytes per element on the wire."""
-    from zerojax import quant
+    from zerojax.core import quant
 
     psi, d = int(num_params), int(per_node)
     qw, qg = _BITS[quantize_weights], _BITS[quantize_gradients]

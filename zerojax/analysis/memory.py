@@ -244,9 +244,9 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     from flax.core import meta as flax_meta
     from jax.sharding import PartitionSpec as P
 
-    from zerojax import partition as part
-    from zerojax.config import ZeroConfig
-    from zerojax.state import MasterState
+    from zerojax.api.config import ZeroConfig
+    from zerojax.core import partition as part
+    from zerojax.core.state import MasterState
 
     if tx is None or not hasattr(tx, "init"):
         raise TypeError(f"estimate_memory(params, ...) needs tx= (the optax transformation "
@@ -329,7 +329,7 @@ def nvme_buffer_bytes(**options: Any) -> int:
     backend, where the placed "device" arrays are host memory too.)"""
     if not _is_nvme(options):
         return 0
-    from zerojax.config import ZeroConfig
+    from zerojax.api.config import ZeroConfig
 
     count = options.get("nvme_buffer_count", ZeroConfig.nvme_buffer_count)
     size = options.get("nvme_buffer_size", ZeroConfig.nvme_buffer_size)

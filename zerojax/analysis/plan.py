@@ -50,7 +50,7 @@ from zerojax.analysis.memory import (
     nvme_buffer_bytes,
 )
 from zerojax.analysis.report import comm_elements
-from zerojax.modelspec import DecoderFamily, Shape, check_int, check_vocab_tiles
+from zerojax.core.modelspec import DecoderFamily, Shape, check_int, check_vocab_tiles
 
 __all__ = [
     "ModelPlan",

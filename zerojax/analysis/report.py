@@ -30,7 +30,7 @@ from zerojax.analysis.memory import (
     estimate_activations,
     estimate_memory,
 )
-from zerojax.modelspec import DecoderFamily, DecoderSpec, Shape, shape_of
+from zerojax.core.modelspec import DecoderFamily, DecoderSpec, Shape, shape_of
 
 __all__ = [
     "MemoryReport",
@@ -244,8 +244,8 @@ def abstract_state(opt, params: Any, model_specs: Any = None):
     ``params`` may be structs (``jax.eval_shape`` of an init). ``param_dtype`` (a
     ``MasterState`` with the fp32 master weights) and padded leaves (stored at their
     padded shapes) as ``init_state`` makes them."""
-    from zerojax import partition as part
-    from zerojax.state import TrainState
+    from zerojax.core import partition as part
+    from zerojax.core.state import TrainState
 
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
     opt._remember(params, model_specs)
@@ -615,7 +615,7 @@ def _logits_values(config, b: int, mp: int, softmax_bytes: int,
     tiles = getattr(config, "vocab_tiles", None)
     if not tiles:
         return math.ceil(3 * b * s * v / mp) * softmax_bytes
-    from zerojax.tiling import logits_bytes
+    from zerojax.core.tiling import logits_bytes
 
     return (2 * math.ceil(logits_bytes(b * s, v, tiles) / mp)
             + math.ceil(config.hidden * v / mp) * 4)
@@ -1043,7 +1043,7 @@ def _nvme_working(disk: int, elements: int, compute: int, options: dict) -> int:
     dtype) at once: ``min(count + 1, buckets + 1)`` buckets of ``min(size, disk)``
     bytes, each with ``compute`` bytes more per ``disk / elements`` of state. ``disk``:
     the device's state bytes on disk, ``elements``: its parameter elements."""
-    from zerojax.config import ZeroConfig
+    from zerojax.api.config import ZeroConfig
 
     count = int(options.get("nvme_buffer_count", ZeroConfig.nvme_buffer_count))
     size = int(options.get("nvme_buffer_size", ZeroConfig.nvme_buffer_size))

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from zerojax.compat import scan_counts
-from zerojax.step import TrainStep
+from zerojax.core.compat import scan_counts
+from zerojax.engine.step import TrainStep
 
 __all__ = ["SavedCheckpoint", "saved_checkpoints"]
 

@@ -693,8 +693,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _export_checkpoint(args: argparse.Namespace) -> int:
-    from zerojax.checkpoint import CheckpointError, CheckpointManager
-    from zerojax.export import export_params
+    from zerojax.io.checkpoint import CheckpointError, CheckpointManager
+    from zerojax.io.export import export_params
 
     if not os.path.isdir(args.ckpt_dir):
         print(f"zerojax export: {args.ckpt_dir} is not a directory (pass the directory "
@@ -747,7 +747,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
                             mapping=mapping, dtype=args.dtype,
                             max_shard_size=args.max_shard_size)
         if args.hf_config is not None and args.format == "hf":
-            from zerojax.formats import write_hf_config
+            from zerojax.io.formats import write_hf_config
 
             write_hf_config(args.hf_config, args.out, args.dtype or "float32")
     except CheckpointError as e:  # damaged, truncated, unreadable: the input's fault
@@ -838,8 +838,8 @@ def _export_mapping(args: argparse.Namespace, step: int):
         with open(args.hf_config) as f:
             hf = json.load(f)
     if args.mapping == "llama":
-        from zerojax.checkpoint_reader import resolve as _resolve
-        from zerojax.formats import _name, _tokens_of_keystr
+        from zerojax.io.checkpoint_reader import resolve as _resolve
+        from zerojax.io.formats import _name, _tokens_of_keystr
         from zerojax.models import llama
 
         names = [_name(_tokens_of_keystr(k)) for k in _resolve(args.ckpt_dir, step)[2]["params"]]
@@ -866,7 +866,7 @@ def _export_mapping(args: argparse.Namespace, step: int):
             raise _MappingError(f"{module}.{attr} could not be called as a mapping "
                                 f"function ({_one_line(e)}); it takes the --hf-config "
                                 "dict, or nothing") from None
-    from zerojax.export import FileTensor
+    from zerojax.io.export import FileTensor
 
     hf_like = ("name", "path", "layer", "transpose", "hf_shape")  # llama.HFTensor's
     if not (isinstance(value, (list, tuple)) and value
@@ -1071,7 +1071,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
                       help="--params only: activation memory per device, e.g. from "
                            "'zerojax estimate --layers ... --hidden ...' (default: 0)")
-    from zerojax.activations import REMAT_POLICIES
+    from zerojax.core.activations import REMAT_POLICIES
 
     plan.add_argument("--attention", choices=["auto", "xla", "dot_product", "cudnn"],
                       default="auto",

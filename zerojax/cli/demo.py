@@ -640,7 +640,7 @@ def run(args: argparse.Namespace) -> int:
 
     mgr = None
     if args.ckpt_dir is not None:
-        from zerojax import preemption
+        from zerojax.runtime import preemption
 
         preemption.install()  # SIGTERM: save the step, exit 0 (CheckpointManager does too)
         mgr = zerojax.CheckpointManager(args.ckpt_dir, max_to_keep=2)

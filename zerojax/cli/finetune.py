@@ -160,7 +160,7 @@ def token_ids(checkpoint: str, data: str, text_key: str, hf: dict) -> np.ndarray
 
 def files_dtype(checkpoint: str) -> str:
     """The dtype of the checkpoint's float tensors (the most common one)."""
-    from zerojax.formats import checkpoint_files
+    from zerojax.io.formats import checkpoint_files
 
     counts: dict[str, int] = {}
     for info in checkpoint_files(checkpoint).values():
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import zerojax
-    from zerojax.formats import write_hf_config
+    from zerojax.io.formats import write_hf_config
     from zerojax.models import gpt, llama
 
     if len(jax.devices()) != args.devices:
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     state = opt.init_state(params)  # the model split carried from load_hf
     mgr, first = None, 0
     if args.ckpt_dir is not None:
-        from zerojax import preemption
+        from zerojax.runtime import preemption
 
         preemption.install()  # SIGTERM: save the step, exit 0 (as zerojax train)
         mgr = zerojax.CheckpointManager(args.ckpt_dir)

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from zerojax.distributed import (
+from zerojax.runtime.distributed import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT,
     ENV_NUM_PROCESSES,

@@ -102,8 +102,8 @@ def _ints(text: str, name: str, minimum: int = 1) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from zerojax.activations import REMAT_POLICIES
     from zerojax.cli.args import byte_size, model_arguments, positive_int
+    from zerojax.core.activations import REMAT_POLICIES
 
     g = p.add_argument_group("devices")
     g.add_argument("--devices", type=positive_int, default=8,
@@ -190,7 +190,7 @@ def candidates(args: argparse.Namespace) -> list[Candidate]:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """``args.error`` (one line, exit 2) on a value tune cannot run."""
-    from zerojax.activations import REMAT_POLICIES
+    from zerojax.core.activations import REMAT_POLICIES
 
     for s in args.stages:
         if s > 3:

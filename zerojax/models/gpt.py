@@ -56,10 +56,10 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax.activations import checkpoint_policy
+from zerojax.core.activations import checkpoint_policy
+from zerojax.core.modelspec import DecoderSpec, check_tiles
 from zerojax.models.blockwise import blockwise_attention
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
-from zerojax.modelspec import DecoderSpec, check_tiles
 
 _INIT_STD = 0.02
 
@@ -526,7 +526,7 @@ def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None):
                              f"weights of shape (batch, t) = {inputs.shape}, got "
                              f"{jnp.shape(weights)}")
         if tiles is not None:
-            from zerojax.tiling import lm_head_loss
+            from zerojax.core.tiling import lm_head_loss
 
             hidden = model.apply({"params": params}, inputs, hidden_only=True)
             head, tied = _head(model, params)

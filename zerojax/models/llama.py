@@ -87,7 +87,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax.activations import checkpoint_policy
+from zerojax.core.activations import checkpoint_policy
+from zerojax.core.modelspec import DecoderSpec, Shape, check_kv_heads
 from zerojax.models.blockwise import blockwise_attention
 from zerojax.models.gpt import (
     MLP_IN,
@@ -103,7 +104,6 @@ from zerojax.models.gpt import (
     tiled_tokens,
 )
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
-from zerojax.modelspec import DecoderSpec, Shape, check_kv_heads
 
 _INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
@@ -859,7 +859,7 @@ def hf_rename(config: LlamaConfig) -> dict:
     :class:`zerojax.load.Into` (the params leaf's tensor name, ``transpose()`` for a
     PyTorch Linear, ``expand_dims(0)`` at ``{0: layer}`` for one layer of a stacked
     leaf). Each device then reads only its shard's region of each file tensor."""
-    from zerojax import load as ld
+    from zerojax.io import load as ld
 
     out = {}
     for e in hf_llama_mapping(config):
@@ -886,8 +886,8 @@ def load_hf_llama(path: str | os.PathLike, model: Llama, *, shardings: Any = Non
     the leaf ``model`` times over on that axis). A tensor the file lacks is refused,
     named (``strict=False`` skips only the file's extra tensors: every leaf must be
     filled)."""
-    from zerojax import load as ld
-    from zerojax.optimizer import ZeroOptimizer
+    from zerojax.api.optimizer import ZeroOptimizer
+    from zerojax.io import load as ld
 
     boxed = init_variables(model, 0, _dummy_tokens(model), abstract=True)["params"]
     like, specs = nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
@@ -1099,7 +1099,7 @@ def save_hf_checkpoint(params: Any, config: LlamaConfig, directory: str | os.Pat
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     tensors = hf_from_params(params, config, dtype=dtype)
-    from zerojax.formats import write_hf_config
+    from zerojax.io.formats import write_hf_config
 
     torch_dtype = str(next(iter(tensors.values())).dtype)
     hf = {**config.to_hf(torch_dtype), "dtype": torch_dtype}  # transformers 4.x and 5.x

@@ -17,19 +17,14 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from zerojax import (
-    nvme,
-    offload,
+from zerojax.api import (
     optimizer_handback as handback,
     optimizer_init as init,
     optimizer_layout as layout,
     optimizer_tx,
-    partition as part,
 )
-from zerojax.config import ZeroConfig
-from zerojax.mesh import check_mesh
-from zerojax.nvme_step import NvmeTrainStep
-from zerojax.optimizer_init import (  # noqa: F401 (the init's helpers, under their old names)
+from zerojax.api.config import ZeroConfig
+from zerojax.api.optimizer_init import (  # noqa: F401 (the init's helpers, under their old names)
     _abstract_params,
     _check_params,
     _eager_eval,
@@ -37,9 +32,13 @@ from zerojax.optimizer_init import (  # noqa: F401 (the init's helpers, under th
     _put,
     _unbox,
 )
-from zerojax.optimizer_layout import MeshAxes, TreeLayout, _axes_size  # noqa: F401
-from zerojax.state import LossScaleState, TrainState
-from zerojax.step import TrainStep, build_train_step
+from zerojax.api.optimizer_layout import MeshAxes, TreeLayout, _axes_size  # noqa: F401
+from zerojax.core import partition as part
+from zerojax.core.mesh import check_mesh
+from zerojax.core.state import LossScaleState, TrainState
+from zerojax.engine.nvme_step import NvmeTrainStep
+from zerojax.engine.step import TrainStep, build_train_step
+from zerojax.tiers import nvme, offload
 
 
 def _doc(piece: Callable) -> Callable:

@@ -42,8 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from zerojax import hostmem
-from zerojax.formats import (
+from zerojax.io.formats import (
     TensorInfo,
     _check_unique,
     _first,
@@ -52,6 +51,7 @@ from zerojax.formats import (
     checkpoint_files,
     read_region,
 )
+from zerojax.runtime import hostmem
 
 Region = tuple  # ((start, stop), ...) per axis
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import optax
 
-from zerojax import partition as part
-from zerojax.mesh import constrain
+from zerojax.core import partition as part
+from zerojax.core.mesh import constrain
 
 
 def partitioned_tx(opt) -> optax.GradientTransformation:

@@ -23,9 +23,14 @@ import numpy as np
 import optax
 from jax.sharding import AxisType
 
-from zerojax import collectives as C, distributed, hostmem, offload, step as S
-from zerojax.mesh import constrain
-from zerojax.nvme import (
+from zerojax.core import collectives as C
+from zerojax.core.mesh import constrain
+from zerojax.core.partition import pad_tree, partitioned_specs, shardings, unpad_tree
+from zerojax.core.state import TrainState
+from zerojax.engine import step as S
+from zerojax.runtime import distributed, hostmem
+from zerojax.tiers import offload
+from zerojax.tiers.nvme import (
     NvmeParams,
     NvmeState,
     NvmeWriteError,
@@ -38,8 +43,6 @@ from zerojax.nvme import (
     is_nvme_params,
     read_params,
 )
-from zerojax.partition import pad_tree, partitioned_specs, shardings, unpad_tree
-from zerojax.state import TrainState
 
 
 class NvmeTrainStep:

@@ -69,9 +69,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zerojax import checkpoint_state, distributed, hostmem, nvme
-from zerojax.checkpoint_nvme import restore_nvme
-from zerojax.checkpoint_publish import (  # noqa: F401 (_OWNER, _HOST, _write_json: tests' names)
+from zerojax.core.state import TrainState
+from zerojax.io import checkpoint_state
+from zerojax.io.checkpoint_nvme import restore_nvme
+from zerojax.io.checkpoint_publish import (  # noqa: F401 (_OWNER, _HOST, _write_json: tests' names)
     _COMMIT_TIMEOUT,
     _HOST,
     _OWNER,
@@ -83,7 +84,7 @@ from zerojax.checkpoint_publish import (  # noqa: F401 (_OWNER, _HOST, _write_js
     _tmp_is_live,
     _write_json,
 )
-from zerojax.checkpoint_reader import (  # noqa: F401 (CheckpointError, resolve: re-exported)
+from zerojax.io.checkpoint_reader import (  # noqa: F401 (CheckpointError, resolve: re-exported)
     FORMAT,
     MARKER,
     VALUES,
@@ -94,7 +95,7 @@ from zerojax.checkpoint_reader import (  # noqa: F401 (CheckpointError, resolve:
     _files,
     resolve as _resolve,
 )
-from zerojax.checkpoint_state import (  # noqa: F401 (the handler's names, as before)
+from zerojax.io.checkpoint_state import (  # noqa: F401 (the handler's names, as before)
     _check_tree,
     _like_structure,
     _mesh_size,
@@ -103,9 +104,10 @@ from zerojax.checkpoint_state import (  # noqa: F401 (the handler's names, as be
     _state_kinds,
     _stream_handler,
 )
-from zerojax.export import export_params  # noqa: F401 (re-exported: zerojax.checkpoint's old name)
-from zerojax.load import load_params  # noqa: F401 (re-exported: zerojax.checkpoint's old name)
-from zerojax.state import TrainState
+from zerojax.io.export import export_params  # noqa: F401 (re-exported: zerojax.checkpoint's old name)
+from zerojax.io.load import load_params  # noqa: F401 (re-exported: zerojax.checkpoint's old name)
+from zerojax.runtime import distributed, hostmem
+from zerojax.tiers import nvme
 
 # The manager is a coordinator: the steps on disk are CheckpointReader's (checkpoint_reader),
 # opening, sealing, publishing and pruning a step StepPublisher's (checkpoint_publish), what a
@@ -121,7 +123,7 @@ def _finish_at_exit(manager: CheckpointManager) -> None:
     needs (a plain atexit hook runs too late and leaves a temporary directory)."""
     # A strong reference: `CheckpointManager(d).save(step, state)` as the script's last
     # line drops the manager at once, and its writes must still finish.
-    from zerojax import preemption
+    from zerojax.runtime import preemption
 
     def say(why: str) -> None:
         print(f"zerojax.CheckpointManager({manager.directory!r}): {why}: finishing the "
@@ -193,7 +195,7 @@ class CheckpointManager(CheckpointReader):
         self._pending: int | None = None  # the step of the save in flight
         self._names_checked: set = set()
         self._steps = StepPublisher(self)  # opening, sealing, publishing, pruning steps
-        from zerojax import preemption  # SIGTERM is noticed (reached_preemption), not fatal
+        from zerojax.runtime import preemption  # SIGTERM is noticed (reached_preemption), not fatal
 
         preemption.install()
         if _process_index() == 0:  # a killed save's leftovers (never a live save's)
@@ -267,7 +269,7 @@ class CheckpointManager(CheckpointReader):
         meta = checkpoint_state.save_meta(state, step, extra)
         self._saves += 1
         token = f"{step}:{self._saves}"
-        from zerojax import preemption
+        from zerojax.runtime import preemption
 
         # SIGTERM / SIGINT while the save starts would leave it half started and
         # unreported: they act once the write is under way (and the exit hook then
@@ -300,7 +302,7 @@ class CheckpointManager(CheckpointReader):
         array on disk; refused, naming both (once per tree structure)."""
         treedef = jax.tree.structure(params)
         if treedef not in self._names_checked:
-            from zerojax.formats import tensor_names
+            from zerojax.io.formats import tensor_names
 
             tensor_names(params)
             self._names_checked.add(treedef)
@@ -334,7 +336,7 @@ class CheckpointManager(CheckpointReader):
         """True on every process at the same ``step`` once any process got SIGTERM (what
         SLURM and cloud schedulers send before they kill a job): save and exit then.
         See :func:`zerojax.preemption.reached_preemption`."""
-        from zerojax import preemption
+        from zerojax.runtime import preemption
 
         return preemption.reached_preemption(step)
 

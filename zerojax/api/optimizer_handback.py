@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C, nvme, offload, partition as part
-from zerojax.state import TrainState
+from zerojax.core import collectives as C, partition as part
+from zerojax.core.state import TrainState
+from zerojax.tiers import nvme, offload
 
 
 def weights(opt, state: TrainState):

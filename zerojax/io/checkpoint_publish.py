@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from zerojax.checkpoint_reader import (
+from zerojax.io.checkpoint_reader import (
     _DELETE,
     _REPLACED,
     _ROLLBACK,

@@ -34,11 +34,13 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives as C, distributed, nvme, offload
-from zerojax.mesh import constrain
-from zerojax.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
-from zerojax.schedule import apply_partitioned, localize_constraints, param_uses
-from zerojax.state import LossScaleState, MasterState, TrainState
+from zerojax.core import collectives as C
+from zerojax.core.mesh import constrain
+from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
+from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
+from zerojax.core.state import LossScaleState, MasterState, TrainState
+from zerojax.runtime import distributed
+from zerojax.tiers import nvme, offload
 
 
 def _split_out(out, has_aux: bool, weighted: bool):

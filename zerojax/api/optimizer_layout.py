@@ -17,10 +17,11 @@ import jax
 from flax.core import meta as flax_meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import nvme, offload, partition as part
-from zerojax.config import ZeroConfig
-from zerojax.mesh import REPLICA, SEQ
-from zerojax.state import MasterState
+from zerojax.api.config import ZeroConfig
+from zerojax.core import partition as part
+from zerojax.core.mesh import REPLICA, SEQ
+from zerojax.core.state import MasterState
+from zerojax.tiers import nvme, offload
 
 
 def _axes_size(mesh: Mesh, axes) -> int:

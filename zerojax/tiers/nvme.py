@@ -194,9 +194,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zerojax import nvme_lock, offload
-from zerojax.nvme_lock import LOCK, NvmeError
-from zerojax.state import TrainState
+from zerojax.core.state import TrainState
+from zerojax.runtime import nvme_lock
+from zerojax.runtime.nvme_lock import LOCK, NvmeError
+from zerojax.tiers import offload
 
 DIR_PREFIX = "zerojax-nvme-p"
 MANIFEST = "MANIFEST.json"
@@ -1202,7 +1203,7 @@ class _StreamWriter:
             self.store.write(e, x)
             if id(x) not in self.keep and isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
-        from zerojax import hostmem
+        from zerojax.runtime import hostmem
 
         hostmem.release_freed_memory()  # the group's memory back to the system, not kept
 

@@ -17,9 +17,10 @@ from flax.core import meta as flax_meta
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import nvme, offload, partition as part
-from zerojax.optimizer_layout import _axes_size
-from zerojax.state import LossScaleState, MasterState, TrainState
+from zerojax.api.optimizer_layout import _axes_size
+from zerojax.core import partition as part
+from zerojax.core.state import LossScaleState, MasterState, TrainState
+from zerojax.tiers import nvme, offload
 
 
 def _check_params(params: Any) -> None:

@@ -149,7 +149,7 @@ def _cluster_detected() -> bool:
 
 def _detect_launch():
     """The launcher's view (:func:`zerojax.launchers.detect`), its errors prefixed."""
-    from zerojax import launchers
+    from zerojax.runtime import launchers
 
     try:
         return launchers.detect()
@@ -162,7 +162,7 @@ def _coordinator(launch) -> str:
     a free port, broadcast) under an MPI launcher where mpi4py loads and agrees with the
     launcher's ranks; else from the launcher's variables; else an error (this process
     would otherwise run alone, or wait for a coordinator nobody serves)."""
-    from zerojax import launchers
+    from zerojax.runtime import launchers
 
     why_mpi = ""
     if launch.mpi:
@@ -204,7 +204,7 @@ def _mpi4py_address(launch) -> tuple[str | None, str]:
             MPI.Finalize()
         return None, (f"its MPI sees rank {rank} of {size}, not the launcher's (mpi4py "
                       "built against another MPI library?)")
-    from zerojax import launchers
+    from zerojax.runtime import launchers
 
     address = None
     if rank == 0:
@@ -567,7 +567,7 @@ def _announce_exit() -> None:
     at once, naming this process, instead of waiting for a timeout. After a preemption
     stop (:mod:`zerojax.preemption`: every process stopped at the same step) it says so,
     and the launcher does not count it as leaving early."""
-    from zerojax import preemption
+    from zerojax.runtime import preemption
 
     at = preemption.preempted_at()
     why = ("(its script ended)" if at is None else

@@ -54,7 +54,7 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 
-from zerojax import compat
+from zerojax.core import compat
 
 HOST = "pinned_host"
 DEVICE = "device"

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax import quant
-from zerojax.partition import LeafLayout, is_layout as _is_layout
+from zerojax.core import quant
+from zerojax.core.partition import LeafLayout, is_layout as _is_layout
 
 
 def model_local(fn, in_specs: tuple, out_specs: Any):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import jax
 import orbax.checkpoint as ocp
 
-from zerojax import hostmem, nvme, offload, partition as part
-from zerojax.checkpoint_state import RestoreTarget, _is_pair
-from zerojax.state import LossScaleState, MasterState, TrainState
+from zerojax.core import partition as part
+from zerojax.core.state import LossScaleState, MasterState, TrainState
+from zerojax.io.checkpoint_state import RestoreTarget, _is_pair
+from zerojax.runtime import hostmem
+from zerojax.tiers import nvme, offload
 
 
 def _saved_slots(target: RestoreTarget, meta: dict):

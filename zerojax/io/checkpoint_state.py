@@ -22,9 +22,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import hostmem, nvme, offload, partition as part
-from zerojax.checkpoint_reader import FORMAT, CheckpointError
-from zerojax.state import LossScaleState, MasterState, TrainState
+from zerojax.core import partition as part
+from zerojax.core.state import LossScaleState, MasterState, TrainState
+from zerojax.io.checkpoint_reader import FORMAT, CheckpointError
+from zerojax.runtime import hostmem
+from zerojax.tiers import nvme, offload
 
 
 def _paths(tree) -> dict:

@@ -27,9 +27,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax import hostmem, load as ld
-from zerojax.checkpoint_reader import CheckpointReader, resolve
-from zerojax.formats import (  # noqa: F401 (tensor_names, load_params, *hf_config*: re-exported)
+from zerojax.io import load as ld
+from zerojax.io.checkpoint_reader import CheckpointReader, resolve
+from zerojax.io.formats import (  # noqa: F401 (tensor_names, load_params, *hf_config*: re-exported)
     _RESERVED,
     _check_stored,
     _check_unique,
@@ -42,7 +42,8 @@ from zerojax.formats import (  # noqa: F401 (tensor_names, load_params, *hf_conf
     write_hf_config,
     write_sharded,
 )
-from zerojax.load import load_params  # noqa: F401
+from zerojax.io.load import load_params  # noqa: F401
+from zerojax.runtime import hostmem
 
 # Restored arrays held at once: the largest leaf, or this many bytes of smaller leaves
 # read in one orbax call (each call costs ~0.1 s of fixed work, whatever it reads).
@@ -305,7 +306,7 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
     if format not in ("safetensors", "hf"):
         raise ValueError(f"format={format!r}: pass 'safetensors' (one file) or 'hf' (the "
                          "Hugging Face sharded layout: an index JSON and files).")
-    from zerojax.state import TrainState
+    from zerojax.core.state import TrainState
 
     if isinstance(directory, TrainState):
         raise TypeError("export_params takes a checkpoint directory or a params tree, not a "

@@ -39,7 +39,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from zerojax.activations import (
+from zerojax.core.activations import (
     LAYER_INPUT,
     PA_POLICIES,
     checkpoint_policy,
@@ -47,9 +47,9 @@ from zerojax.activations import (
     layer_input_positions,
     partition_activation,
 )
-from zerojax.collectives import after, make_param_use
-from zerojax.compat import CALL_PRIMITIVES, REMAT_PRIMITIVES, scan_counts
-from zerojax.partition import drop_axes
+from zerojax.core.collectives import after, make_param_use
+from zerojax.core.compat import CALL_PRIMITIVES, REMAT_PRIMITIVES, scan_counts
+from zerojax.core.partition import drop_axes
 
 _INLINE = CALL_PRIMITIVES
 _REMAT = REMAT_PRIMITIVES

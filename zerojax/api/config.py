@@ -12,8 +12,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.activations import REMAT_POLICIES
-from zerojax.mesh import MODEL, REPLICA
+from zerojax.core.activations import REMAT_POLICIES
+from zerojax.core.mesh import MODEL, REPLICA
 
 STAGES = (0, 1, 2, 3)
 QUANTIZE_WEIGHTS = ("int8",)
@@ -305,7 +305,7 @@ class ZeroConfig:
                     f"{name}={value!r} must be True or False{alt}: True keeps it in host "
                     "memory (pinned_host; DeepSpeed's "
                     f"{{'device': 'cpu'}} is {name}=True here).")
-        from zerojax import nvme
+        from zerojax.tiers import nvme
 
         nvme.check_config(self)
         if self.offload_optimizer is True and self.stage == 0:
@@ -374,7 +374,7 @@ class ZeroConfig:
 
     def _check_gradient_options(self) -> None:
         """``quantize_gradients_block`` / ``quantize_gradients_rounding``."""
-        from zerojax.quant import ROUNDINGS
+        from zerojax.core.quant import ROUNDINGS
 
         block, rounding = self.quantize_gradients_block, self.quantize_gradients_rounding
         if rounding is not None and (not isinstance(rounding, str) or rounding not in ROUNDINGS):
@@ -407,11 +407,11 @@ class ZeroConfig:
         and no quantization, :data:`zerojax.collectives.ORDERED` (exact, in device order)."""
         if self.quantize_gradients is None:
             if self.deterministic_reduce:
-                from zerojax.collectives import ORDERED
+                from zerojax.core.collectives import ORDERED
 
                 return ORDERED
             return None
-        from zerojax.quant import grad_quant
+        from zerojax.core.quant import grad_quant
 
         return grad_quant(_BITS[self.quantize_gradients], self.quantize_gradients_block,
                           self.quantize_gradients_rounding)
