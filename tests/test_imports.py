@@ -16,25 +16,19 @@ import zerojax
 PACKAGE = Path(zerojax.__file__).parent
 ROOT = Path(__file__).resolve().parents[1]
 
-# Bottom to top; a module may import its own layer's modules and lower layers' (a
-# package's ``__init__`` is named by the package, ``zerojax.models``).
+# Bottom to top; a module's layer is its package's (issue 43's re-layout: one package a
+# layer); a module may import its own layer's modules and lower layers' (a package's
+# ``__init__`` is named by the package, ``zerojax.models``).
 LAYERS = [
-    ("layout", ["zerojax.compat", "zerojax.mesh", "zerojax.partition", "zerojax.state",
-                "zerojax.quant", "zerojax.activations", "zerojax.tiling",
-                "zerojax.modelspec"]),
-    ("ops", ["zerojax.collectives", "zerojax.schedule"]),
-    ("runtime", ["zerojax.launchers", "zerojax.preemption", "zerojax.distributed",
-                 "zerojax.hostmem", "zerojax.nvme_lock"]),
-    ("tiers", ["zerojax.offload", "zerojax.nvme"]),
-    ("step", ["zerojax.step", "zerojax.nvme_step"]),
-    ("state I/O", ["zerojax.formats", "zerojax.load", "zerojax.checkpoint_reader",
-                   "zerojax.checkpoint_publish", "zerojax.checkpoint_state",
-                   "zerojax.checkpoint_nvme", "zerojax.export", "zerojax.checkpoint"]),
-    ("API", ["zerojax.config", "zerojax.optimizer_layout", "zerojax.optimizer_init",
-             "zerojax.optimizer_handback", "zerojax.optimizer_tx", "zerojax.optimizer"]),
+    ("core", ["zerojax.core", "zerojax.core.*"]),
+    ("runtime", ["zerojax.runtime", "zerojax.runtime.*"]),
+    ("tiers", ["zerojax.tiers", "zerojax.tiers.*"]),
+    ("engine", ["zerojax.engine", "zerojax.engine.*"]),
+    ("io", ["zerojax.io", "zerojax.io.*"]),
+    ("api", ["zerojax.api", "zerojax.api.*"]),
     ("models", ["zerojax.models", "zerojax.models.*"]),
     ("analysis", ["zerojax.analysis", "zerojax.analysis.*"]),
-    ("package", ["zerojax"]),
+    ("package", ["zerojax", "zerojax._aliases"]),
     ("CLI", ["zerojax.cli", "zerojax.cli.*", "zerojax.launch"]),
 ]
 
@@ -134,8 +128,9 @@ def _layer_of(module: str) -> int | None:
 def test_the_graph_sees_function_level_and_relative_imports():
     """The reader itself: it finds the imports the rules below are about."""
     graph = _graph()
-    assert "zerojax.step" in graph["zerojax.nvme_step"]  # module level
-    assert "zerojax.nvme" in graph["zerojax.config"]     # inside ZeroConfig.__post_init__
+    assert "zerojax.engine.step" in graph["zerojax.engine.nvme_step"]  # module level
+    assert "zerojax.tiers.nvme" in graph["zerojax.api.config"]  # in ZeroConfig.__post_init__
+    assert "zerojax.core" in graph["zerojax.api.config"]  # core/__init__.py runs
     assert "zerojax.cli.command" in graph["zerojax.cli.__main__"]  # relative or not
     assert "zerojax.models" in graph["zerojax.analysis.plan"]  # models/__init__.py runs
     assert len(_modules()) > 40 and sum(map(len, graph.values())) > 100
@@ -152,8 +147,9 @@ def test_no_import_circle():
 def test_circle_finder_names_a_circle():
     """A circle planted in a copy of the graph is found (the test above can fail)."""
     graph = {a: dict(bs) for a, bs in _graph().items()}
-    graph.setdefault("zerojax.partition", {})["zerojax.checkpoint"] = ["planted"]
-    assert any({"zerojax.partition", "zerojax.checkpoint"} <= set(c) for c in _circles(graph))
+    graph.setdefault("zerojax.core.partition", {})["zerojax.io.checkpoint"] = ["planted"]
+    assert any({"zerojax.core.partition", "zerojax.io.checkpoint"} <= set(c)
+               for c in _circles(graph))
 
 
 def test_every_module_has_one_layer():
@@ -172,9 +168,9 @@ def _upward(graph) -> list[str]:
 def test_an_upward_import_is_named():
     """An import planted from the step to the checkpoints is reported with its place."""
     graph = {a: dict(bs) for a, bs in _graph().items()}
-    graph["zerojax.step"]["zerojax.checkpoint"] = ["zerojax/step.py:1"]
-    assert _upward(graph) == ["zerojax.step (step) imports zerojax.checkpoint (state I/O) "
-                              "at zerojax/step.py:1"]
+    graph["zerojax.engine.step"]["zerojax.io.checkpoint"] = ["zerojax/engine/step.py:1"]
+    assert _upward(graph) == ["zerojax.engine.step (engine) imports zerojax.io.checkpoint "
+                              "(io) at zerojax/engine/step.py:1"]
 
 
 def test_imports_run_from_higher_layers_to_lower_ones():
@@ -185,7 +181,9 @@ def test_imports_run_from_higher_layers_to_lower_ones():
 
 def test_architecture_doc_lists_the_same_layers():
     """docs/architecture.md's "Layers" table: one row a layer, bottom first, naming the
-    same modules as LAYERS (written ``step.py``, ``models/``)."""
+    same packages and modules as LAYERS (written ``engine/``, ``launch.py``), and in its
+    last column the modules each of its packages holds (``step.py``), as the tree has
+    them."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text[text.index("\n## Layers"):]
     section = section[: section.index("\n## ", 1)]
@@ -198,9 +196,14 @@ def test_architecture_doc_lists_the_same_layers():
         return rel[:-1] if rel.endswith("*") else (
             f"{rel}/" if (PACKAGE / rel).is_dir() else f"{rel}.py")
 
-    want = [(str(i + 1), name, sorted({written(p) for p in pats}))
+    def held(pats):
+        return sorted(p.name for pat in pats if pat.endswith(".*")
+                      for p in (PACKAGE / written(pat)).glob("*.py") if p.name != "__init__.py")
+
+    want = [(str(i + 1), name, sorted({written(p) for p in pats}), held(pats))
             for i, (name, pats) in enumerate(LAYERS)]
-    got = [(cells[0], cells[1], sorted(re.findall(r"`([^`]+)`", cells[2])))
+    got = [(cells[0], cells[1], sorted(re.findall(r"`([^`]+)`", cells[2])),
+            sorted(re.findall(r"`([^`]+)`", cells[3])))
            for cells in ([c.strip() for c in r.strip("|").split("|")] for r in rows)]
     assert got == want
 
