@@ -173,14 +173,16 @@ def _attention_elements(cfg, b, t, p, passes, mp=1):
 
 @pytest.mark.parametrize("family,d,p,m,stage,weighted", [
     ("gpt", 2, 4, 1, 3, False), ("llama", 1, 8, 1, 2, True), ("gpt", 2, 2, 2, 3, True),
-    ("llama", 2, 2, 2, 3, True)])
+    ("llama", 2, 2, 2, 3, True), ("llama", 1, 2, 4, 3, True)])
 def test_zero_step_equals_one_device(data, reference, family, d, p, m, stage, weighted):
     """ZeRO over data x seq (x model): the step's loss and its SGD(lr=1) update (params
     - grad) equal the one-device reference; the all-to-all elements are Ulysses'
     count, the bytes the planner's ``ulysses_bytes(mp=m)``; every ZeRO collective
     spans data x seq. With model = 2 (Megatron specs; Llama: 4 query heads and one
     kv head per model shard, repeated to P = 2) the attention runs manual over
-    ``model`` too: heads / model move, and nothing is all-gathered over ``model``."""
+    ``model`` too: heads / model move, and nothing is all-gathered over ``model``.
+    Llama at model = 4 has fewer kv heads (2) than model devices: each takes k, v
+    whole and picks the kv head its 2 query heads read (repeated to P = 2)."""
     tokens, weights, params = data
     mesh = zerojax.make_mesh(data=d, seq=p, model=m)
     batch = shift_tokens(tokens, weights) if weighted else shift_tokens(tokens)
@@ -210,8 +212,9 @@ def test_zero_step_equals_one_device(data, reference, family, d, p, m, stage, we
     # the planner's bytes sent: (P - 1) / P of each float32 operand
     assert want * 4 * (p - 1) == p * ulysses_bytes(cfg, B // d, p, value_bytes=4,
                                                    remat=cfg.remat, mp=m)
-    if m > 1:  # measured before the attention ran manual over model: 14,336 (GPT),
-        # 5,120 (Llama) elements of q, k, v all-gathered over model
+    if m > 1 and getattr(cfg, "kv_heads", cfg.heads) % m == 0:  # measured before the
+        # attention ran manual over model: 14,336 (GPT), 5,120 (Llama) elements of q, k,
+        # v all-gathered over model
         assert vol[("model",)].all_gather == 0, vol[("model",)]
     zero_axes = ("data", "seq") if d > 1 else ("seq",)  # a size-1 axis is no group
     assert set(vol) <= {("seq",), zero_axes, ("model",)}, set(vol)
@@ -223,15 +226,16 @@ def test_zero_step_equals_one_device(data, reference, family, d, p, m, stage, we
 
 def test_model_split_only_where_heads_divide():
     """Ulysses' attention goes manual over ``model`` (size m) only under a mesh where
-    heads divide by m P and kv_heads by m, kv_heads / m a multiple or divisor of P;
-    elsewhere it stays with the compiler (all heads moved, as before)."""
+    heads divide by m P and kv_heads by m (kv_heads / m a multiple or divisor of P) or
+    m by kv_heads; elsewhere it stays with the compiler (all heads moved, as before)."""
     assert model_split(8, 8, 2) is None  # no mesh: nothing to split over
     mesh = zerojax.make_mesh(data=2, seq=2, model=2).abstract_mesh
     with jax.sharding.use_abstract_mesh(mesh):
         assert model_split(8, 8, 2) is mesh and model_split(8, 2, 2) is mesh
         assert model_split(8, 2, 4) is mesh  # one kv head per shard, repeated 4x
+        assert model_split(8, 1, 2) is mesh  # one kv head, taken whole by each shard
         assert model_split(6, 6, 2) is None  # 6 heads over model x seq = 4
-        assert model_split(8, 1, 2) is None  # one kv head over model = 2
+        assert model_split(8, 3, 2) is None  # 3 kv heads over model = 2
         assert model_split(16, 6, 4) is None  # 3 kv heads per shard against P = 4
     with jax.sharding.use_abstract_mesh(zerojax.make_mesh(data=4, seq=2).abstract_mesh):
         assert model_split(8, 8, 2) is None  # no model axis

@@ -65,7 +65,8 @@ def model_split(heads: int, kv_heads: int, p: int, axis: str = "model"):
     Where the loss is traced under a mesh (``jax.set_mesh``; zerojax's step traces a
     seq-parallel loss under its own mesh) whose ``axis`` has size ``m > 1`` and is
     left to the compiler (not manual), and ``heads`` divide by ``m p`` and
-    ``kv_heads`` by ``m`` (with ``kv_heads / m`` a multiple or a divisor of ``p``),
+    ``kv_heads`` by ``m`` (with ``kv_heads / m`` a multiple or a divisor of ``p``) or
+    ``m`` by ``kv_heads`` (each device's query heads then read one key/value head),
     each ``m``-th of the heads is a Ulysses problem of its own: the mesh returned."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or axis not in mesh.axis_names:
@@ -73,9 +74,9 @@ def model_split(heads: int, kv_heads: int, p: int, axis: str = "model"):
     m = int(mesh.shape[axis])
     if m < 2 or mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Manual:
         return None
-    if heads % (m * p) or kv_heads % m:
+    if heads % (m * p) or (kv_heads % m and m % kv_heads):
         return None
-    kv = kv_heads // m
+    kv = max(kv_heads // m, 1)
     return mesh if kv % p == 0 or p % kv == 0 else None
 
 
@@ -108,9 +109,19 @@ def ulysses_attention(q, k, v, attend: Callable, axis: str, model_axis: str = "m
     if mesh is None:
         return _ulysses(q, k, v, attend, axis, p)
     heads = P(None, None, model_axis, None)
-    return jax.shard_map(lambda q, k, v: _ulysses(q, k, v, attend, axis, p), mesh=mesh,
-                         in_specs=(heads,) * 3, out_specs=heads, axis_names={model_axis},
-                         check_vma=False)(q, k, v)
+    kv, m = k.shape[2], mesh.shape[model_axis]
+    # fewer kv heads than model devices: k, v whole on each, which picks the one its
+    # query heads read (all of them read the same: heads / m <= heads / kv_heads)
+    kv_spec = heads if kv % m == 0 else P()
+
+    def body(q, k, v):
+        if kv % m:
+            pick = jax.lax.axis_index(model_axis) * kv // m
+            k, v = (jax.lax.dynamic_slice_in_dim(x, pick, 1, axis=2) for x in (k, v))
+        return _ulysses(q, k, v, attend, axis, p)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(heads, kv_spec, kv_spec),
+                         out_specs=heads, axis_names={model_axis}, check_vma=False)(q, k, v)
 
 
 def _ulysses(q, k, v, attend: Callable, axis: str, p: int):
