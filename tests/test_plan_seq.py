@@ -175,6 +175,10 @@ def test_seq_parallel_plan_rows_count_the_all_to_alls():
     (dict(model=ModelShape.llama(2, 768, 12, kv_heads=6, mlp_hidden=1024, vocab=1000,
                                  name="kv6"), seq_parallel=4),
      "kv6: key-value heads 6 .* seq_parallel 4"),
+    # 6 kv heads over mp = 4: the model's attention would not split over model
+    (dict(model=ModelShape.llama(2, 768, 24, kv_heads=6, mlp_hidden=1024, vocab=1000,
+                                 name="kv6"), seq_parallel=2, mp=4),
+     "kv6: key-value heads 6 and mp 4: .* divides or is a multiple of 6"),
 ])
 def test_plan_names_bad_sequence_degrees(kwargs, match):
     kw = dict(model="llama3-8b", devices=8, budget_bytes=BUDGET, seq=8192, batch=1)

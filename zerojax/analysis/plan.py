@@ -925,7 +925,8 @@ def _check_seq_axis(model: ModelShape | None, devices: int, seq: int, sp: int,
     """Refuse a sequence degree ``sp`` = P Ulysses cannot run: P must divide the
     devices (data x seq), the sequence (P slices of it), the heads (over ``mp`` x P:
     each device's attention takes ``heads / (mp P)`` of them) and the key-value heads
-    when there are more of them than P (fewer are repeated up to P)."""
+    when there are more of them than P (fewer are repeated up to P); ``mp`` and the
+    key-value heads must divide one or the other (``ulysses.model_split``)."""
     if sp == 1:
         return
     if devices % sp:
@@ -944,7 +945,15 @@ def _check_seq_axis(model: ModelShape | None, devices: int, seq: int, sp: int,
             + (f" x mp {mp}" if mp > 1 else "") + ": Ulysses gives each sequence device "
             "heads / P of them (an all-to-all from the sequence split to a head split); "
             f"use a seq_parallel that divides {model.heads // math.gcd(model.heads, mp)}")
-    kv = max(1, (model.kv_heads or model.heads) // mp)
+    kv_all = model.kv_heads or model.heads
+    if kv_all % mp and mp % kv_all:
+        raise ValueError(
+            f"{name}: key-value heads {kv_all} and mp {mp}: with seq_parallel {sp} the "
+            "attention runs split over the model devices (kv_heads / mp each, or the one "
+            "its query heads read when there are fewer), so one must divide the other "
+            f"(else the all-to-alls move all heads, models/ulysses.py); use an mp that "
+            f"divides or is a multiple of {kv_all}")
+    kv = max(1, kv_all // mp)
     if (kv > sp and kv % sp) or (kv < sp and sp % kv):
         raise ValueError(
             f"{name}: key-value heads {model.kv_heads} (per model device: {kv}) and "
