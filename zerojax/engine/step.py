@@ -176,283 +176,453 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     times the loss scale. Weighted micro-batch gradients are summed as ``W_m g_m`` in
     float32 and divided by the total weight at the end, so the result is
     ``sum(loss_sum) / sum(weight)`` over the global batch, as one device computes it.
+
+    The pieces, in the order a call runs them: :class:`GradAxes` (the axes, once per
+    build), :class:`GradCall` (the call's leaves and layouts, the loss traced once:
+    :func:`trace_loss`), then per device (:func:`device_grads`) the micro-batch
+    gradient (:func:`whole_micro_grads`, :func:`partitioned_micro_grads`, each through
+    :func:`seeded_vjp`), :func:`accumulate_micro_batches`, :func:`reduce_grads` and
+    :func:`norm_and_loss`.
     """
-    cfg, mesh = opt.config, opt.mesh
-    stage, k = cfg.stage, cfg.accum_steps
-    # Hierarchical sharding (the optimizer decides the axes, optimizer._resolve_axes):
-    # ``axis``: where stage-3 shards are gathered from and gradients reduce-scattered
-    # first (``data`` for HSDP and hpZ: inside the node); ``zero_axis``: the partition
-    # of the gradients handed to optax; ``batch_axes``: the batch split (and the
-    # all-reduce of replicated leaves); ``across``: the second level of the gradient
-    # reduction over the replica axis (HSDP: all-reduce; hpZ: reduce-scatter).
-    axis, zero_axis, batch_axes = opt.param_axis, opt.zero_axis, opt.batch_axes
-    n = opt.batch_size  # devices the batch is split over (seq included)
-    rows, seq_n = opt.row_size, opt.seq_size  # ... along its batch / sequence dimension
-    seq = (opt.seq_axis, seq_n) if opt.seq_axis is not None else None
-    n_in = opt.param_size  # shards of ``axis``
-    across = {"hsdp": "all_reduce", "hpz": "reduce_scatter"}.get(opt.mode)
-    batch_names = set(batch_axes if isinstance(batch_axes, tuple) else (batch_axes,))
-    model_axis = next((a for a in mesh.axis_names if a not in batch_names
-                       and mesh.shape[a] > 1), None)
-    model_size = int(mesh.shape[model_axis]) if model_axis else 1
-    widen = model_axis is not None and mesh.devices.flat[0].platform == "cpu"
-    # deterministic_reduce: every sum over the batch axes in device-index order
-    # (C.ORDERED rides in cfg.grad_bits to the gradient reduce-scatters)
-    ordered = cfg.deterministic_reduce
+    axes = GradAxes.of(opt)
 
     def grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng=None):
         leaves, treedef = jax.tree.flatten(params)
-        lays = treedef.flatten_up_to(lay_tree)
-        reduce_dtype = cpu_reduce_dtype(cfg.reduce_dtype, [lay.dtype for lay in lays], widen)
-        in_lays = treedef.flatten_up_to(opt.param_layouts(lay_tree))  # hpZ: secondary
-        # manual over data only: model splits stay with the compiler (in_specs and
-        # out_specs name the data split alone)
-        param_specs = tuple(lay.data_spec if stage == 3 else P() for lay in in_lays)
-        grad_specs = tuple(lay.data_spec if stage > 0 else P() for lay in lays)
-        sharded = [i for i, lay in enumerate(lays) if lay.sharded]
-        replicated = [i for i, lay in enumerate(lays) if not lay.sharded]
-        # collectives run in reduce_dtype, else in the compute dtype of the leaf
-        red_dtypes = [jnp.dtype(reduce_dtype or lay.dtype) for lay in lays]
-        scaled = scale is not None
-        # Axes of size > 1 other than data (the model axis) stay with the compiler.
-        manual = {a for a in mesh.axis_names if a in batch_names or mesh.shape[a] == 1}
-
-        # The loss traced once, here (outside the shard_map), on whole-shape params and
-        # one device's micro-batch; its sharding annotations are then made valid in the
-        # per-device body, where "data" is manual.
-        def local_shape(shape):
-            b = shape[1:] if k > 1 else shape
-            if seq is None:
-                return (b[0] // rows, *b[1:])
-            return (b[0] // rows, b[1] // seq_n, *b[2:])
-
-        local_struct = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(local_shape(x.shape), x.dtype), batch)
-        full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
-        keyed = rng is not None
-
-        def call_loss(p, b, *key):
-            p = jax.tree.unflatten(treedef, p)
-            if not keyed:
-                return loss_fn(p, b)
-            try:
-                return loss_fn(p, b, rng=key[0])
-            except TypeError as e:
-                if "rng" not in str(e):
-                    raise
-                raise TypeError(
-                    f"step(state, batch, rng=key) calls loss_fn(params, batch, rng=...), but "
-                    f"loss_fn does not take an rng keyword ({e}); add `rng=None` to its "
-                    f"signature, or call the step without rng.") from None
-
-        key_struct = [jax.ShapeDtypeStruct(rng.shape, rng.dtype)] if keyed else []
-        # with sequence parallelism the loss's collectives over ``seq`` (Ulysses'
-        # all-to-alls) are traced with that axis bound, and run in the body
-        # beside a model axis, under the mesh: Ulysses' attention then runs manual over
-        # ``model`` too, moving heads / model (models/ulysses.py, model_split)
-        under = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-                 if seq and model_axis and jax.sharding.get_abstract_mesh().empty
-                 else contextlib.nullcontext())
-        with under:
-            closed, out_shape = jax.make_jaxpr(
-                call_loss, return_shape=True, axis_env=[seq] if seq else None)(
-                full_structs, local_struct, *key_struct)
-            # traced under a mesh context (jax.set_mesh): its shardings name that mesh
-            remesh = not jax.sharding.get_abstract_mesh().empty
-        _split_out(out_shape, has_aux, weighted)
-        out_tree = jax.tree.structure(out_shape)
-        closed = localize_constraints(closed, frozenset(manual))
-
-        options = dict(reduce_dtype=reduce_dtype, bucket_size=cfg.bucket_size,
-                       prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,
-                       model_axis=model_axis, model_size=model_size, remesh=remesh,
-                       weight_bits=cfg.weight_bits, grad_bits=cfg.grad_bits)
+        call = GradCall.of(loss_fn, opt, axes, treedef, lay_tree, grad_dtypes, batch,
+                           scale, rng, has_aux, weighted)
 
         def body(param_leaves, local_batch, scale, rng):
-            # each device, and each micro-batch on it, gets its own key
-            dev_key = (jax.random.fold_in(rng, jax.lax.axis_index(batch_axes)) if keyed
-                       else None)
+            return device_grads(call, param_leaves, local_batch, scale, rng)
 
-            def micro_key(m):
-                return jax.random.fold_in(dev_key, m) if keyed else None
-
-            full_grad: frozenset = frozenset()
-
-            def evaluate(raws, mb, layouts):
-                mb, key = mb
-                others = jax.tree.leaves(mb) + ([key] if keyed else [])
-                outs = apply_partitioned(closed, raws, others, layouts, stage,
-                                         axis, full_grad=full_grad, **options)
-                return jax.tree.unflatten(out_tree, outs)
-
-            def seeded_vjp(f, primals):
-                """The loss's value, weight and aux, and its gradient (seeded by c_m)."""
-                def g(*ps):
-                    loss, weight, aux = _split_out(f(*ps), has_aux, weighted)
-                    if weight is not None:
-                        weight = jax.lax.stop_gradient(weight).astype(jnp.float32)
-                    return loss.astype(jnp.float32), (loss, weight, aux)
-
-                out, vjp, (loss, weight, aux) = jax.vjp(g, *primals, has_aux=True)
-                if weighted:
-                    w = C.psum(weight, batch_axes, ordered)  # this micro-batch's global weight
-                    c = jnp.where(w > 0, 1.0 / jnp.where(w > 0, w, 1.0), 0.0)
-                else:
-                    w, c = None, jnp.asarray(1.0 / (n * k), jnp.float32)
-                if scaled:
-                    c = c * scale
-                return vjp(c.astype(out.dtype)), loss, w, aux
-
-            if stage in (0, 1):
-                acc_dtypes = [_acc_dtype(x.dtype, k) for x in param_leaves]
-                whole = [dataclasses.replace(lay, dim=None, pad=0) for lay in lays]
-
-                def micro_grads(mb):
-                    def f(*p_leaves):
-                        return evaluate([(p,) for p in p_leaves], mb, whole)
-
-                    g, loss, w, aux = seeded_vjp(f, list(param_leaves))
-                    return [x.astype(dt) for x, dt in zip(g, acc_dtypes)], loss, w, aux
-
-                acc_shapes = [lay.shape for lay in lays]
-            else:
-                # a leaf used more than once gets a whole-size gradient summed over its
-                # uses on the device, reduce-scattered once below (not once per use)
-                sd = jax.ShapeDtypeStruct
-                uses = param_uses(
-                    closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(n_in), x.dtype))
-                             if lays[i].sharded else (sd(x.shape, x.dtype),)
-                             for i, x in enumerate(param_leaves)],
-                    [sd(x.shape, x.dtype) for x in jax.tree.leaves(local_struct)] + key_struct,
-                    lays, stage, axis, **options)
-                full_grad = frozenset(i for i, c in uses.items() if c > 1)
-                # one micro-batch, one use: a partition holds its reduced gradient as it
-                # was reduced (bf16 with mixed precision; cast up in the update), as the
-                # paper's 2 bytes per gradient; sums (micro-batches, several uses) in fp32
-                acc_dtypes = [(red_dtypes[i] if k == 1 and i not in full_grad
-                               and red_dtypes[i].itemsize < jnp.dtype(grad_dtypes[i]).itemsize
-                               else _acc_dtype(grad_dtypes[i], k)) if lays[i].sharded
-                              else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
-                zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(n_in)
-                               for i in range(len(lays))]
-
-                def micro_grads(mb):
-                    def f(zero_shards, rep):
-                        raws: list[Any] = [None] * len(lays)
-                        for i, z in zip(sharded, zero_shards):
-                            raws[i] = (param_leaves[i], z)
-                        for i, r in zip(replicated, rep):
-                            raws[i] = (r,)
-                        return evaluate(raws, mb, lays)
-
-                    zeros = [jnp.zeros(zero_shapes[i], acc_dtypes[i]) for i in sharded]
-                    rep = [param_leaves[i] for i in replicated]
-                    (g_sh, g_rep), loss, w, aux = seeded_vjp(f, (zeros, rep))
-                    g: list[Any] = [None] * len(lays)
-                    for i, x in zip(sharded, g_sh):
-                        g[i] = x
-                    for i, x in zip(replicated, g_rep):
-                        g[i] = x.astype(acc_dtypes[i])
-                    return g, loss, w, aux
-
-                acc_shapes = [zero_shapes[i] if lay.sharded else lay.shape
-                              for i, lay in enumerate(lays)]
-
-            if k == 1:
-                g, loss_sum, w_total, aux = micro_grads((local_batch, micro_key(0)))
-                loss_sum = loss_sum.astype(jnp.float32)
-            else:
-                def accumulate(carry, xs):
-                    g_acc, loss_acc, w_acc = carry
-                    mb, m = xs
-                    g, loss, w, aux = micro_grads((mb, micro_key(m)))
-                    if weighted:  # g is this micro-batch's mean: weigh it by W_m
-                        g = [x * w.astype(x.dtype) for x in g]
-                        w_acc = w_acc + w
-                    return ([a + b for a, b in zip(g_acc, g)],
-                            loss_acc + loss.astype(jnp.float32), w_acc), aux
-
-                init = ([jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)],
-                        jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-                (g, loss_sum, w_total), auxs = jax.lax.scan(
-                    accumulate, init, (local_batch, jnp.arange(k, dtype=jnp.uint32)))
-                if weighted:
-                    inv = jnp.where(w_total > 0, 1.0 / jnp.where(w_total > 0, w_total, 1.0), 0.0)
-                    g = [x * inv.astype(x.dtype) for x in g]
-                aux = jax.tree.map(lambda a: a[-1], auxs)
-
-            # the one reduction of stages 0-1; replicated leaves of stages 2-3
-            bucket = cfg.bucket_size
-            g = list(g)
-            reduced = list(range(len(g))) if stage == 0 else replicated
-            specs = tuple(lays[i].model_spec for i in reduced)
-            out = C.model_local(
-                lambda *xs: tuple(C.all_reduce_buckets(list(xs), batch_axes, bucket, ordered)),
-                specs,
-                specs,
-            )(*[g[i].astype(red_dtypes[i]) for i in reduced])
-            # stage 1: every partitioned leaf; stages 2-3: the leaves used more than once
-            scattered = sharded if stage == 1 else sorted(full_grad)
-            if scattered:
-                specs = tuple(lays[i].model_spec for i in scattered)
-                part = C.model_local(
-                    lambda *xs: tuple(C.grad_reduce_scatter(
-                        list(xs), [lays[i].dim for i in scattered], axis, bucket,
-                        cfg.grad_bits)), specs,
-                    specs,
-                )(*[lays[i].pad_to_split(g[i].astype(red_dtypes[i])) for i in scattered])
-                for i, x in zip(scattered, part):
-                    g[i] = x
-            for i, x in zip(reduced, out):
-                g[i] = x
-            if across is not None and sharded:
-                # hierarchical: the node's gradient shards reduced across the replica
-                # axis, once per step (after the micro-batches), in reduce_dtype
-                specs = tuple(lays[i].model_spec for i in sharded)
-                crossed = C.model_local(
-                    lambda *xs: tuple(C.reduce_across(
-                        list(xs), [lays[i].dim for i in sharded], opt.replica_axis, across,
-                        bucket, cfg.grad_bits)), specs, specs,
-                )(*[g[i].astype(red_dtypes[i]) for i in sharded])
-                for i, x in zip(sharded, crossed):
-                    g[i] = x
-            # The gradients leave in the dtype they were reduced in (bf16 with mixed
-            # precision): the cast to the master's dtype and the unscaling happen per leaf
-            # inside the update (``finish_grads``), fused into the optimizer's arithmetic,
-            # so no float32 copy of the whole gradient is ever held. The norm reads the
-            # same finished values, element by element.
-            g = [x.astype(dt) if jnp.dtype(dt).itemsize < x.dtype.itemsize else x
-                 for x, dt in zip(g, grad_dtypes)]
-            fin = finish_grads(g, grad_dtypes, scale if scaled else None)
-
-            def sq(xs):
-                return sum((_sq_norm(x) for x in xs), jnp.zeros((), jnp.float32))
-
-            # partitioned slices summed over devices (one scalar all-reduce), plus the
-            # replicated leaves, identical everywhere
-            part_sq = sq([fin[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
-            rep_sq = sq([fin[i] for i in (replicated if stage > 0 else range(len(g)))])
-            sum_sq = ((C.psum(part_sq, zero_axis, ordered) if stage > 0 and sharded else 0.0)
-                      + rep_sq)
-            loss_sum = C.psum(loss_sum, batch_axes, ordered)
-            if weighted:
-                loss = jnp.where(w_total > 0, loss_sum / jnp.where(w_total > 0, w_total, 1.0),
-                                 0.0)
-            else:
-                loss = loss_sum / (n * k)
-            aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
-            return tuple(g), loss, aux, sum_sq
-
-        in_batch = batch_spec(opt.row_axes, k, seq)
+        # manual over data only: model splits stay with the compiler (in_specs and
+        # out_specs name the data split alone)
+        param_specs = tuple(lay.data_spec if axes.stage == 3 else P() for lay in call.in_lays)
+        grad_specs = tuple(lay.data_spec if axes.stage > 0 else P() for lay in call.lays)
+        in_batch = batch_spec(opt.row_axes, axes.k, axes.seq)
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
-            body, mesh=mesh, in_specs=(param_specs, in_batch, P(), P()),
-            out_specs=(grad_specs, P(), P(batch_axes), P()), axis_names=manual,
+            body, mesh=axes.mesh, in_specs=(param_specs, in_batch, P(), P()),
+            out_specs=(grad_specs, P(), P(axes.batch_axes), P()), axis_names=axes.manual,
             check_vma=False,
         )(tuple(leaves), batch, scale_arg, rng)
         return jax.tree.unflatten(treedef, list(g)), loss, aux, sum_sq
 
     return grad_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class GradAxes:
+    """The mesh axes and sizes of the gradient pass, read from the optimizer once per
+    step built (hierarchical sharding: the optimizer decides the axes,
+    optimizer._resolve_axes).
+
+    ``axis``: where stage-3 shards are gathered from and gradients reduce-scattered
+    first (``data`` for HSDP and hpZ: inside the node); ``zero_axis``: the partition
+    of the gradients handed to optax; ``batch_axes``: the batch split (and the
+    all-reduce of replicated leaves); ``across``: the second level of the gradient
+    reduction over ``replica_axis`` (HSDP: ``"all_reduce"``; hpZ:
+    ``"reduce_scatter"``; else None). ``n``: devices the batch is split over (seq
+    included), ``rows`` of them along its batch dimension; ``seq``: ``(seq axis,
+    size)`` along its sequence dimension, or None; ``n_in``: shards of ``axis``.
+    ``manual``: the axes the ``shard_map`` is manual over (the batch axes and axes of
+    size 1; the others, the model axis, stay with the compiler); ``model_axis`` (and
+    its size): the first of those others; ``widen``: 16-bit gradients reduced in
+    float32 (:func:`cpu_reduce_dtype`). ``ordered``: ``deterministic_reduce``, every
+    sum over the batch axes in device-index order (C.ORDERED rides in
+    ``cfg.grad_bits`` to the gradient reduce-scatters)."""
+
+    cfg: Any
+    mesh: Any
+    axis: Any
+    zero_axis: Any
+    batch_axes: Any
+    replica_axis: Any
+    n: int
+    rows: int
+    seq: tuple | None
+    n_in: int
+    across: str | None
+    manual: frozenset
+    model_axis: str | None
+    model_size: int
+    widen: bool
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.stage
+
+    @property
+    def k(self) -> int:
+        """Micro-batches per step (``accum_steps``)."""
+        return self.cfg.accum_steps
+
+    @property
+    def ordered(self) -> bool:
+        return self.cfg.deterministic_reduce
+
+    @classmethod
+    def of(cls, opt) -> GradAxes:
+        mesh, batch_axes = opt.mesh, opt.batch_axes
+        batch_names = set(batch_axes if isinstance(batch_axes, tuple) else (batch_axes,))
+        model_axis = next((a for a in mesh.axis_names if a not in batch_names
+                           and mesh.shape[a] > 1), None)
+        return cls(
+            cfg=opt.config, mesh=mesh, axis=opt.param_axis, zero_axis=opt.zero_axis,
+            batch_axes=batch_axes, replica_axis=opt.replica_axis, n=opt.batch_size,
+            rows=opt.row_size, seq=seq_of(opt), n_in=opt.param_size,
+            across={"hsdp": "all_reduce", "hpz": "reduce_scatter"}.get(opt.mode),
+            manual=frozenset(a for a in mesh.axis_names
+                             if a in batch_names or mesh.shape[a] == 1),
+            model_axis=model_axis,
+            model_size=int(mesh.shape[model_axis]) if model_axis else 1,
+            widen=model_axis is not None and mesh.devices.flat[0].platform == "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCall:
+    """One call of the gradient pass: the params leaves' layouts (``lays``;
+    ``in_lays`` as stored, hpZ's secondary copy), which are partitioned (``sharded``)
+    and which replicated (indices), the dtype each is reduced in (``red_dtypes``:
+    ``reduce_dtype``, else the leaf's compute dtype) and the dtype the update takes it
+    in (``grad_dtypes``); the loss traced once (``trace``, :func:`trace_loss`) and
+    ``options``, :func:`zerojax.schedule.apply_partitioned`'s keywords. ``scaled``: a
+    loss scale is given; ``keyed``: an ``rng`` key is."""
+
+    axes: GradAxes
+    lays: list
+    in_lays: list
+    sharded: list
+    replicated: list
+    red_dtypes: list
+    grad_dtypes: list
+    trace: LossTrace
+    options: dict
+    has_aux: bool
+    weighted: bool
+    scaled: bool
+    keyed: bool
+
+    @classmethod
+    def of(cls, loss_fn, opt, axes: GradAxes, treedef, lay_tree, grad_dtypes, batch, scale,
+           rng, has_aux: bool, weighted: bool) -> GradCall:
+        cfg = axes.cfg
+        lays = treedef.flatten_up_to(lay_tree)
+        reduce_dtype = cpu_reduce_dtype(cfg.reduce_dtype, [lay.dtype for lay in lays],
+                                        axes.widen)
+        trace = trace_loss(loss_fn, axes, treedef, lays, batch, rng, has_aux, weighted)
+        options = dict(reduce_dtype=reduce_dtype, bucket_size=cfg.bucket_size,
+                       prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,
+                       model_axis=axes.model_axis, model_size=axes.model_size, remesh=trace.remesh,
+                       weight_bits=cfg.weight_bits, grad_bits=cfg.grad_bits)
+        return cls(
+            axes=axes, lays=lays,
+            in_lays=treedef.flatten_up_to(opt.param_layouts(lay_tree)),  # hpZ: secondary
+            sharded=[i for i, lay in enumerate(lays) if lay.sharded],
+            replicated=[i for i, lay in enumerate(lays) if not lay.sharded],
+            # collectives run in reduce_dtype, else in the compute dtype of the leaf
+            red_dtypes=[jnp.dtype(reduce_dtype or lay.dtype) for lay in lays],
+            grad_dtypes=grad_dtypes, trace=trace, options=options, has_aux=has_aux,
+            weighted=weighted, scaled=scale is not None, keyed=rng is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTrace:
+    """The loss as a jaxpr (``closed``) of whole-shape params and one device's
+    micro-batch (``local_struct``; ``key_struct``: the rng key's, if any), its output
+    tree ``out_tree``, its sharding annotations made valid where the batch axes are
+    manual. ``remesh``: traced under a mesh context (``jax.set_mesh``, or the step's
+    own abstract mesh beside a model axis), so its shardings name that mesh."""
+
+    closed: Any
+    out_tree: Any
+    local_struct: Any
+    key_struct: list
+    remesh: bool
+
+
+def trace_loss(loss_fn, axes: GradAxes, treedef, lays, batch, rng, has_aux: bool,
+               weighted: bool) -> LossTrace:
+    """Trace the loss once, here (outside the ``shard_map``), on whole-shape params
+    and one device's micro-batch, checking what it returns (:func:`_split_out`); its
+    sharding annotations are then made valid in the per-device body, where the batch
+    axes are manual (:func:`zerojax.schedule.localize_constraints`). With sequence
+    parallelism the loss's collectives over ``seq`` (Ulysses' all-to-alls) are traced
+    with that axis bound, and run in the body; beside a model axis, under the mesh:
+    Ulysses' attention then runs manual over ``model`` too, moving heads / model
+    (models/ulysses.py, model_split)."""
+    k, rows, seq = axes.k, axes.rows, axes.seq
+
+    def local_shape(shape):
+        b = shape[1:] if k > 1 else shape
+        if seq is None:
+            return (b[0] // rows, *b[1:])
+        return (b[0] // rows, b[1] // seq[1], *b[2:])
+
+    local_struct = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(local_shape(x.shape), x.dtype), batch)
+    full_structs = [jax.ShapeDtypeStruct(lay.shape, lay.dtype) for lay in lays]
+    keyed = rng is not None
+
+    def call_loss(p, b, *key):
+        p = jax.tree.unflatten(treedef, p)
+        if not keyed:
+            return loss_fn(p, b)
+        try:
+            return loss_fn(p, b, rng=key[0])
+        except TypeError as e:
+            if "rng" not in str(e):
+                raise
+            raise TypeError(
+                f"step(state, batch, rng=key) calls loss_fn(params, batch, rng=...), but "
+                f"loss_fn does not take an rng keyword ({e}); add `rng=None` to its "
+                f"signature, or call the step without rng.") from None
+
+    key_struct = [jax.ShapeDtypeStruct(rng.shape, rng.dtype)] if keyed else []
+    under = (jax.sharding.use_abstract_mesh(axes.mesh.abstract_mesh)
+             if seq and axes.model_axis and jax.sharding.get_abstract_mesh().empty
+             else contextlib.nullcontext())
+    with under:
+        closed, out_shape = jax.make_jaxpr(
+            call_loss, return_shape=True, axis_env=[seq] if seq else None)(
+            full_structs, local_struct, *key_struct)
+        remesh = not jax.sharding.get_abstract_mesh().empty
+    _split_out(out_shape, has_aux, weighted)
+    return LossTrace(localize_constraints(closed, axes.manual), jax.tree.structure(out_shape),
+                     local_struct, key_struct, remesh)
+
+
+def device_grads(call: GradCall, param_leaves, local_batch, scale, rng):
+    """The ``shard_map``'s body, on each device: its micro-batches' loss and gradient
+    (:func:`whole_micro_grads` for stages 0-1, :func:`partitioned_micro_grads` for
+    2-3), summed (:func:`accumulate_micro_batches`), reduced over the devices
+    (:func:`reduce_grads`); ``(grads, loss, aux, sum_sq)`` (:func:`norm_and_loss`)."""
+    # each device, and each micro-batch on it, gets its own key
+    dev_key = (jax.random.fold_in(rng, jax.lax.axis_index(call.axes.batch_axes))
+               if call.keyed else None)
+    scale = scale if call.scaled else None
+    micro = whole_micro_grads if call.axes.stage in (0, 1) else partitioned_micro_grads
+    micro_grads, acc_shapes, acc_dtypes, full_grad = micro(call, param_leaves, scale)
+    g, loss_sum, w_total, aux = accumulate_micro_batches(
+        call, micro_grads, local_batch, dev_key, acc_shapes, acc_dtypes)
+    g = reduce_grads(call, g, full_grad)
+    return norm_and_loss(call, g, loss_sum, w_total, aux, scale)
+
+
+def _evaluate(call: GradCall, full_grad: frozenset, raws, mb, layouts):
+    """The traced loss on one micro-batch ``mb = (batch, key)``, its params given as
+    ``raws`` (per leaf: ``(whole,)`` or ``(stored, zero_shard)``) laid out on
+    ``layouts`` (:func:`zerojax.schedule.apply_partitioned`)."""
+    mb, key = mb
+    others = jax.tree.leaves(mb) + ([key] if call.keyed else [])
+    outs = apply_partitioned(call.trace.closed, raws, others, layouts, call.axes.stage,
+                             call.axes.axis, full_grad=full_grad, **call.options)
+    return jax.tree.unflatten(call.trace.out_tree, outs)
+
+
+def seeded_vjp(call: GradCall, f, primals, scale):
+    """The loss's value, weight and aux, and its gradient seeded by ``c_m`` (times
+    ``scale``, the loss scale, if not None): ``(grads, loss, w, aux)``, ``w`` the
+    micro-batch's global weight (one scalar all-reduce) when ``weighted``, else None."""
+    axes = call.axes
+
+    def g(*ps):
+        loss, weight, aux = _split_out(f(*ps), call.has_aux, call.weighted)
+        if weight is not None:
+            weight = jax.lax.stop_gradient(weight).astype(jnp.float32)
+        return loss.astype(jnp.float32), (loss, weight, aux)
+
+    out, vjp, (loss, weight, aux) = jax.vjp(g, *primals, has_aux=True)
+    if call.weighted:
+        w = C.psum(weight, axes.batch_axes, axes.ordered)  # this micro-batch's global weight
+        c = jnp.where(w > 0, 1.0 / jnp.where(w > 0, w, 1.0), 0.0)
+    else:
+        w, c = None, jnp.asarray(1.0 / (axes.n * axes.k), jnp.float32)
+    if scale is not None:
+        c = c * scale
+    return vjp(c.astype(out.dtype)), loss, w, aux
+
+
+def whole_micro_grads(call: GradCall, param_leaves, scale):
+    """Stages 0-1: ``(micro_grads, acc_shapes, acc_dtypes, full_grad)``, where
+    ``micro_grads((batch, key))`` differentiates the loss by the whole params and
+    gives each leaf's whole gradient in its accumulation dtype."""
+    acc_dtypes = [_acc_dtype(x.dtype, call.axes.k) for x in param_leaves]
+    whole = [dataclasses.replace(lay, dim=None, pad=0) for lay in call.lays]
+
+    def micro_grads(mb):
+        def f(*p_leaves):
+            return _evaluate(call, frozenset(), [(p,) for p in p_leaves], mb, whole)
+
+        g, loss, w, aux = seeded_vjp(call, f, list(param_leaves), scale)
+        return [x.astype(dt) for x, dt in zip(g, acc_dtypes)], loss, w, aux
+
+    return micro_grads, [lay.shape for lay in call.lays], acc_dtypes, frozenset()
+
+
+def partitioned_micro_grads(call: GradCall, param_leaves, scale):
+    """Stages 2-3: ``(micro_grads, acc_shapes, acc_dtypes, full_grad)``, where
+    ``micro_grads((batch, key))`` differentiates the loss by a zero shard per
+    partitioned leaf, so each one's gradient is reduce-scattered inside the backward
+    pass as soon as it is produced (:func:`zerojax.schedule.apply_partitioned`), and
+    by the replicated leaves whole. ``full_grad``: the leaves used more than once,
+    which get a whole-size gradient summed over their uses on the device and
+    reduce-scattered once (:func:`reduce_grads`), not once per use."""
+    axes, lays = call.axes, call.lays
+    k, sharded, replicated = axes.k, call.sharded, call.replicated
+    sd = jax.ShapeDtypeStruct
+    uses = param_uses(
+        call.trace.closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(axes.n_in), x.dtype))
+                            if lays[i].sharded else (sd(x.shape, x.dtype),)
+                            for i, x in enumerate(param_leaves)],
+        [sd(x.shape, x.dtype) for x in jax.tree.leaves(call.trace.local_struct)]
+        + call.trace.key_struct, lays, axes.stage, axes.axis, **call.options)
+    full_grad = frozenset(i for i, c in uses.items() if c > 1)
+    # one micro-batch, one use: a partition holds its reduced gradient as it was
+    # reduced (bf16 with mixed precision; cast up in the update), as the paper's 2
+    # bytes per gradient; sums (micro-batches, several uses) in fp32
+    red_dtypes, grad_dtypes = call.red_dtypes, call.grad_dtypes
+    acc_dtypes = [(red_dtypes[i] if k == 1 and i not in full_grad
+                   and red_dtypes[i].itemsize < jnp.dtype(grad_dtypes[i]).itemsize
+                   else _acc_dtype(grad_dtypes[i], k)) if lays[i].sharded
+                  else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
+    zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(axes.n_in)
+                   for i in range(len(lays))]
+
+    def micro_grads(mb):
+        def f(zero_shards, rep):
+            raws: list[Any] = [None] * len(lays)
+            for i, z in zip(sharded, zero_shards):
+                raws[i] = (param_leaves[i], z)
+            for i, r in zip(replicated, rep):
+                raws[i] = (r,)
+            return _evaluate(call, full_grad, raws, mb, lays)
+
+        zeros = [jnp.zeros(zero_shapes[i], acc_dtypes[i]) for i in sharded]
+        rep = [param_leaves[i] for i in replicated]
+        (g_sh, g_rep), loss, w, aux = seeded_vjp(call, f, (zeros, rep), scale)
+        g: list[Any] = [None] * len(lays)
+        for i, x in zip(sharded, g_sh):
+            g[i] = x
+        for i, x in zip(replicated, g_rep):
+            g[i] = x.astype(acc_dtypes[i])
+        return g, loss, w, aux
+
+    acc_shapes = [zero_shapes[i] if lay.sharded else lay.shape for i, lay in enumerate(lays)]
+    return micro_grads, acc_shapes, acc_dtypes, full_grad
+
+
+def accumulate_micro_batches(call: GradCall, micro_grads, local_batch, dev_key, acc_shapes,
+                             acc_dtypes):
+    """The device's ``k`` micro-batches (one, or a ``lax.scan``), each with its own
+    key (``fold_in(dev_key, m)``): ``(grads, loss_sum, w_total, aux)``, the gradients
+    summed in ``acc_dtypes`` (weighted: each micro-batch's weighed by its global
+    weight ``W_m``, the sum divided by the total), the float32 sum of the losses,
+    the total weight (None if not ``weighted``) and the last micro-batch's aux."""
+    k, weighted = call.axes.k, call.weighted
+
+    def micro_key(m):
+        return jax.random.fold_in(dev_key, m) if call.keyed else None
+
+    if k == 1:
+        g, loss_sum, w_total, aux = micro_grads((local_batch, micro_key(0)))
+        return g, loss_sum.astype(jnp.float32), w_total, aux
+
+    def accumulate(carry, xs):
+        g_acc, loss_acc, w_acc = carry
+        mb, m = xs
+        g, loss, w, aux = micro_grads((mb, micro_key(m)))
+        if weighted:  # g is this micro-batch's mean: weigh it by W_m
+            g = [x * w.astype(x.dtype) for x in g]
+            w_acc = w_acc + w
+        return ([a + b for a, b in zip(g_acc, g)],
+                loss_acc + loss.astype(jnp.float32), w_acc), aux
+
+    init = ([jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)],
+            jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (g, loss_sum, w_total), auxs = jax.lax.scan(
+        accumulate, init, (local_batch, jnp.arange(k, dtype=jnp.uint32)))
+    if weighted:
+        inv = jnp.where(w_total > 0, 1.0 / jnp.where(w_total > 0, w_total, 1.0), 0.0)
+        g = [x * inv.astype(x.dtype) for x in g]
+    return g, loss_sum, w_total, jax.tree.map(lambda a: a[-1], auxs)
+
+
+def reduce_grads(call: GradCall, g, full_grad: frozenset) -> list:
+    """The device's summed gradients reduced over the devices, by the stage's
+    collectives: all-reduced (stage 0: every leaf; stages 1-3: the replicated ones),
+    reduce-scattered (stage 1: every partitioned leaf; stages 2-3: those used more
+    than once, ``full_grad``; the others were reduce-scattered in the backward pass)
+    and, with hierarchical sharding, reduced across the replica axis."""
+    axes, lays, red_dtypes, sharded = call.axes, call.lays, call.red_dtypes, call.sharded
+    bucket, stage = axes.cfg.bucket_size, axes.stage
+    g = list(g)
+    reduced = list(range(len(g))) if stage == 0 else call.replicated
+    specs = tuple(lays[i].model_spec for i in reduced)
+    out = C.model_local(
+        lambda *xs: tuple(C.all_reduce_buckets(list(xs), axes.batch_axes, bucket,
+                                               axes.ordered)),
+        specs,
+        specs,
+    )(*[g[i].astype(red_dtypes[i]) for i in reduced])
+    # stage 1: every partitioned leaf; stages 2-3: the leaves used more than once
+    scattered = sharded if stage == 1 else sorted(full_grad)
+    if scattered:
+        specs = tuple(lays[i].model_spec for i in scattered)
+        part = C.model_local(
+            lambda *xs: tuple(C.grad_reduce_scatter(
+                list(xs), [lays[i].dim for i in scattered], axes.axis, bucket,
+                axes.cfg.grad_bits)), specs,
+            specs,
+        )(*[lays[i].pad_to_split(g[i].astype(red_dtypes[i])) for i in scattered])
+        for i, x in zip(scattered, part):
+            g[i] = x
+    for i, x in zip(reduced, out):
+        g[i] = x
+    if axes.across is not None and sharded:
+        # hierarchical: the node's gradient shards reduced across the replica axis,
+        # once per step (after the micro-batches), in reduce_dtype
+        specs = tuple(lays[i].model_spec for i in sharded)
+        crossed = C.model_local(
+            lambda *xs: tuple(C.reduce_across(
+                list(xs), [lays[i].dim for i in sharded], axes.replica_axis, axes.across,
+                bucket, axes.cfg.grad_bits)), specs, specs,
+        )(*[g[i].astype(red_dtypes[i]) for i in sharded])
+        for i, x in zip(sharded, crossed):
+            g[i] = x
+    return g
+
+
+def norm_and_loss(call: GradCall, g, loss_sum, w_total, aux, scale):
+    """The end of the device's pass: ``(grads, loss, aux, sum_sq)``, the reduced
+    gradients cast down to ``grad_dtypes`` where narrower, the squared global norm
+    of the finished (cast, unscaled) gradients, the global loss (the mean, or
+    ``sum(loss_sum) / sum(weight)``) and the aux with a leading device dimension."""
+    axes, sharded, replicated, stage = call.axes, call.sharded, call.replicated, call.axes.stage
+    # The gradients leave in the dtype they were reduced in (bf16 with mixed
+    # precision): the cast to the master's dtype and the unscaling happen per leaf
+    # inside the update (``finish_grads``), fused into the optimizer's arithmetic, so
+    # no float32 copy of the whole gradient is ever held. The norm reads the same
+    # finished values, element by element.
+    g = [x.astype(dt) if jnp.dtype(dt).itemsize < x.dtype.itemsize else x
+         for x, dt in zip(g, call.grad_dtypes)]
+    fin = finish_grads(g, call.grad_dtypes, scale)
+
+    def sq(xs):
+        return sum((_sq_norm(x) for x in xs), jnp.zeros((), jnp.float32))
+
+    # partitioned slices summed over devices (one scalar all-reduce), plus the
+    # replicated leaves, identical everywhere
+    part_sq = sq([fin[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
+    rep_sq = sq([fin[i] for i in (replicated if stage > 0 else range(len(g)))])
+    sum_sq = ((C.psum(part_sq, axes.zero_axis, axes.ordered) if stage > 0 and sharded
+               else 0.0) + rep_sq)
+    loss_sum = C.psum(loss_sum, axes.batch_axes, axes.ordered)
+    if call.weighted:
+        loss = jnp.where(w_total > 0, loss_sum / jnp.where(w_total > 0, w_total, 1.0), 0.0)
+    else:
+        loss = loss_sum / (axes.n * axes.k)
+    aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
+    return tuple(g), loss, aux, sum_sq
 
 
 def cpu_reduce_dtype(reduce_dtype, dtypes, widen: bool):
@@ -837,36 +1007,36 @@ def _check_bucket_count(logical: Any, opt) -> None:
 
 def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False
                      ) -> TrainStep:
-    cfg, mesh, axis = opt.config, opt.mesh, opt.zero_axis
+    """The compiled step of ``opt`` for ``loss_fn``: :func:`step_function` (the
+    gradient pass of :func:`build_grad_fn`, then the update) under ``jax.jit``, the
+    state donated with ``donate``, in a :class:`TrainStep` (the checks of the state
+    and the batch, the batch's placement)."""
+    cfg = opt.config
     if nvme.is_nvme(cfg):  # the tier's step sits above this module (imports run one way)
         raise ValueError("offload_optimizer='nvme' runs zerojax.nvme_step.NvmeTrainStep: "
                          "build the step with opt.step(loss_fn).")
-    stage = cfg.stage
-    hpz = opt.mode == "hpz"
+    step_fn = step_function(opt, build_grad_fn(loss_fn, opt, has_aux, weighted), has_aux)
+    jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
+    return TrainStep(jitted, opt.mesh, opt.row_size, opt.row_axes, cfg.accum_steps, opt,
+                     seq=seq_of(opt))
+
+
+def step_function(opt, grad_fn, has_aux: bool):
+    """``step_fn(state, batch, rng=None) -> (state, metrics)``, the function
+    :func:`build_train_step` compiles: the update's operands
+    (:func:`update_operands`), the gradient pass (``grad_fn``), the update
+    (:func:`make_update`; in place, :func:`device_update`, or bucket by bucket from
+    host memory, :func:`_offloaded_update`), then the loss scale and the metrics."""
+    cfg = opt.config
     mixed = cfg.param_dtype is not None
     offloading = cfg.offload_optimizer or cfg.offload_params
-    grad_fn = build_grad_fn(loss_fn, opt, has_aux, weighted)
     tx = opt.inner
 
     def step_fn(state: TrainState, batch, rng=None):
         # layouts of the params' own (unpadded) shapes; stage 3 stores padded shards
         logical = opt.logical_params(state.params)
         lay_tree = opt.layouts(logical)
-        opt_lays = opt.opt_state_layouts(logical)
-        part_sh = shardings(mesh, partitioned_specs(lay_tree))
-        opt_state = state.opt_state  # offloaded: host-memory arguments, moved in buckets
-        if cfg.offload_params:
-            state = state.replace(params=offload.to_device(state.params))
-        inner_state = opt_state.inner if mixed else opt_state
-        if mixed:
-            owned = opt_state.master
-        elif stage in (1, 2):
-            owned = _slice_params(state.params, lay_tree, mesh, axis)
-        elif hpz:  # the primary shards: a local slice of the secondary copy
-            owned = C.primary_slice(state.params, lay_tree, opt.param_layouts(lay_tree), mesh,
-                                    opt.replica_axis)
-        else:
-            owned = state.params
+        state, owned, inner_state = update_operands(opt, state, lay_tree)
         grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
         scale = None if state.loss_scale is None else state.loss_scale.scale
 
@@ -876,67 +1046,18 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
         metrics = {"loss": loss, "grad_norm": grad_norm}
         if cfg.max_grad_norm is not None:
             metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, cfg.max_grad_norm)
-
-        def finish(grads):
-            # in the update, leaf by leaf: the cast to the master's dtype, unscaling and
-            # clipping fuse into the optimizer's arithmetic (no whole fp32 gradient copy)
-            grads = finish_grads(grads, grad_dtypes, scale)
-            if cfg.max_grad_norm is not None:
-                grads = clip_by_global_norm(grads, grad_norm, cfg.max_grad_norm)
-            return grads
-
-        inner_lays = opt_lays.inner if mixed else opt_lays
-        own_lays = lay_tree if stage > 0 else jax.tree.map(
-            lambda lay: dataclasses.replace(lay, dim=None, pad=0), lay_tree, is_leaf=is_layout)
-
-        def update(operands, finished=False):
-            # the optimizer sees every leaf at its own shape: padding is cut off here
-            # (inside jit, the compiler holds the uneven split) and put back after
-            owned, inner_state, grads = operands
-            if not finished:
-                grads = finish(grads)
-            p = unpad_tree(owned, own_lays)
-            updates, new_inner = tx.update(unpad_tree(grads, own_lays),
-                                           unpad_tree(inner_state, inner_lays), p)
-            return (pad_tree(optax.apply_updates(p, updates), own_lays),
-                    pad_tree(new_inner, inner_lays))
-
-        opt_specs = opt.specs(logical)
-        inner_sh = shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state)
+        finish = functools.partial(_finish_for_update, dtypes=grad_dtypes, scale=scale,
+                                   norm=grad_norm, max_norm=cfg.max_grad_norm)
+        update = make_update(opt, tx, logical, lay_tree, finish)
         finite = (jnp.asarray(True) if state.loss_scale is None else jnp.isfinite(sum_sq))
         if offloading:
             new_owned, new_inner, new_params = _offloaded_update(
                 update, finite, owned, inner_state, grads, opt, logical, lay_tree)
-            new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         else:
-            if any(t == AxisType.Explicit for t in mesh.axis_types):
-                # Explicit axes type every sharding: cutting the padding off a split
-                # dimension is refused there, so the update runs with the axes Auto
-                owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
-                            else part_sh if stage > 0 else shardings(mesh, opt_specs.params))
-                update = jax.sharding.auto_axes(update, out_sharding=(owned_sh, inner_sh))
-            if state.loss_scale is None:
-                new_owned, new_inner = update((owned, inner_state, grads))
-            else:
-                # the finished gradients are the cond's operand (a select of new and old
-                # values instead would keep both alive: 12 MiB more of a 62 MiB peak)
-                new_owned, new_inner = jax.lax.cond(
-                    finite, functools.partial(update, finished=True), lambda ops: ops[:2],
-                    (owned, inner_state, finish(grads)))
-            if stage > 0:
-                new_owned = constrain(new_owned, part_sh)
-            new_inner = constrain(new_inner, inner_sh)
-            compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
-                       else new_owned)
-            if stage in (1, 2):
-                new_params = C.gather_params(compute, lay_tree, mesh, axis, cfg.bucket_size)
-            elif hpz:  # the secondary copy: one all-gather across the replica axis
-                new_params = C.refresh_secondary(compute, lay_tree, opt.param_layouts(lay_tree),
-                                                 mesh, opt.replica_axis, cfg.bucket_size)
-            else:
-                new_params = compute
-            new_params = constrain(new_params, shardings(mesh, opt_specs.params))
-            new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
+            new_owned, new_inner, new_params = device_update(
+                opt, update, finish, finite, (owned, inner_state, grads), logical, lay_tree,
+                scaled=state.loss_scale is not None)
+        new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
         if state.loss_scale is not None:
             new_ls = next_loss_scale(state.loss_scale, finite, cfg)
@@ -948,9 +1069,110 @@ def build_train_step(loss_fn: Callable, opt, has_aux: bool, weighted: bool = Fal
                                new_opt_state, new_ls)
         return new_state, metrics
 
-    jitted = jax.jit(step_fn, donate_argnums=(0,) if cfg.donate else ())
-    return TrainStep(jitted, mesh, opt.row_size, opt.row_axes, cfg.accum_steps, opt,
-                     seq=seq_of(opt))
+    return step_fn
+
+
+def update_operands(opt, state: TrainState, lay_tree):
+    """``(state, owned, inner_state)``: the state with offloaded params brought to the
+    device (``offload_params``), the values the optimizer updates (the fp32 master
+    shards with mixed precision; stages 1-2: each device's slice of the replicated
+    params; hpZ: the primary shards, a local slice of the secondary copy; else the
+    params) and the optax state (offloaded: host-memory arguments, moved in
+    buckets)."""
+    cfg, stage = opt.config, opt.config.stage
+    mixed = cfg.param_dtype is not None
+    opt_state = state.opt_state
+    if cfg.offload_params:
+        state = state.replace(params=offload.to_device(state.params))
+    inner_state = opt_state.inner if mixed else opt_state
+    if mixed:
+        owned = opt_state.master
+    elif stage in (1, 2):
+        owned = _slice_params(state.params, lay_tree, opt.mesh, opt.zero_axis)
+    elif opt.mode == "hpz":  # the primary shards: a local slice of the secondary copy
+        owned = C.primary_slice(state.params, lay_tree, opt.param_layouts(lay_tree), opt.mesh,
+                                opt.replica_axis)
+    else:
+        owned = state.params
+    return state, owned, inner_state
+
+
+def _finish_for_update(grads, *, dtypes, scale, norm, max_norm):
+    """The gradients as the update takes them, leaf by leaf, in the update: cast to the
+    master's dtype, unscaled (:func:`finish_grads`) and clipped to ``max_norm``
+    (:func:`clip_by_global_norm`); these fuse into the optimizer's arithmetic (no
+    whole fp32 gradient copy)."""
+    grads = finish_grads(grads, dtypes, scale)
+    if max_norm is not None:
+        grads = clip_by_global_norm(grads, norm, max_norm)
+    return grads
+
+
+def make_update(opt, tx, logical, lay_tree, finish):
+    """``update((owned, inner_state, grads), finished=False) -> (new_owned,
+    new_inner)``: ``tx``'s update and ``optax.apply_updates`` on the partitioned
+    values, after ``finish`` (unless the gradients are ``finished`` already). The
+    optimizer sees every leaf at its own shape: padding is cut off here (inside jit,
+    the compiler holds the uneven split) and put back after."""
+    mixed, stage = opt.config.param_dtype is not None, opt.config.stage
+    opt_lays = opt.opt_state_layouts(logical)
+    inner_lays = opt_lays.inner if mixed else opt_lays
+    own_lays = lay_tree if stage > 0 else jax.tree.map(
+        lambda lay: dataclasses.replace(lay, dim=None, pad=0), lay_tree, is_leaf=is_layout)
+
+    def update(operands, finished=False):
+        owned, inner_state, grads = operands
+        if not finished:
+            grads = finish(grads)
+        p = unpad_tree(owned, own_lays)
+        updates, new_inner = tx.update(unpad_tree(grads, own_lays),
+                                       unpad_tree(inner_state, inner_lays), p)
+        return (pad_tree(optax.apply_updates(p, updates), own_lays),
+                pad_tree(new_inner, inner_lays))
+
+    return update
+
+
+def device_update(opt, update, finish, finite, operands, logical, lay_tree, scaled: bool):
+    """The update of a step whose state is in device memory: ``(new_owned, new_inner,
+    new_params)``, laid out as the optimizer stores them. With loss scaling the update
+    is a ``lax.cond`` on ``finite`` (a skipped step keeps the old values); stages 1-2
+    all-gather the updated shards (cast to the compute dtype) back to whole params,
+    hpZ refreshes its secondary copy."""
+    cfg, mesh, stage = opt.config, opt.mesh, opt.config.stage
+    mixed = cfg.param_dtype is not None
+    opt_specs = opt.specs(logical)
+    part_sh = shardings(mesh, partitioned_specs(lay_tree))
+    inner_sh = shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # Explicit axes type every sharding: cutting the padding off a split dimension
+        # is refused there, so the update runs with the axes Auto
+        owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
+                    else part_sh if stage > 0 else shardings(mesh, opt_specs.params))
+        update = jax.sharding.auto_axes(update, out_sharding=(owned_sh, inner_sh))
+    owned, inner_state, grads = operands
+    if not scaled:
+        new_owned, new_inner = update((owned, inner_state, grads))
+    else:
+        # the finished gradients are the cond's operand (a select of new and old values
+        # instead would keep both alive: 12 MiB more of a 62 MiB peak)
+        new_owned, new_inner = jax.lax.cond(
+            finite, functools.partial(update, finished=True), lambda ops: ops[:2],
+            (owned, inner_state, finish(grads)))
+    if stage > 0:
+        new_owned = constrain(new_owned, part_sh)
+    new_inner = constrain(new_inner, inner_sh)
+    compute = (jax.tree.map(lambda x: x.astype(cfg.param_dtype), new_owned) if mixed
+               else new_owned)
+    if stage in (1, 2):
+        new_params = C.gather_params(compute, lay_tree, mesh, opt.zero_axis, cfg.bucket_size)
+    elif opt.mode == "hpz":  # the secondary copy: one all-gather across the replica axis
+        new_params = C.refresh_secondary(compute, lay_tree, opt.param_layouts(lay_tree),
+                                         mesh, opt.replica_axis, cfg.bucket_size)
+    else:
+        new_params = compute
+    new_params = constrain(new_params, shardings(mesh, opt_specs.params))
+    return new_owned, new_inner, new_params
 
 
 def seq_of(opt) -> tuple | None:
