@@ -10,7 +10,7 @@ import pytest
 from zerojax.analysis.plan import PRESETS, ModelShape
 from zerojax.analysis.report import DecoderConfig, gpt_param_shapes
 from zerojax.models import GPT, GPTConfig, LlamaConfig, gpt_params, llama_param_count
-from zerojax.modelspec import DecoderFamily, DecoderSpec, Shape, shape_of
+from zerojax.modelspec import DecoderFamily, DecoderSpec, MLPRatio, Shape, shape_of
 
 SIZE = dict(vocab=96, seq=16, layers=2, hidden=32, heads=4)
 
@@ -103,3 +103,58 @@ def test_kv_heads_and_family_checks():
         GPTConfig(**SIZE, vocab_tiles=17)
     assert DecoderConfig(**SIZE, vocab_tiles=17).vocab_tiles == 17  # the planner's tiles
     assert isinstance(shape_of(GPTConfig(**SIZE)), Shape)
+
+
+def test_layout_fields_and_mlp_ratio_declared_once():
+    """activation_sharding, seq_axis and mlp_tiles are DecoderSpec's, mlp_ratio
+    MLPRatio's (GPTConfig's and every DecoderFamily's, not the Llama's, whose
+    mlp_hidden is its own); no class declares them again; the defaults are unchanged
+    (None, None, None; mlp_ratio 4, Llama's mlp_hidden 344)."""
+    layout = ("activation_sharding", "seq_axis", "mlp_tiles")
+    for name in layout:
+        assert name in DecoderSpec.__annotations__
+    assert "mlp_ratio" in MLPRatio.__annotations__
+    for cls in (GPTConfig, LlamaConfig, DecoderConfig, ModelShape, DecoderFamily):
+        assert not set(cls.__dict__.get("__annotations__", {})) & {*layout, "mlp_ratio"}
+    for cls in (GPTConfig, DecoderConfig, ModelShape):
+        assert issubclass(cls, MLPRatio)
+    assert not issubclass(LlamaConfig, MLPRatio)
+    for config in (GPTConfig(**SIZE), LlamaConfig(**SIZE), DecoderConfig(**SIZE)):
+        assert [getattr(config, n) for n in layout] == [None, None, None]
+    assert GPTConfig().mlp_ratio == DecoderConfig().mlp_ratio == ModelShape(1, 8, 2).mlp_ratio
+    assert GPTConfig().mlp_ratio == 4 and GPTConfig(**SIZE).mlp_hidden == 128
+    assert LlamaConfig().mlp_hidden == 344
+    gpt = GPTConfig(**SIZE, mlp_ratio=3, seq_axis="seq", mlp_tiles=4)
+    assert gpt.mlp_hidden == 96 == gpt.shape.mlp_hidden
+    assert DecoderConfig(**SIZE, mlp_ratio=3).shape == gpt.shape == ModelShape(
+        2, 32, 4, 96, mlp_ratio=3).shape(16)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(mlp_tiles=0), r"\.mlp_tiles must be None or an int >= 1"),
+    (dict(mlp_tiles=17), r"\.mlp_tiles=17 is larger than seq=16"),
+    (dict(seq_axis=""), r"\.seq_axis must be None or a mesh axis name"),
+    (dict(activation_sharding="data"), r"\.activation_sharding must be None, a "
+                                       r"jax.sharding.Sharding"),
+])
+def test_layout_checks_for_the_decoders(kw, match):
+    """The layout fields' checks, one for GPTConfig, LlamaConfig and DecoderConfig
+    (whose tiles are the planner's, not bounded by seq), each naming its class."""
+    makers = {"GPTConfig": GPTConfig, "LlamaConfig": LlamaConfig,
+              "DecoderConfig": DecoderConfig}
+    for name, make in makers.items():
+        if name == "DecoderConfig" and kw == dict(mlp_tiles=17):
+            assert make(**SIZE, **kw).mlp_tiles == 17
+            continue
+        with pytest.raises(ValueError, match=name + match):
+            make(**SIZE, **kw)
+
+
+def test_mlp_ratio_check_for_all_three():
+    for name, make in (("GPTConfig", lambda: GPTConfig(**SIZE, mlp_ratio=0)),
+                       ("DecoderConfig", lambda: DecoderConfig(**SIZE, mlp_ratio=0)),
+                       ("ModelShape", lambda: ModelShape(2, 32, 4, mlp_ratio=0))):
+        with pytest.raises(ValueError, match=name + r"\.mlp_ratio must be >= 1, got 0"):
+            make()
+    with pytest.raises(ValueError, match=r"GPTConfig\.mlp_ratio must be an int, got 2.5"):
+        GPTConfig(**SIZE, mlp_ratio=2.5)

@@ -391,9 +391,10 @@ class ModelShape(DecoderFamily):
     of ``seq``, tied embedding, GELU MLP of ``mlp_ratio * hidden``, LayerNorms and
     biases, scanned and rematerialised blocks). The keyword-only fields of
     :class:`zerojax.modelspec.DecoderFamily` describe other families (:meth:`llama`;
-    the presets' Llama-2 and Llama-3 shapes): ``kv_heads``, ``mlp_hidden``, ``gated``,
-    ``tied``, ``positions`` (None: ``seq``, the reference GPT's; 0: rotary positions; a
-    fixed count makes the parameter count independent of ``seq``), ``norm``, ``bias``.
+    the presets' Llama-2 and Llama-3 shapes): ``mlp_ratio``, ``kv_heads``,
+    ``mlp_hidden``, ``gated``, ``tied``, ``positions`` (None: ``seq``, the reference
+    GPT's; 0: rotary positions; a fixed count makes the parameter count independent of
+    ``seq``), ``norm``, ``bias``.
     ``vocab_tiles``: the LM head and loss computed in that many sequence tiles
     (:func:`zerojax.tiling.lm_head_loss`, ``GPTConfig(vocab_tiles=...)``): the planner
     counts one tile's logits, not the whole ``b s V`` (None: untiled).
@@ -403,12 +404,11 @@ class ModelShape(DecoderFamily):
     hidden: int
     heads: int
     vocab: int = 50304
-    mlp_ratio: int = 4
     name: str = ""
     vocab_tiles: int | None = None
 
     def __post_init__(self):
-        for f in ("layers", "hidden", "heads", "vocab", "mlp_ratio"):
+        for f in ("layers", "hidden", "heads", "vocab"):
             check_int(f"ModelShape.{f}", getattr(self, f))
         check_vocab_tiles("ModelShape", self.vocab_tiles)
         if self.hidden % self.heads:
@@ -438,8 +438,7 @@ class ModelShape(DecoderFamily):
     def shape(self, seq: int) -> Shape:
         """The :class:`zerojax.modelspec.Shape` at sequence length ``seq``."""
         return self.family_shape(vocab=self.vocab, seq=seq, layers=self.layers,
-                                 hidden=self.hidden, heads=self.heads,
-                                 mlp_ratio=self.mlp_ratio)
+                                 hidden=self.hidden, heads=self.heads)
 
     def config(self, seq: int, dtype: Any = None, attention: str = "xla"):
         """The config the memory model reads at sequence length ``seq``: the reference
@@ -449,12 +448,12 @@ class ModelShape(DecoderFamily):
 
         dtype = jnp.float32 if dtype is None else dtype
         size = dict(vocab=self.vocab, seq=seq, layers=self.layers, hidden=self.hidden,
-                    heads=self.heads, mlp_ratio=self.mlp_ratio, dtype=dtype,
-                    attention=attention, vocab_tiles=self.vocab_tiles)
+                    heads=self.heads, dtype=dtype, attention=attention,
+                    vocab_tiles=self.vocab_tiles)
         if self.gpt_shaped and self.positions in (None, seq):
             from zerojax.models.gpt import GPTConfig
 
-            return GPTConfig(**size)
+            return GPTConfig(**size, mlp_ratio=self.mlp_ratio)
         from zerojax.analysis.report import DecoderConfig
 
         return DecoderConfig(**size, **{f.name: getattr(self, f.name)

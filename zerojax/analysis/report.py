@@ -344,25 +344,23 @@ class DecoderConfig(DecoderSpec, DecoderFamily):
     """A decoder's shape as the memory model reads it, for shapes the reference
     ``GPTConfig`` cannot say: the fields of :class:`zerojax.modelspec.DecoderSpec`
     (vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
-    vocab_tiles) and ``mlp_ratio``, as ``GPTConfig``'s, plus the keyword-only
-    :class:`zerojax.modelspec.DecoderFamily` fields (``kv_heads``, ``mlp_hidden``,
-    ``gated``, ``tied``, ``positions``, ``norm``, ``bias``).
+    vocab_tiles, ...), as ``GPTConfig``'s, plus the keyword-only
+    :class:`zerojax.modelspec.DecoderFamily` fields (``mlp_ratio``, ``kv_heads``,
+    ``mlp_hidden``, ``gated``, ``tied``, ``positions``, ``norm``, ``bias``).
 
     ``ModelShape.config`` makes one for a preset that is not the reference GPT
     (Llama-2 / Llama-3: GQA, SwiGLU, untied head, rotary positions, RMSNorm, no
     biases); with every default it describes the reference GPT."""
 
-    mlp_ratio: int = 4
-
     def __post_init__(self):
-        self.check_shape(("mlp_ratio",), seq_tiles=False)
+        self.check_shape(seq_tiles=False)
+        self.check_layout(seq_tiles=False)
         self.check_family(self.heads)
 
     @property
     def shape(self) -> Shape:
         return self.family_shape(vocab=self.vocab, seq=self.seq, layers=self.layers,
-                                 hidden=self.hidden, heads=self.heads,
-                                 mlp_ratio=self.mlp_ratio)
+                                 hidden=self.hidden, heads=self.heads)
 
 
 def _dims(config) -> Shape:

@@ -5,24 +5,30 @@ MaxText's and flax's one model config read by everything):
 
 * :class:`DecoderSpec`: the fields every decoder config has (``vocab``, ``seq``,
   ``layers``, ``hidden``, ``heads``, the compute ``dtype``, ``remat``, ``scan``,
-  ``attention``, ``remat_policy``, ``vocab_tiles``, ``attn_block``), declared once and
-  extended by
+  ``attention``, ``remat_policy``, ``vocab_tiles``, ``attn_block``, and how a step lays
+  out its activations: ``activation_sharding``, ``seq_axis``, ``mlp_tiles``), declared
+  once and extended by
   :class:`zerojax.models.gpt.GPTConfig`, :class:`zerojax.models.llama.LlamaConfig` and
   :class:`zerojax.analysis.report.DecoderConfig`;
+* :class:`MLPRatio`: ``mlp_ratio``, the reference GPT's MLP width in units of
+  ``hidden`` (keyword-only), read by ``GPTConfig`` and by every :class:`DecoderFamily`
+  (where it gives no ``mlp_hidden``); the Llama family, whose ``mlp_hidden`` is its
+  own field, has none;
 * :class:`DecoderFamily`: the fields that say how a decoder differs from the
   reference GPT (grouped-query ``kv_heads``, ``mlp_hidden``, a ``gated`` MLP, a
   ``tied`` head, learned ``positions``, the ``norm``, ``bias``), keyword-only,
   declared once and extended by ``DecoderConfig`` and the planner's
   :class:`zerojax.analysis.plan.ModelShape`;
 * the checks of those fields (:func:`check_int`, :meth:`DecoderSpec.check_shape`,
+  :meth:`DecoderSpec.check_layout`, :meth:`MLPRatio.check_ratio`,
   :func:`check_kv_heads`, :func:`check_vocab_tiles`, :meth:`DecoderFamily.check_family`),
   each error naming the class, the field and the value;
 * :class:`Shape`: the resolved shape every config reduces to (``config.shape``,
   :func:`shape_of`), which the planner's memory model, its params trees and the
   parameter count (:meth:`Shape.num_params`) read.
 
-This module sits in the lowest layer (it imports only jax.numpy): the models, the
-analysis and the CLI all import it.
+This module sits in the lowest layer (it imports only jax): the models, the analysis
+and the CLI all import it.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["DecoderFamily", "DecoderSpec", "Shape", "check_int", "check_kv_heads",
+__all__ = ["DecoderFamily", "DecoderSpec", "MLPRatio", "Shape", "check_int", "check_kv_heads",
            "check_tiles", "check_vocab_tiles", "shape_of"]
 
 NORMS = ("layernorm", "rmsnorm")
@@ -144,6 +151,10 @@ class DecoderSpec:
     rematerialised block keeps. vocab_tiles: ``None``, or the sequence tiles the head
     and its loss are computed in (:func:`zerojax.tiling.lm_head_loss`). attn_block: the
     block of ``attention="blockwise"`` (:mod:`zerojax.models.blockwise`).
+    activation_sharding: ``None``, or the sharding the residual stream is constrained
+    to. seq_axis: ``None``, or the mesh axis the sequence is split over (sequence
+    parallelism). mlp_tiles: ``None``, or the sequence tiles each block's MLP is
+    computed in (ALST's TiledMLP). ``GPTConfig``'s docstring says each at length.
 
     A subclass adds its own fields and gives its :class:`Shape` (``shape``)."""
 
@@ -159,6 +170,9 @@ class DecoderSpec:
     remat_policy: str = "full"
     vocab_tiles: int | None = None
     attn_block: int = 128
+    activation_sharding: Any = None
+    seq_axis: str | None = None
+    mlp_tiles: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -179,6 +193,25 @@ class DecoderSpec:
                 f"so each head gets hidden // heads dims; pick hidden as a multiple of heads")
         check_vocab_tiles(cls, self.vocab_tiles, self.seq if seq_tiles else None)
 
+    def check_layout(self, *, seq_tiles: bool = True) -> None:
+        """Refuse a bad ``mlp_tiles`` (at most ``seq`` with ``seq_tiles``), ``seq_axis``
+        (None or a mesh axis name) or ``activation_sharding`` (None, a
+        ``jax.sharding.Sharding`` or a ``PartitionSpec``), naming the class and value."""
+        cls = type(self).__name__
+        check_tiles(cls, "mlp_tiles", self.mlp_tiles, self.seq if seq_tiles else None,
+                    "tiles of the sequence the MLP is computed in")
+        axis = self.seq_axis
+        if axis is not None and (not isinstance(axis, str) or not axis):
+            raise ValueError(f"{cls}.seq_axis must be None or a mesh axis name (\"seq\"), "
+                             f"got {axis!r}")
+        sharding = self.activation_sharding
+        if sharding is not None and not isinstance(
+                sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+            raise ValueError(
+                f"{cls}.activation_sharding must be None, a jax.sharding.Sharding (e.g. "
+                f"NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
+                f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
+
     @property
     def shape(self) -> Shape:
         """The reference GPT's shape with these fields (a subclass of another layout
@@ -189,12 +222,26 @@ class DecoderSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoderFamily:
+class MLPRatio:
+    """``mlp_ratio``: the MLP's width in units of ``hidden`` (the reference GPT's 4;
+    keyword-only), read by ``GPTConfig`` (``mlp_hidden = mlp_ratio * hidden``) and by
+    a :class:`DecoderFamily` that gives no ``mlp_hidden``."""
+
+    mlp_ratio: int = 4
+
+    def check_ratio(self) -> None:
+        """Refuse an ``mlp_ratio`` that is not an int >= 1, naming the class."""
+        check_int(f"{type(self).__name__}.mlp_ratio", self.mlp_ratio)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderFamily(MLPRatio):
     """How a decoder differs from the reference GPT (keyword-only fields; read by
     ``analysis.report.DecoderConfig`` and the planner's ``ModelShape``):
 
     * ``kv_heads``: grouped-query attention's key-value heads (None: ``heads``);
-    * ``mlp_hidden``: the MLP's intermediate width (None: ``mlp_ratio * hidden``);
+    * ``mlp_hidden``: the MLP's intermediate width (None: ``mlp_ratio * hidden``,
+      :class:`MLPRatio`'s);
     * ``gated``: a gated MLP (SwiGLU: gate and up projections of ``mlp_hidden``, then
       down), three matrices in place of two;
     * ``tied``: logits through the token embedding (False: an ``(hidden, vocab)`` head);
@@ -214,6 +261,7 @@ class DecoderFamily:
     def check_family(self, heads: int) -> None:
         """Refuse bad family fields, naming the class, the field and the value."""
         cls = type(self).__name__
+        self.check_ratio()
         if self.kv_heads is not None:
             check_int(f"{cls}.kv_heads", self.kv_heads, hint="key-value heads (GQA)")
             check_kv_heads(cls, heads, self.kv_heads)
@@ -225,11 +273,12 @@ class DecoderFamily:
         if self.norm not in NORMS:
             raise ValueError(f"{cls}.norm {self.norm!r} is not 'layernorm' or 'rmsnorm'")
 
-    def family_shape(self, *, vocab: int, seq: int, layers: int, hidden: int, heads: int,
-                     mlp_ratio: int) -> Shape:
+    def family_shape(self, *, vocab: int, seq: int, layers: int, hidden: int,
+                     heads: int) -> Shape:
         """The :class:`Shape` of these family fields on that size."""
         return Shape(vocab, seq, layers, hidden, heads, self.kv_heads or heads,
-                     hidden // heads, self.mlp_hidden or mlp_ratio * hidden, bool(self.gated),
+                     hidden // heads, self.mlp_hidden or self.mlp_ratio * hidden,
+                     bool(self.gated),
                      bool(self.tied), seq if self.positions is None else self.positions,
                      self.norm == "rmsnorm", bool(self.bias))
 

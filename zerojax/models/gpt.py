@@ -57,7 +57,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.core.activations import checkpoint_policy
-from zerojax.core.modelspec import DecoderSpec, check_tiles
+from zerojax.core.modelspec import DecoderSpec, MLPRatio
 from zerojax.models.blockwise import blockwise_attention
 from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
 
@@ -65,15 +65,16 @@ _INIT_STD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig(DecoderSpec):
+class GPTConfig(MLPRatio, DecoderSpec):
     """Shape and options of :class:`GPT`.
 
     vocab: vocabulary size. seq: maximum sequence length (size of the position
     embedding). layers: number of decoder blocks. hidden: model width. heads:
-    attention heads (``hidden % heads == 0``). mlp_ratio: MLP width is
-    ``mlp_ratio * hidden``. dtype: compute dtype (parameters are always float32;
-    LayerNorm statistics, softmax and the loss run in float32). remat: rematerialise
-    each block in the backward pass (``nn.remat`` under the ``nn.scan``). scan: stack
+    attention heads (``hidden % heads == 0``). mlp_ratio (keyword-only,
+    :class:`zerojax.modelspec.MLPRatio`'s): MLP width is ``mlp_ratio * hidden``.
+    dtype: compute dtype (parameters are always float32; LayerNorm statistics, softmax
+    and the loss run in float32). remat: rematerialise each block in the backward pass
+    (``nn.remat`` under the ``nn.scan``). scan: stack
     the blocks with ``nn.scan`` (params ``blocks/...`` with a leading layer axis); False
     writes the layers out (``blocks_0``, ``blocks_1``, ... each its own params).
     activation_sharding: ``None`` (default), or a sharding (a ``NamedSharding``, or a
@@ -130,14 +131,12 @@ class GPTConfig(DecoderSpec):
     """
 
     # vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
-    # vocab_tiles, attn_block: zerojax.modelspec.DecoderSpec's (the one description)
-    mlp_ratio: int = 4
-    activation_sharding: Any = None
-    seq_axis: str | None = None
-    mlp_tiles: int | None = None
+    # vocab_tiles, attn_block, activation_sharding, seq_axis, mlp_tiles:
+    # zerojax.modelspec.DecoderSpec's (the one description); mlp_ratio: MLPRatio's
 
     def __post_init__(self):
-        check_model_config(self, ("mlp_ratio",))
+        check_model_config(self, ())
+        self.check_ratio()
 
     @property
     def mlp_hidden(self) -> int:
@@ -181,19 +180,7 @@ def check_model_config(config, ints: tuple, free_head_dim: bool = False) -> None
     if config.attention == "cudnn" and not _cudnn_head_dim(config.head_dim):
         raise ValueError(f"{cls}.attention='cudnn' needs head_dim = hidden / heads "
                          f"a multiple of 8 and at most 128, got {config.head_dim}")
-    check_tiles(cls, "mlp_tiles", getattr(config, "mlp_tiles", None), config.seq,
-                "tiles of the sequence the MLP is computed in")
-    axis = getattr(config, "seq_axis", None)
-    if axis is not None and (not isinstance(axis, str) or not axis):
-        raise ValueError(f"{cls}.seq_axis must be None or a mesh axis name (\"seq\"), got "
-                         f"{axis!r}")
-    sharding = config.activation_sharding
-    if sharding is not None and not isinstance(
-            sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
-        raise ValueError(
-            f"{cls}.activation_sharding must be None, a jax.sharding.Sharding (e.g. "
-            f"NamedSharding(mesh, P('data'))) or a PartitionSpec used under "
-            f"jax.set_mesh, got {sharding!r} ({type(sharding).__name__})")
+    config.check_layout()
 # activations named with checkpoint_name for remat policies (MaxText's names)
 QKV_PROJ, OUT_PROJ, MLP_IN, MLP_OUT = "qkv_proj", "out_proj", "mlpwi", "mlpwo"
 

@@ -291,12 +291,12 @@ class LlamaConfig(DecoderSpec):
     """
 
     # vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
-    # vocab_tiles, attn_block: zerojax.modelspec.DecoderSpec's (the one description)
+    # vocab_tiles, attn_block, activation_sharding, seq_axis, mlp_tiles:
+    # zerojax.modelspec.DecoderSpec's (the one description)
     kv_heads: int | None = None
     mlp_hidden: int = 344
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    activation_sharding: Any = None
     family: str = "llama"
     head_dim: int | None = None
     rope_llama3: tuple | None = None
@@ -305,9 +305,7 @@ class LlamaConfig(DecoderSpec):
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    seq_axis: str | None = None
     tie_embeddings: bool = False
-    mlp_tiles: int | None = None
 
     def __post_init__(self):
         if self.kv_heads is None:
