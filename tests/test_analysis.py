@@ -488,3 +488,27 @@ def test_saved_checkpoints_sees_jax_own_offload_policy():
 
     ckpts = saved_checkpoints(jax.grad(loss), jnp.ones((3, 8, 8)), jnp.ones((4, 8)))
     assert [(c.shape, c.memory_space) for c in ckpts] == [((3, 4, 8), "host")]
+
+
+def test_entry_layout_parts_and_exports():
+    """EntryLayout's byte properties (made by one class-body helper) sum the right
+    buffers: arguments / outputs by memory space, aliases only the donated outputs; each
+    keeps a docstring. zerojax.analysis re-exports every name of analysis.memory."""
+    import zerojax.analysis as analysis
+    from zerojax.analysis import memory
+    from zerojax.analysis.memory import HOST_MEMORY_SPACE, EntryLayout
+
+    host = HOST_MEMORY_SPACE
+    layout = EntryLayout(arguments=((100, 0), (50, host), (7, host)),
+                         outputs=((10, host), (20, 0), (30, host), (40, 0)),
+                         aliased_outputs=frozenset({0, 1}))
+    assert (layout.host_argument, layout.device_argument) == (57, 100)
+    assert (layout.host_output, layout.device_output) == (40, 60)
+    assert (layout.host_alias, layout.device_alias) == (10, 20)
+    for name in ("host_argument", "device_argument", "host_output", "device_output",
+                 "host_alias", "device_alias"):
+        assert getattr(EntryLayout, name).__doc__.startswith("Bytes of ")
+    assert not hasattr(EntryLayout, "_part")
+    assert set(memory.__all__) <= set(analysis.__all__)
+    for name in analysis.__all__:
+        assert getattr(analysis, name) is not None

@@ -1192,3 +1192,19 @@ def test_planner_layers_import_one_way():
     # the text is the CLI's, reading plan.py's data
     assert "zerojax.analysis.plan" in _imports(
         Path(zerojax.__file__).parent / "cli" / "plan_text.py")
+
+
+def test_plan_rows_by_label():
+    """ModelPlan.row and SeqPlan.row (one lookup) find a row by its label and refuse an
+    unknown one naming the labels."""
+    from zerojax.analysis.plan import largest_seq, plan_model
+
+    result = plan_model("llama2-7b", devices=8, budget_bytes=60 * 10**9, seq=2048, batch=1)
+    assert result.row("stage 3").stage == 3 and result.row("stage 3") is result.rows[3]
+    with pytest.raises(KeyError, match=r"no row 'stage 4' \(rows: \['stage 0', "):
+        result.row("stage 4")
+    seqs = largest_seq("llama3-8b", devices=8, budget_bytes=60 * 10**9, seq_parallel=8)
+    first = seqs.rows[0]
+    assert seqs.row(first.label) is first
+    with pytest.raises(KeyError, match=r"no row 'nope' \(rows: \["):
+        seqs.row("nope")

@@ -2,18 +2,9 @@
 the planner (data; its text is :mod:`zerojax.cli.plan_text`'s: ``format_plan``,
 ``format_table1``, ``table1``)."""
 
+from zerojax.analysis import memory as _memory
 from zerojax.analysis.comm import CollectiveOp, CommVolume, collective_counts, comm_volume
-from zerojax.analysis.memory import (
-    CompiledMemory,
-    EntryLayout,
-    MemoryEstimate,
-    compiled_memory,
-    device_bytes,
-    entry_layout,
-    estimate_activations,
-    estimate_buffers,
-    estimate_memory,
-)
+from zerojax.analysis.memory import *  # noqa: F403 (its __all__, re-exported below)
 from zerojax.analysis.plan import Plan, StagePlan, paper_table1
 from zerojax.analysis.report import MemoryReport, memory_report, predict_step_memory
 from zerojax.analysis.residuals import SavedCheckpoint, saved_checkpoints
@@ -21,23 +12,15 @@ from zerojax.analysis.residuals import SavedCheckpoint, saved_checkpoints
 __all__ = [
     "CollectiveOp",
     "CommVolume",
-    "CompiledMemory",
-    "EntryLayout",
-    "MemoryEstimate",
     "MemoryReport",
     "Plan",
     "StagePlan",
     "SavedCheckpoint",
     "collective_counts",
     "comm_volume",
-    "compiled_memory",
-    "device_bytes",
-    "entry_layout",
-    "estimate_activations",
-    "estimate_buffers",
-    "estimate_memory",
     "memory_report",
     "paper_table1",
     "predict_step_memory",
     "saved_checkpoints",
 ]
+__all__ += _memory.__all__  # every name analysis.memory exports

@@ -509,32 +509,23 @@ class EntryLayout:
         return sum(b for i, (b, space) in enumerate(buffers)
                    if (space == HOST_MEMORY_SPACE) == host and (only is None or i in only))
 
-    @property
-    def host_argument(self) -> int:
-        """Bytes of the arguments the program takes in host memory."""
-        return self._sum(self.arguments, True)
+    def _part(buffers: str, host: bool, aliased: bool = False) -> property:
+        """A property: the bytes of ``buffers`` in host (or device) memory, only the
+        outputs written into donated arguments with ``aliased`` (a class-body helper)."""
+        where = "host" if host else "device"
+        doc = (f"Bytes of {where}-memory outputs written into donated arguments." if aliased
+               else f"Bytes of the {buffers} the program takes in {where} memory.")
+        return property(lambda self: self._sum(getattr(self, buffers), host,
+                                               self.aliased_outputs if aliased else None),
+                        doc=doc)
 
-    @property
-    def device_argument(self) -> int:
-        """Bytes of the arguments the program takes in device memory."""
-        return self._sum(self.arguments, False)
-
-    @property
-    def host_output(self) -> int:
-        return self._sum(self.outputs, True)
-
-    @property
-    def device_output(self) -> int:
-        return self._sum(self.outputs, False)
-
-    @property
-    def host_alias(self) -> int:
-        """Bytes of host-memory outputs written into donated host-memory arguments."""
-        return self._sum(self.outputs, True, self.aliased_outputs)
-
-    @property
-    def device_alias(self) -> int:
-        return self._sum(self.outputs, False, self.aliased_outputs)
+    host_argument = _part("arguments", True)
+    device_argument = _part("arguments", False)
+    host_output = _part("outputs", True)
+    device_output = _part("outputs", False)
+    host_alias = _part("outputs", True, aliased=True)
+    device_alias = _part("outputs", False, aliased=True)
+    del _part
 
 
 def entry_layout(compiled: Any) -> EntryLayout:

@@ -585,6 +585,14 @@ class PlanRow:
         return bool(self.options)
 
 
+def _labelled(rows, label: str):
+    """The row of ``rows`` labelled ``label`` (a KeyError listing the labels)."""
+    for r in rows:
+        if r.label == label:
+            return r
+    raise KeyError(f"no row {label!r} (rows: {[r.label for r in rows]})")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelPlan:
     """What :func:`plan_model` found (``zerojax.plan(model="llama-7b", ...)``)."""
@@ -616,10 +624,7 @@ class ModelPlan:
     seq_parallel: int = 1  # the sequence degree P (devices = data x seq)
 
     def row(self, label: str) -> PlanRow:
-        for r in self.rows:
-            if r.label == label:
-                return r
-        raise KeyError(f"no row {label!r} (rows: {[r.label for r in self.rows]})")
+        return _labelled(self.rows, label)
 
     @property
     def fitting(self) -> tuple[PlanRow, ...]:
@@ -1047,10 +1052,7 @@ class SeqPlan:
     accelerator: Any = None
 
     def row(self, label: str) -> SeqRow:
-        for r in self.rows:
-            if r.label == label:
-                return r
-        raise KeyError(f"no row {label!r} (rows: {[r.label for r in self.rows]})")
+        return _labelled(self.rows, label)
 
     @property
     def longest(self) -> SeqRow:

@@ -304,6 +304,13 @@ def _constrain(config: GPTConfig, x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, config.activation_sharding)
 
 
+def block_input(config: DecoderSpec, x: jax.Array) -> jax.Array:
+    """A decoder block's input (GPT's and Llama's): the residual stream constrained to
+    ``config.activation_sharding`` and named ``"layer_input"`` (what the
+    ``"layer_inputs"`` remat policy keeps)."""
+    return checkpoint_name(_constrain(config, x), "layer_input")
+
+
 class Block(nn.Module):
     """One pre-LayerNorm decoder block; ``(x, _) -> (x, None)`` for ``nn.scan``."""
 
@@ -312,7 +319,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         cfg = self.config
-        x = checkpoint_name(_constrain(cfg, x), "layer_input")
+        x = block_input(cfg, x)
         b, t, _h = x.shape
         # GPT-2 scales the residual-output projections by 1/sqrt(2 * layers).
         out_std = _INIT_STD / (2 * cfg.layers) ** 0.5

@@ -97,6 +97,7 @@ from zerojax.models.gpt import (
     QKV_PROJ,
     DenseParams,
     _constrain,
+    block_input,
     check_model_config,
     dense_apply,
     init_variables,
@@ -680,7 +681,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         cfg = self.config
-        x = checkpoint_name(_constrain(cfg, x), "layer_input")
+        x = block_input(cfg, x)
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="pre_self_attention_layer_norm")(x)
         x = x + SelfAttention(cfg, name="self_attention")(h)
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="post_self_attention_layer_norm")(x)
