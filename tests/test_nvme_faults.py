@@ -1,7 +1,8 @@
 """The NVMe tier under a failing disk and flipped bytes (issue 40): a failed write never
 leaves the user without a usable state, and corrupt bytes are never trained on or
-checkpointed. Faults are injected at the file layer (``nvme._write`` for the manifest,
-``nvme._pwrite`` for the leaves), raising what a full or read-only disk raises."""
+checkpointed. Faults are injected at the file layer (``nvme_files._write`` for the
+manifest, ``nvme_files._pwrite`` for the leaves), raising what a full or read-only disk
+raises."""
 
 import errno
 import os
@@ -14,6 +15,7 @@ from helpers import awkward_loss, awkward_params, regression_batches
 
 import zerojax
 from zerojax import nvme
+from zerojax.tiers import nvme_files
 
 STEPS = 4
 
@@ -45,8 +47,8 @@ def run(tmp_path_factory):
 
 
 def _fail(monkeypatch, name, code, when=lambda data: True):
-    """``nvme.<name>`` (``_write`` or ``_pwrite``) raising OSError(code) where ``when``."""
-    real = getattr(nvme, name)
+    """``nvme_files.<name>`` (``_write`` or ``_pwrite``) raising OSError(code) where ``when``."""
+    real = getattr(nvme_files, name)
     calls = {"n": 0}
 
     def broken(fd, data, *a):
@@ -55,7 +57,7 @@ def _fail(monkeypatch, name, code, when=lambda data: True):
             raise OSError(code, os.strerror(code))
         return real(fd, data, *a)
 
-    monkeypatch.setattr(nvme, name, broken)
+    monkeypatch.setattr(nvme_files, name, broken)
     return calls
 
 

@@ -8,38 +8,32 @@ It sits above both the step (whose gradient program, batch placement and loss-sc
 update it reuses) and the tier's files (:mod:`zerojax.nvme`), so that the step can
 check for the tier's state without importing this module: imports run one way
 (``ZeroOptimizer.step`` picks this class for ``offload_optimizer="nvme"``).
+
+A coordinator (issue 43) over its pieces: the bucket plan (:mod:`zerojax.engine.nvme_plan`,
+pure), the update's programs (:mod:`zerojax.engine.nvme_update`, built once per params
+structure and kept in ``_plans``) and the reads and writes overlapped with them
+(:mod:`zerojax.engine.nvme_pipeline`); this class keeps the checks of the state it is given,
+the gradient program, and the step's bookkeeping around the update (the manifests, the
+new state, ``timings``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import threading
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import AxisType
 
-from zerojax.core import collectives as C
-from zerojax.core.mesh import constrain
-from zerojax.core.partition import pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.state import TrainState
-from zerojax.engine import step as S
+from zerojax.engine import nvme_pipeline, nvme_plan, nvme_update, step as S
 from zerojax.runtime import distributed, hostmem
-from zerojax.tiers import offload
 from zerojax.tiers.nvme import (
     NvmeParams,
     NvmeState,
     NvmeWriteError,
-    _chain,
-    _program,
-    _readers,
-    _shape,
-    _shared_scalars,
-    disk_threshold,
     is_nvme_params,
     read_params,
 )
@@ -120,166 +114,13 @@ class NvmeTrainStep:
         return grads, owned, finite, grad_norm, scale, metrics, new_ls, new_step
 
     def _plan(self, state: TrainState, params, owned, grads, finite, grad_norm, scale):
-        """Per params structure: the traced update, its buckets and their programs."""
-        opt, cfg = self._opt, self._cfg
-        handle: NvmeState = state.opt_state
+        """Per params structure: the traced update, its buckets and their programs
+        (:func:`zerojax.engine.nvme_update.build`), built once."""
         key = (jax.tree.structure(params), tuple(tuple(x.shape) for x in jax.tree.leaves(params)))
-        if key in self._plans:
-            return self._plans[key]
-        mixed, stage, mesh = cfg.param_dtype is not None, cfg.stage, opt.mesh
-        logical = opt.logical_params(params)
-        lay_tree = opt.layouts(logical)
-        opt_lays = opt.opt_state_layouts(logical)
-        specs = opt.specs(logical)
-        shs = handle.store.shardings
-        by_leaf = {e["leaf"]: e for e in handle.store.leaves}
-        structs = [handle.small[i] if i in handle.small else jax.ShapeDtypeStruct(
-            tuple(by_leaf[i]["shape"]), np.dtype(by_leaf[i]["dtype"]), sharding=shs[i])
-            for i in range(handle.treedef.num_leaves)]
-        opt_tree = jax.tree.unflatten(handle.treedef, structs)
-        own_tree = opt_tree.master if mixed else owned
-        inner_tree = opt_tree.inner if mixed else opt_tree
-        own_leaves, own_def = jax.tree.flatten(own_tree)
-        inner_leaves, inner_def = jax.tree.flatten(inner_tree)
-        grad_leaves, grad_def = jax.tree.flatten(grads)
-        n_own, n_inner, n_grad = len(own_leaves), len(inner_leaves), len(grad_leaves)
-        grad_dtypes = [x.dtype for x in own_leaves]
-        part_sh = shardings(mesh, partitioned_specs(lay_tree))
-        inner_sh = shardings(mesh, specs.opt_state.inner if mixed else specs.opt_state)
-        inner_lays = opt_lays.inner if mixed else opt_lays
-        own_lays = lay_tree if stage > 0 else None
-        scaled = scale is not None
-        tx = opt.inner
-
-        laid = (part_sh if stage > 0 else shardings(mesh, specs.params), inner_sh)
-
-        def fn(*leaves):  # the in-memory offloaded update (step._offloaded_update's fn)
-            own = jax.tree.unflatten(own_def, leaves[:n_own])
-            inner = jax.tree.unflatten(inner_def, leaves[n_own:n_own + n_inner])
-            g = jax.tree.unflatten(grad_def, leaves[n_own + n_inner:n_own + n_inner + n_grad])
-            rest = leaves[n_own + n_inner + n_grad:]
-            fin, norm = rest[0], rest[1]
-            sc = rest[2] if scaled else None
-            if not scaled:  # as the in-memory step: no loss scale, every step is finite
-                fin = jnp.asarray(True)
-            g = S.finish_grads(g, grad_dtypes, sc)
-            if cfg.max_grad_norm is not None:
-                g = S.clip_by_global_norm(g, norm, cfg.max_grad_norm)
-            p = unpad_tree(own, own_lays)
-            updates, new_inner = tx.update(unpad_tree(g, own_lays),
-                                           unpad_tree(inner, inner_lays), p)
-            new_own = pad_tree(optax.apply_updates(p, updates), own_lays)
-            new_inner = pad_tree(new_inner, inner_lays)
-            return S.update_tail((new_own, new_inner), (own, inner), fin, laid,
-                                 cfg.param_dtype)
-
-        if stage == 0:
-            raise AssertionError("stage 0 is refused by the config")
-        extra = [finite, grad_norm] + ([scale] if scaled else [])
-        operands = [*own_leaves, *inner_leaves, *grad_leaves, *extra]
-        # which operand is which opt_state leaf (its index in jax.tree.leaves(opt_state))
-        opt_index = {}
-        if mixed:
-            for j in range(n_own + n_inner):
-                opt_index[j] = j  # MasterState(master, inner) flattens master first
-        else:
-            for j in range(n_inner):
-                opt_index[n_own + j] = j
-        on_disk = [opt_index.get(j) is not None and opt_index[j] not in handle.small
-                   for j in range(len(operands))]
-        closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*operands)
-        ops: list = []
-        out_refs = offload._inline(closed.jaxpr, closed.consts, list(range(len(operands))), ops,
-                                   [len(operands)])
-        itemsizes = [np.dtype(x.dtype).itemsize for x in operands]
-        elems = max(1, cfg.nvme_buffer_size // max(4, max(itemsizes)))
-        plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg))
-        if plan.reads_cross or any(plan.bucket(o[2][0]) == offload.CROSS for o in ops if o[2]):
-            raise NotImplementedError(
-                f"offload_optimizer='nvme' with {type(tx).__name__} whose update reads a norm "
-                "of the whole update (e.g. chain(adam, clip_by_global_norm)) is not "
-                "implemented: it would read the state from disk twice a step. Clip the "
-                "gradients first: max_grad_norm=..., or chain(clip_by_global_norm, adam).")
-        # outputs: new owned (n_own), new inner (n_inner), compute (n_own if mixed)
-        out_leaf = {}  # output position -> opt_state leaf index
-        if mixed:
-            for j in range(n_own + n_inner):
-                out_leaf[j] = j
-        else:
-            for j in range(n_inner):
-                out_leaf[n_own + j] = j
-        buckets = []
-        for b, members in enumerate(plan.buckets):
-            outs = [k for k, r in enumerate(out_refs) if plan.bucket(r) == b]
-            for k in outs:
-                leaf = out_leaf.get(k)
-                if leaf is not None and leaf not in handle.small:
-                    reads = [m for m in members if opt_index.get(m) == leaf]
-                    if not reads:
-                        raise NotImplementedError(
-                            f"opt_state leaf {by_leaf[leaf]['path']}'s new value is computed "
-                            "without its old one in the same bucket: the NVMe tier writes "
-                            "leaves in place and cannot run this optimizer.")
-            buckets.append((sorted(members), outs))
-        rest = [k for k, r in enumerate(out_refs) if plan.bucket(r) == -1]
-        for k in rest:
-            leaf = out_leaf.get(k)
-            if leaf is not None and leaf not in handle.small:
-                raise NotImplementedError(
-                    f"opt_state leaf {by_leaf[leaf]['path']}'s new value does not read its "
-                    "old one: the NVMe tier updates leaves in place, bucket by bucket, and "
-                    "cannot run this optimizer.")
-        # the small values no offloaded leaf is needed for (the step count, Adam's bias
-        # corrections) computed once, first, and passed to every bucket: as the
-        # in-memory step computes them once for all its leaves (XLA:CPU rewrites a
-        # division by a scalar it computes in the same program, 1 ulp apart)
-        pre = _shared_scalars(ops, plan, len(operands))
-        given = frozenset(pre)
-        full = _readers(ops)
-        for r in out_refs:
-            if not isinstance(r, tuple):
-                full[r] += 1
-        pre_prog = _program(ops, pre, pre, full_readers=full)
-        cache: dict = {}
-        progs = [_program(ops, [out_refs[k] for k in outs], outs, given, full, cache)
-                 for b, (_, outs) in enumerate(buckets)]
-        # the small leaves' updates (scalars throughout): compiled as they are, each
-        # scalar already read as often as in the one-program step
-        # Leaves below min_shard_size that are not scalars (a bias of 64 elements at the
-        # default 128) are updated here too: as the buckets, with the extra uses (else
-        # XLA rewrites their division by a bias correction, 1 ulp apart: measured 2-6
-        # of 64 of a bias's moments at step 2)
-        vec = [k for k in rest if not isinstance(out_refs[k], tuple)
-               and _shape(out_refs[k], ops) not in ((), None)]
-        scal = [k for k in rest if k not in vec]
-        rest_progs = [_program(ops, [out_refs[k] for k in scal], scal, given, full,
-                               extra_uses=False)]
-        if vec:
-            rest_progs.append(_program(ops, [out_refs[k] for k in vec], vec, given, full))
-        rest_prog = _chain(rest_progs)
-        # offload_params="nvme": output position -> params leaf written to its file (the
-        # new params: the compute copy with param_dtype, else the new owned params)
-        param_out, param_sh = {}, {}
-        if isinstance(state.params, NvmeParams):
-            first = n_own + n_inner if mixed else 0
-            sts = jax.tree.leaves(state.params.structs)
-            for e in state.params.store.param_leaves:
-                param_out[first + e["leaf"]] = e["leaf"]
-                param_sh[first + e["leaf"]] = sts[e["leaf"]].sharding
-        built = dict(buckets=buckets, progs=progs, rest=rest, rest_prog=rest_prog,
-                     param_out=param_out, param_sh=param_sh,
-                     pre_prog=pre_prog,
-                     opt_index=opt_index, out_leaf=out_leaf, n_own=n_own, n_inner=n_inner,
-                     n_grad=n_grad, own_def=own_def, inner_def=inner_def, shs=shs,
-                     lay_tree=lay_tree, specs=specs, mixed=mixed, on_disk=on_disk)
-        if stage in (1, 2):
-            def gather(compute):
-                new = C.gather_params(compute, lay_tree, mesh, opt.zero_axis, cfg.bucket_size)
-                return constrain(new, shardings(mesh, specs.params))
-
-            built["gather"] = jax.jit(gather)
-        self._plans[key] = built
-        return built
+        if key not in self._plans:
+            self._plans[key] = nvme_update.build(self._opt, state, params, owned, grads, finite,
+                                                 grad_norm, scale)
+        return self._plans[key]
 
     def __call__(self, state: TrainState, batch: Any, rng: Any = None):
         distributed.step_begins()
@@ -398,11 +239,9 @@ class NvmeTrainStep:
 
     def _update(self, plan, handle: NvmeState, owned, grad_leaves: list, finite, grad_norm,
                 scale):
-        """Every bucket read, updated and written back; returns the outputs kept in
-        memory (by output position) and the bytes read and written."""
-        store = handle.store
-        by_leaf = {e["leaf"]: e for e in store.leaves}
-        shs = plan["shs"]
+        """Every bucket read, updated and written back (:mod:`zerojax.engine.nvme_pipeline`);
+        returns the outputs kept in memory (by output position) and the bytes read and
+        written."""
         n_own, n_inner = plan["n_own"], plan["n_inner"]
         own_leaves = [] if plan["mixed"] else jax.tree.leaves(owned)
         operands: dict = {}
@@ -412,116 +251,34 @@ class NvmeTrainStep:
                 operands[j] = own_leaves[j]
             elif leaf in handle.small:
                 operands[j] = handle.small[leaf]
-        for j in range(len(grad_leaves)):
-            operands[n_own + n_inner + j] = grad_leaves[j]
-        n_grad = len(grad_leaves)
-        grad_refs = set(range(n_own + n_inner, n_own + n_inner + n_grad))
+        first, n_grad = n_own + n_inner, len(grad_leaves)
+        operands.update((first + j, x) for j, x in enumerate(grad_leaves))
+        grad_refs = set(range(first, first + n_grad))
         grad_leaves.clear()
         later = set(plan["rest_prog"].inputs) | set(plan["pre_prog"].inputs)
         extra = [finite, grad_norm] + ([scale] if scale is not None else [])
-        for j, x in enumerate(extra):
-            operands[n_own + n_inner + n_grad + j] = x
+        operands.update((first + n_grad + j, x) for j, x in enumerate(extra))
         operands.update(plan["pre_prog"](operands, {}))
         out: dict = {}
-        counts = {"read": 0, "written": 0}
-        lock = threading.Lock()
+        io = nvme_pipeline.BucketIO(handle.store, plan)
 
-        def read(b):
-            members, _ = plan["buckets"][b]
-            got = {}
-            for m in members:
-                if plan["on_disk"][m]:
-                    e = by_leaf[plan["opt_index"][m]]
-                    got[m] = store.read(e, shs[e["leaf"]])
-                    with lock:
-                        counts["read"] += e["nbytes"]
-            return got
-
-        param_out = plan["param_out"]
-        param_by = {e["leaf"]: e for e in store.param_leaves}
-
-        stopped: list = []  # a write failed: no more are begun (the step fails anyway)
-
-        def write(b, results):
-            if stopped:
-                return
-            try:
-                write_leaves(results)
-            except BaseException:
-                stopped.append(b)
-                raise
-
-        def write_leaves(results):
-            for k, x in results.items():
-                if k in param_out:  # a new param: its file (laid out as stored)
-                    e = param_by[param_out[k]]
-                    if x.sharding != plan["param_sh"][k]:
-                        x = jax.device_put(x, plan["param_sh"][k])
-                else:
-                    e = by_leaf[plan["out_leaf"][k]]
-                store.write(e, x)
-                with lock:
-                    counts["written"] += e["nbytes"]
-
-        nb = len(plan["buckets"])
-        slots = threading.BoundedSemaphore(store.buffer_count)
-        if not self.overlap:
-            for b in range(nb):
-                got = read(b)
-                res = plan["progs"][b](operands, got)
-                self._drop_grads(plan["progs"][b], operands, grad_refs, later)
+        def update(b, got):
+            prog = plan["progs"][b]
+            res = prog(operands, got)
+            del got
+            for r in prog.inputs:  # the gradients only this bucket reads: freed now
+                if r in grad_refs and r not in later:
+                    operands.pop(r, None)
+            if not self.overlap:
                 jax.block_until_ready(res)
-                write(b, self._split(plan, handle, res, out))
-        else:
-            with cf.ThreadPoolExecutor(1) as reader, cf.ThreadPoolExecutor(1) as writer:
-                def read_slot(b):
-                    slots.acquire()
-                    return read(b)
+            return nvme_plan.to_disk_outputs(res, plan["out_leaf"], handle.small,
+                                             plan["param_out"], out)
 
-                def write_slot(b, res):
-                    try:
-                        write(b, res)
-                    finally:
-                        slots.release()
-
-                reads = {0: reader.submit(read_slot, 0)}
-                writes = []
-                for b in range(nb):
-                    if stopped:  # a write failed: the step fails with its error below
-                        break
-                    if b + 1 < nb:
-                        reads[b + 1] = reader.submit(read_slot, b + 1)
-                    got = reads.pop(b).result()
-                    res = plan["progs"][b](operands, got)
-                    self._drop_grads(plan["progs"][b], operands, grad_refs, later)
-                    del got
-                    writes.append(writer.submit(write_slot, b, self._split(plan, handle, res, out)))
-                    del res
-                for w in writes:
-                    w.result()
-        rest = plan["rest_prog"](operands, {})
-        for k, x in rest.items():
-            if k in param_out:  # a param whose update reads no disk leaf (plain SGD)
-                write(-1, {k: x})
+        nvme_pipeline.run(len(plan["buckets"]), io, update, self.overlap,
+                          handle.store.buffer_count)
+        for k, x in plan["rest_prog"](operands, {}).items():
+            if k in plan["param_out"]:  # a param whose update reads no disk leaf (plain SGD)
+                io.write(-1, {k: x})
             else:
                 out[k] = x
-        return out, counts["read"], counts["written"]
-
-    @staticmethod
-    def _drop_grads(prog, operands: dict, grad_refs: set, later: set) -> None:
-        """Forget the gradients only this bucket read (freed when its update is done)."""
-        for r in prog.inputs:
-            if r in grad_refs and r not in later:
-                operands.pop(r, None)
-
-    @staticmethod
-    def _split(plan, handle, res: dict, out: dict) -> dict:
-        """A bucket's outputs: those of disk leaves (to write) returned, the rest kept."""
-        to_disk = {}
-        for k, x in res.items():
-            leaf = plan["out_leaf"].get(k)
-            if (leaf is not None and leaf not in handle.small) or k in plan["param_out"]:
-                to_disk[k] = x
-            else:
-                out[k] = x
-        return to_disk
+        return out, io.read_bytes, io.written_bytes

@@ -187,7 +187,6 @@ import signal
 import threading
 import warnings
 import weakref
-import zlib
 from typing import Any
 
 import jax
@@ -197,7 +196,8 @@ from jax.sharding import NamedSharding
 from zerojax.core.state import TrainState
 from zerojax.runtime import nvme_lock
 from zerojax.runtime.nvme_lock import LOCK, NvmeError
-from zerojax.tiers import offload
+from zerojax.tiers import nvme_files, nvme_programs, offload
+from zerojax.tiers.nvme_files import NvmeWriteError
 
 DIR_PREFIX = "zerojax-nvme-p"
 MANIFEST = "MANIFEST.json"
@@ -237,16 +237,6 @@ def _on_sigterm(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _SIGTERM["installed"] = False
     os.kill(os.getpid(), signal.SIGTERM)  # ended by SIGTERM, as without the handler
-
-
-class NvmeWriteError(NvmeError):
-    """A write to the NVMe tier's files failed (a full or read-only disk). Its message
-    says which state holds. Raised by a step whose update wrote every leaf but not its
-    manifest, it carries the new state and metrics (``state``, ``metrics``): usable once
-    the manifest's write, retried at its next use, succeeds."""
-
-    state: Any = None
-    metrics: Any = None
 
 
 def check_path(path: str) -> str:
@@ -358,7 +348,7 @@ class NvmeStore:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_bytes(fd, data)
+                nvme_files.write_bytes(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -494,125 +484,39 @@ class NvmeStore:
             self._check_size(e)
 
     def _check_size(self, e: dict) -> None:
-        path = os.path.join(self.dir, e["file"])
-        try:
-            size = os.path.getsize(path)
-        except OSError as err:
-            raise NvmeError(
-                f"{path} ({_where(e)}) is missing ({err}): the optimizer state's file was "
-                "removed; restore the last checkpoint.") from err
-        if size != e["nbytes"]:
-            raise NvmeError(
-                f"{path} ({_where(e)}) holds {size} bytes, {e['nbytes']} expected: "
-                "the file was truncated or replaced (a full disk, another run); it is not "
-                "read. Restore the last checkpoint.")
+        nvme_files.check_size(self.dir, e)
 
     # -- leaves -------------------------------------------------------------------------
     def layout(self, i: int, path: str, x: Any, sharding: NamedSharding) -> dict:
         """The manifest entry of leaf ``i``: this process's distinct shards, in order."""
-        shape = tuple(x.shape)
-        shards: dict = {}
-        for idx in sharding.addressable_devices_indices_map(shape).values():
-            key = _key(idx, shape)
-            shards.setdefault(key, None)
-        itemsize = np.dtype(x.dtype).itemsize
-        entries, offset = [], 0
-        for key in sorted(shards):
-            n = int(np.prod([b - a for a, b in key], dtype=np.int64))
-            entries.append({"index": [list(k) for k in key], "offset": offset})
-            offset += n * itemsize
-        return {"leaf": i, "path": path, "file": f"leaf-{i:05d}.bin",
-                "dtype": np.dtype(x.dtype).name, "shape": list(shape), "shards": entries,
-                "nbytes": offset}
+        return nvme_files.leaf_entry(i, path, x, sharding)
 
     def allocate(self, entries: list[dict] | None = None) -> None:
         """Create every leaf's file (of ``entries``, default the optimizer state's) at its
         full size (space reserved: a full disk fails here, before training, naming the
         path)."""
-        entries = self.leaves if entries is None else entries
-        need = sum(e["nbytes"] for e in entries)
-        have = sum(os.path.getsize(os.path.join(self.dir, e["file"])) for e in entries
-                   if os.path.exists(os.path.join(self.dir, e["file"])))
-        free = shutil.disk_usage(self.dir).free
-        if need - have > free:
-            raise NvmeError(
-                f"nvme_path {self.dir} has {free / 2**30:.2f} GiB free, but this process's "
-                f"optimizer state needs {need / 2**30:.2f} GiB there: free space on that disk "
-                "or pass an nvme_path on a larger one.")
-        for e in entries:
-            path = os.path.join(self.dir, e["file"])
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                if e["nbytes"]:
-                    _fallocate(fd, e["nbytes"], path)
-                os.ftruncate(fd, e["nbytes"])
-            finally:
-                os.close(fd)
+        nvme_files.allocate(self.dir, self.leaves if entries is None else entries)
 
     def write(self, e: dict, x: jax.Array) -> None:
         """Leaf ``e``'s new value (a placed array) into its file, shard by shard."""
-        shape = tuple(e["shape"])
-        want = {tuple(tuple(k) for k in s["index"]): s["offset"] for s in e["shards"]}
-        path = os.path.join(self.dir, e["file"])
         self.writes_started += 1
-        crcs: dict = {}
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            for shard in x.addressable_shards:
-                key = _key(shard.index, shape)
-                if key not in want:
-                    continue
-                buf = np.ascontiguousarray(np.asarray(shard.data)).view(np.uint8).reshape(-1)
-                off = want.pop(key)
-                if self.checksums:
-                    crcs[off] = zlib.crc32(buf)  # checked when read back (read_host)
-                _pwrite_all(fd, buf, off, path)
-        finally:
-            os.close(fd)
-        for s in e["shards"]:  # the manifest's checksums, for the bytes now in the file
-            if s["offset"] in crcs:
-                s["crc32"] = crcs[s["offset"]]
-            else:
-                s.pop("crc32", None)
+        nvme_files.write_leaf(self.dir, e, x, self.checksums)
 
     def read(self, e: dict, sharding: NamedSharding) -> jax.Array:
         """Leaf ``e`` read from its file and placed with ``sharding``; a short read is an
         error, never zeros."""
         return self.place(e, self.read_host(e), sharding)
 
-    @staticmethod
-    def place(e: dict, host: dict, sharding: NamedSharding) -> jax.Array:
-        """Leaf ``e``'s shards (:meth:`read_host`) placed with ``sharding``."""
-        shape = tuple(e["shape"])
-        return jax.make_array_from_callback(shape, sharding,
-                                             lambda idx: host[_key(idx, shape)])
+    place = staticmethod(nvme_files.place)
 
     def read_host(self, e: dict) -> dict:
         """Leaf ``e``'s shards read from its file into host buffers, by shard index."""
-        dtype = np.dtype(e["dtype"])
-        path = os.path.join(self.dir, e["file"])
-        self._check_size(e)
-        host: dict = {}
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for s in e["shards"]:
-                key = tuple(tuple(k) for k in s["index"])
-                sub = tuple(b - a for a, b in key)
-                buf = np.empty(sub, dtype)
-                raw = buf.view(np.uint8).reshape(-1)
-                _pread_all(fd, raw, s["offset"], path, e)
-                if "crc32" in s and zlib.crc32(raw) != s["crc32"]:
-                    raise NvmeError(self._corrupt(path, e, key, s, zlib.crc32(raw), raw.size))
-                host[key] = buf
-        finally:
-            os.close(fd)
-        return host
-
+        return nvme_files.read_shards(self.dir, e, self._corrupt)
 
     def _corrupt(self, path: str, e: dict, key, s: dict, got: int, n: int) -> str:
         step = "" if self.step is None else f" by the update of step {self.step}"
         fix = self.last_checkpoint_text()
-        return (f"{path} ({_where(e)}, shard {key}, bytes {s['offset']}-"
+        return (f"{path} ({nvme_files.where(e)}, shard {key}, bytes {s['offset']}-"
                 f"{s['offset'] + n}) does not hold what was written there{step} (generation "
                 f"{self.generation}): crc32 {got:08x}, {s['crc32']:08x} written. The disk or "
                 "filesystem changed its bytes (a flipped bit, another writer); they are not "
@@ -649,66 +553,6 @@ def _remove_files(directory: str, token: str) -> None:
         os.rmdir(directory)
     except OSError:
         pass
-
-
-def _where(e: dict) -> str:
-    """The leaf a manifest entry holds, as the state names it."""
-    return f"{e.get('tree', 'opt_state')}{e['path']}"
-
-
-def _key(idx, shape) -> tuple:
-    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in
-                 zip(tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx))), shape))
-
-
-def _fallocate(fd: int, n: int, path: str) -> None:
-    try:
-        os.posix_fallocate(fd, 0, n)
-    except OSError as e:
-        if e.errno in (28,):  # ENOSPC
-            raise NvmeError(
-                f"no space left for {n} bytes at {path}: free space on that disk or pass an "
-                "nvme_path on a larger one.") from e
-        # filesystems without fallocate (tmpfs on old kernels): the size is set by ftruncate
-
-
-# the file layer's writes (tests inject a full or read-only disk here)
-_pwrite = os.pwrite
-_write = os.write
-
-
-def _write_bytes(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += _write(fd, view[done:])
-
-
-def _pwrite_all(fd: int, buf: np.ndarray, off: int, path: str) -> None:
-    view = memoryview(buf)
-    done = 0
-    while done < len(view):
-        try:
-            n = _pwrite(fd, view[done:], off + done)
-        except OSError as e:
-            raise NvmeWriteError(
-                f"writing {path} failed ({errno.errorcode.get(e.errno, e.errno)}: "
-                f"{e.strerror}): the optimizer state on disk is now incomplete. Fix the disk "
-                "(free space on it, or remount it read-write).") from e
-        done += n
-
-
-def _pread_all(fd: int, buf: np.ndarray, off: int, path: str, e: dict) -> None:
-    view = memoryview(buf)
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], off + done)
-        if n <= 0:
-            raise NvmeError(
-                f"{path} ({_where(e)}) ended at byte {off + done}, {off + len(view)} "
-                "expected: the file was truncated; it is not read as zeros. Restore the last "
-                "checkpoint.")
-        done += n
 
 
 @jax.tree_util.register_pytree_node_class
@@ -931,147 +775,6 @@ def materialized(state: TrainState) -> TrainState:
     return state.replace(opt_state=read_state_on_host(state))  # host memory, not device
 
 
-# XLA's expensive elementwise ops (HloInstruction::IsElementwiseExpensive-like): a
-# value they make and many fusions read is computed once, not duplicated into each
-EXPENSIVE = frozenset({"div", "pow", "exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt",
-                       "cbrt", "tanh", "atan2", "erf", "erf_inv", "sin", "cos", "tan",
-                       "logistic", "lgamma", "digamma"})
-
-
-def _shared_scalars(ops, plan, n_operands: int) -> list:
-    """The small bucket-less values the buckets read that the in-memory step computes
-    once for all its leaves: those an expensive op makes (a bias correction's ``pow``),
-    reached from the buckets' inputs through cheap ones (which each fusion recomputes,
-    as the in-memory step's fusions do)."""
-    producer = {o: k for k, (_, _, outs) in enumerate(ops) for o in outs}
-    seen: set = set()
-    pre: set = set()
-    stack = [r for _, ins, outs in ops if outs and plan.bucket(outs[0]) not in (-1, offload.CROSS)
-             for r in ins if not isinstance(r, tuple)]
-    while stack:
-        r = stack.pop()
-        if r in seen or r < n_operands or plan.bucket(r) != -1 or not plan.is_small(r):
-            continue
-        seen.add(r)
-        eqn, ins, _ = ops[producer[r]]
-        if eqn.primitive.name in EXPENSIVE:
-            pre.add(r)
-        else:
-            stack.extend(x for x in ins if not isinstance(x, tuple))
-    return sorted(pre)
-
-
-def _readers(ops, chosen=None) -> collections.Counter:
-    """How many equations (of ``chosen``, default all) read each ref."""
-    count: collections.Counter = collections.Counter()
-    for k in (range(len(ops)) if chosen is None else chosen):
-        for r in {r for r in ops[k][1] if not isinstance(r, tuple)}:
-            count[r] += 1
-    return count
-
-
-def _shape(ref, sub) -> tuple | None:
-    for eqn, _, o in sub:
-        if ref in o:
-            return tuple(getattr(eqn.outvars[o.index(ref)].aval, "shape", ()))
-    return None
-
-
-def _canonical(sub, inputs: list, want: list, computed: list):
-    """A key equal for two programs that compute the same function of their inputs (in
-    ``inputs`` order): each equation's primitive and parameters, its inputs named by
-    position; None if a constant cannot be keyed."""
-    names = {r: ("in", i) for i, r in enumerate(inputs)}
-    parts = []
-    for k, (eqn, ins, o) in enumerate(sub):
-        args = []
-        for r in ins:
-            if isinstance(r, tuple):
-                v = np.asarray(r[1])
-                if v.size > 64:
-                    return None
-                args.append(("lit", str(v.dtype), v.shape, v.tobytes()))
-            else:
-                args.append(names[r])
-        for j, x in enumerate(o):
-            names[x] = ("eq", k, j)
-        params = tuple(sorted((n, repr(v)) for n, v in eqn.params.items()))
-        parts.append((eqn.primitive.name, params, tuple(args),
-                      tuple((str(v.aval)) for v in eqn.outvars)))
-    return (tuple(parts), tuple(names.get(r, ("lit", repr(r))) for r in want),
-            tuple(names[r] for r in computed))
-
-
-def _program(ops, want: list, outs: list, given: frozenset = frozenset(),
-             full_readers: collections.Counter | None = None, cache: dict | None = None,
-             extra_uses: bool = True):
-    """``run(operands, read) -> {output key: value}``: the equations computing the refs
-    ``want`` (keyed by ``outs``) from the operands and the refs ``given`` (computed
-    before, passed in as inputs), compiled as one program."""
-    need = {r for r in want if not isinstance(r, tuple)}
-    chosen = []
-    for k in range(len(ops) - 1, -1, -1):
-        _, ins, o = ops[k]
-        if any(x in need and x not in given for x in o):
-            chosen.append(k)
-            need.update(r for r in ins if not isinstance(r, tuple))
-    chosen.reverse()
-    produced = {x for k in chosen for x in ops[k][2]}
-    inputs = sorted(r for r in need if r not in produced)
-    sub = [ops[k] for k in chosen]
-    outputs = {r for r in want if not isinstance(r, tuple)}
-    # Every scalar the program computes is returned too (and dropped), and every scalar
-    # input gets one more use: in the in-memory step each leaf's update reads them (a
-    # bias correction, the loss scale, the clip norm), and XLA's algebraic simplifier
-    # rewrites a division by a single-use scalar, A / b -> A * (1/b), 1 ulp apart.
-    del full_readers
-    computed = [x for _, _, o in sub for x in o
-                if x not in outputs and _shape(x, sub) == ()] if extra_uses else []
-    def body(*vals):
-        env = dict(zip(inputs, vals))
-
-        def rd(r):
-            return r[1] if isinstance(r, tuple) else env[r]
-
-        for eqn, ins, o in sub:
-            for ref, val in zip(o, offload._bind(eqn, [rd(r) for r in ins])):
-                if ref in outputs and not isinstance(val, tuple):
-                    val = jax.lax.optimization_barrier(val)
-                env[ref] = val
-        more = [v for v in vals if getattr(v, "shape", None) == ()] if extra_uses else []
-        return ([rd(r) for r in want], [rd(r) for r in computed],
-                jax.lax.optimization_barrier(more))
-
-    key = _canonical(sub, inputs, want, computed)
-    if cache is not None and key is not None and key in cache:
-        jitted = cache[key]  # a bucket of the same shapes and equations: compiled once
-    else:
-        jitted = jax.jit(body)
-        if cache is not None and key is not None:
-            cache[key] = jitted
-
-    def run(operands: dict, read: dict) -> dict:
-        if not outs and not want:
-            return {}
-        vals = [read[r] if r in read else operands[r] for r in inputs]
-        return dict(zip(outs, jitted(*vals)[0]))
-
-    run.jitted, run.inputs = jitted, inputs
-    return run
-
-
-def _chain(progs: list):
-    """Programs of :func:`_program` run one after another as one (their outputs merged)."""
-    def run(operands: dict, read: dict) -> dict:
-        out: dict = {}
-        for p in progs:
-            out.update(p(operands, read))
-        return out
-
-    run.inputs = sorted({r for p in progs for r in p.inputs})
-    return run
-
-
 def check_config(cfg) -> None:
     """Validate the NVMe options of ``cfg`` (called by ``ZeroConfig``)."""
     nvme = is_nvme(cfg)
@@ -1270,9 +973,10 @@ def init_streamed(opt, fn, operands: list, out_shardings: Any) -> NvmeState:
     """``fn(*operands)`` (the optimizer state's init, e.g. ``tx.init`` of the params, padded)
     written to ``opt``'s files group by group (:func:`stream_to_disk`), each group its own
     compiled program: ``fn`` traced once, and each group's leaves computed by the
-    equations they need alone (:func:`_program`; groups of equal equations share one
-    compilation). Bitwise what ``jax.jit(fn, out_shardings=out_shardings)`` gives: the
-    same equations, each leaf constrained to its sharding."""
+    equations they need alone (:func:`zerojax.tiers.nvme_programs.program`; groups of equal
+    equations share one compilation). Bitwise what ``jax.jit(fn,
+    out_shardings=out_shardings)`` gives: the same equations, each leaf constrained to
+    its sharding."""
     sh_leaves = jax.tree.leaves(out_shardings)
 
     def constrained(*xs):
@@ -1292,8 +996,8 @@ def init_streamed(opt, fn, operands: list, out_shardings: Any) -> NvmeState:
     cache: dict = {}
 
     def make(indices):
-        run = _program(ops, [out_refs[i] for i in indices], list(indices), cache=cache,
-                       extra_uses=False)
+        run = nvme_programs.program(ops, [out_refs[i] for i in indices], list(indices),
+                                    cache=cache, extra_uses=False)
         return run(inputs, {})
 
     return stream_to_disk(opt, abstract, make, keep=tuple(operands))
