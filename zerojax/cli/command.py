@@ -18,6 +18,7 @@ message saying which and why), 1 when the work itself failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -957,27 +958,19 @@ def version_text() -> str:
             f"{sys.version.split()[0]})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from zerojax.cli import demo
+def _command(sub, name, help, description, epilog=None, **kw) -> argparse.ArgumentParser:
+    """A subcommand's parser, with the one-line errors and the stores that note what
+    was given (:class:`_Store`)."""
+    p = sub.add_parser(name, help=help, description=description, epilog=epilog,
+                       formatter_class=HelpFormatter, **kw)
+    p.register("action", None, _Store)
+    p.register("action", "store", _Store)
+    p.register("action", "store_true", _StoreTrue)
+    p.set_defaults(parser=p, error=p.error)
+    return p
 
-    parser = _Parser(
-        prog="zerojax", formatter_class=HelpFormatter,
-        description="zerojax: ZeRO (Zero Redundancy Optimizer) for JAX. Estimate and "
-                    "plan per-device memory, run the demo and the benchmark, export "
-                    "checkpoints. 'zerojax COMMAND --help' explains each command.",
-        epilog="start with:  zerojax train --steps 50      (a minute on a laptop)")
-    parser.add_argument("--version", action="version", version=version_text())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def command(name, help, description, epilog=None, **kw):
-        p = sub.add_parser(name, help=help, description=description, epilog=epilog,
-                           formatter_class=HelpFormatter, **kw)
-        p.register("action", None, _Store)
-        p.register("action", "store", _Store)
-        p.register("action", "store_true", _StoreTrue)
-        p.set_defaults(parser=p, error=p.error)
-        return p
-
+def _estimate_command(command) -> None:
     est = command(
         "estimate", "model-state (and activation) memory per device for each ZeRO stage",
         "Per-device memory of a model trained with ZeRO-DP over N devices: parameters, "
@@ -1012,6 +1005,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Ulysses), seq / P tokens' activations per device (default 1)")
     est.set_defaults(func=_estimate)
 
+
+def _plan_command(command) -> None:
     plan = command(
         "plan", "the largest model, or which stage and options, for these devices, memory, "
         "sequence and batch", "Given N devices of --memory each: for a model's shape "
@@ -1029,6 +1024,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "achievable fraction, link bandwidths: zerojax.analysis.cost)")
     plan.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
                       help="a model size for the paper's formula: 7.5B, 340M, ...")
+    _plan_model_arguments(plan)
+    _plan_memory_arguments(plan)
+    _plan_option_arguments(plan)
+    _bytes_arguments(plan)
+    plan.set_defaults(func=_plan)
+
+
+def _plan_model_arguments(plan: argparse.ArgumentParser) -> None:
+    """plan's model: its shape, a preset, or the largest; its sequence, batch, optimizer."""
     g = plan.add_argument_group("the model (its shape, a preset, or the largest)")
     g.add_argument("--layers", type=positive_int, default=None, help="transformer layers")
     g.add_argument("--hidden", type=positive_int, default=None, help="model width")
@@ -1051,6 +1055,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "either, 12: mixed-precision Adam)")
     g.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
                    help="devices per node (says which traffic crosses the network)")
+
+
+def _plan_memory_arguments(plan: argparse.ArgumentParser) -> None:
+    """plan's memories: what the device keeps back, host memory, disk."""
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
                       help="memory kept back for anything else (fragmentation, another "
                            "program), below what JAX gets")
@@ -1071,6 +1079,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--activations", type=reserve_size, default=None, metavar="SIZE",
                       help="--params only: activation memory per device, e.g. from "
                            "'zerojax estimate --layers ... --hidden ...' (default: 0)")
+
+
+def _plan_option_arguments(plan: argparse.ArgumentParser) -> None:
+    """plan's options of the step: attention, remat, tiles, sequence parallelism."""
     from zerojax.core.activations import REMAT_POLICIES
 
     plan.add_argument("--attention", choices=["auto", "xla", "dot_product", "cudnn"],
@@ -1105,8 +1117,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--params only: a constant-size communication buffer of this many "
                            "gradient elements, added to every stage (default: none counted, "
                            "at any stage)")
-    _bytes_arguments(plan)
-    plan.set_defaults(func=_plan)
+
+
+def _train_command(command) -> None:
+    from zerojax.cli import demo
 
     train = command(
         "train", "the demo: a character-level GPT trained with ZeRO on Python's own "
@@ -1123,13 +1137,16 @@ def build_parser() -> argparse.ArgumentParser:
     _pool_arguments(train)
     train.set_defaults(func=_train)
 
-    bench = command(
-        "bench", "the side-by-side benchmark (arguments go to it; try 'zerojax bench "
-        "--help')", "Runs zerojax.cli.bench with the arguments that follow.", add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
-                       help="arguments of the benchmark ('--help' lists them)")
-    bench.set_defaults(func=_bench)
 
+def _passthrough_command(command, name, help, description, dest, arg_help,
+                         func) -> None:
+    """bench and launch: every argument after the name is the tool's own."""
+    p = command(name, help, description, add_help=False)
+    p.add_argument(dest, nargs=argparse.REMAINDER, help=arg_help)
+    p.set_defaults(func=func)
+
+
+def _export_command(command) -> None:
     export = command(
         "export", "write a checkpoint's whole fp32 params to safetensors (one file, or the "
         "Hugging Face sharded layout)",
@@ -1162,6 +1179,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest file of --format hf (default 5GB)")
     export.set_defaults(func=_export)
 
+
+def _finetune_command(command) -> None:
     from zerojax.cli import finetune as _finetune
 
     finetune = command(
@@ -1171,6 +1190,8 @@ def build_parser() -> argparse.ArgumentParser:
     _finetune.add_arguments(finetune)
     finetune.set_defaults(func=_finetune.run)
 
+
+def _tune_command(command) -> None:
     tune = command(
         "tune", "compile and time each configuration the planner says fits on these "
         "devices; recommend the measured fastest",
@@ -1185,14 +1206,33 @@ def build_parser() -> argparse.ArgumentParser:
     _tune.add_arguments(tune)
     tune.set_defaults(func=_tune.run)
 
-    launch = command(
-        "launch", "run a script in several processes on this machine as one multi-process "
-        "job (torchrun-like: --nproc, --devices-per-proc, the script and its arguments; "
-        "'zerojax launch --help')", "Runs zerojax.cli.launch (also 'python -m "
-        "zerojax.launch') with the arguments that follow.", add_help=False)
-    launch.add_argument("launch_args", nargs=argparse.REMAINDER,
-                        help="the launcher's arguments, the script, the script's arguments")
-    launch.set_defaults(func=_launch)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="zerojax", formatter_class=HelpFormatter,
+        description="zerojax: ZeRO (Zero Redundancy Optimizer) for JAX. Estimate and "
+                    "plan per-device memory, run the demo and the benchmark, export "
+                    "checkpoints. 'zerojax COMMAND --help' explains each command.",
+        epilog="start with:  zerojax train --steps 50      (a minute on a laptop)")
+    parser.add_argument("--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    command = functools.partial(_command, sub)
+    _estimate_command(command)
+    _plan_command(command)
+    _train_command(command)
+    _passthrough_command(
+        command, "bench", "the side-by-side benchmark (arguments go to it; try 'zerojax "
+        "bench --help')", "Runs zerojax.cli.bench with the arguments that follow.",
+        "bench_args", "arguments of the benchmark ('--help' lists them)", _bench)
+    _export_command(command)
+    _finetune_command(command)
+    _tune_command(command)
+    _passthrough_command(
+        command, "launch", "run a script in several processes on this machine as one "
+        "multi-process job (torchrun-like: --nproc, --devices-per-proc, the script and its "
+        "arguments; 'zerojax launch --help')", "Runs zerojax.cli.launch (also 'python -m "
+        "zerojax.launch') with the arguments that follow.", "launch_args",
+        "the launcher's arguments, the script, the script's arguments", _launch)
     return parser
 
 
