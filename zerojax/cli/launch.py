@@ -225,28 +225,22 @@ def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | N
     return None
 
 
-def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch") -> int:
-    """Run the launcher (``argv`` as on the command line); returns its exit status."""
-    parser = build_parser(prog)
-    unknown = _unknown_option(parser, list(sys.argv[1:] if argv is None else argv))
-    if unknown:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: {unknown}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
-    out = out or sys.stdout
+def _refusal(args: argparse.Namespace, prog: str) -> str | None:
+    """Why the job cannot start (its script is missing, --port is taken), or None."""
     if not os.path.isfile(args.script):
-        print(f"{prog}: script {args.script!r} not found.", file=sys.stderr)
-        return 2
+        return f"{prog}: script {args.script!r} not found."
     if args.port:
         busy = port_in_use(args.port)
         if busy:
-            print(f"{prog}: --port {args.port} is already in use on this machine "
-                  f"({busy}); process 0 would serve the coordinator there. Pass another "
-                  "--port, or --port 0 (the default) for a free one.", file=sys.stderr)
-            return 2
-    port = args.port or _free_port()
-    grace = args.grace
+            return (f"{prog}: --port {args.port} is already in use on this machine "
+                    f"({busy}); process 0 would serve the coordinator there. Pass another "
+                    "--port, or --port 0 (the default) for a free one.")
+    return None
+
+
+def _environment(args: argparse.Namespace, port: int) -> dict:
+    """Every process's environment but its rank: the coordinator, the job's size and
+    timeouts, and with --devices-per-proc the CPU backend's simulated devices."""
     base = dict(os.environ)
     base.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(args.nproc),
                  ENV_HEARTBEAT: str(args.heartbeat_timeout), "PYTHONUNBUFFERED": "1"})
@@ -258,167 +252,235 @@ def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch"
         base["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
                              f"{args.devices_per_proc}").strip()
         base["JAX_PLATFORMS"] = "cpu"
-    procs, pumps, lock, lost, errors, exiting = [], [], threading.Lock(), {}, {}, {}
-    preempted: set[int] = set()  # ranks that announced they stopped for preemption
+    return base
 
-    def kill_all(sig=signal.SIGKILL):
-        for p in procs:
+
+class _Job:
+    """One launch's processes and what the launcher has seen of them: their error
+    lines and the peers they lost (:func:`_pump`), when each ended, a SIGTERM it
+    forwarded, the process that left first and the one that failed first.
+
+    :meth:`start` spawns them, :meth:`watch` polls them until all have ended (killing
+    what outlives a grace), :meth:`report` names the failure and gives the exit status.
+    """
+
+    def __init__(self, args: argparse.Namespace, out):
+        self.args, self.out, self.grace = args, out, args.grace
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.lost: dict[int, set] = {}
+        self.errors: dict[int, str] = {}
+        self.exiting: dict[int, float] = {}
+        self.preempted: set[int] = set()  # ranks that announced they stopped for preemption
+        self.term: dict[str, float] = {}  # "at": when the launcher forwarded a SIGTERM it got
+        self.ended: dict[int, float] = {}  # rank -> when its process ended (waiter threads)
+        self.first_failure = self.deadline = self.left = self.settle = None
+        self.exiting_note: dict[str, bool] = {}
+        self.old_handlers: dict = {}
+
+    def say(self, text: str, flush: bool = True) -> None:
+        with self.lock:
+            self.out.write(text)
+            if flush:
+                self.out.flush()
+
+    def kill_all(self, sig=signal.SIGKILL) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
 
-    term: dict[str, float] = {}  # "at": when the launcher forwarded a SIGTERM it got
-
-    def on_signal(signum, frame):
-        if signum == signal.SIGTERM and not term:
+    def on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGTERM and not self.term:
             # A scheduler's notice: pass it on, let the processes save and end.
             # (no output here: the main thread may hold the output lock)
-            term["at"] = time.monotonic()
-            kill_all(signal.SIGTERM)
+            self.term["at"] = time.monotonic()
+            self.kill_all(signal.SIGTERM)
             return
-        kill_all()
+        self.kill_all()
         raise SystemExit(128 + signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        for rank in range(args.nproc):
-            env = dict(base, **{ENV_PROCESS_ID: str(rank)})
-            proc = subprocess.Popen([sys.executable, "-u", args.script, *args.args], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            procs.append(proc)
-            t = threading.Thread(target=_pump, daemon=True,
-                                 args=(rank, proc.stdout, out, lock, lost, errors, exiting,
-                                       preempted))
-            t.start()
-            pumps.append(t)
-    except BaseException:
-        kill_all()
-        for s, h in old.items():
+    def _restore_handlers(self) -> None:
+        for s, h in self.old_handlers.items():
             signal.signal(s, h)
-        raise
-    if term:  # a SIGTERM while they were starting: the later ones get it too
-        kill_all(signal.SIGTERM)
-    ended: dict[int, float] = {}  # rank -> when its process ended (waiter threads)
 
-    def waiter(rank, proc):
+    def start(self, base: dict) -> None:
+        """Spawn the processes (rank r with ``base`` and its rank), each with a thread
+        copying its output and one noting when it ends; SIGTERM/SIGINT handled."""
+        self.old_handlers = {s: signal.signal(s, self.on_signal)
+                             for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for rank in range(self.args.nproc):
+                env = dict(base, **{ENV_PROCESS_ID: str(rank)})
+                proc = subprocess.Popen([sys.executable, "-u", self.args.script,
+                                         *self.args.args], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+                self.procs.append(proc)
+                t = threading.Thread(target=_pump, daemon=True,
+                                     args=(rank, proc.stdout, self.out, self.lock, self.lost,
+                                           self.errors, self.exiting, self.preempted))
+                t.start()
+                self.pumps.append(t)
+        except BaseException:
+            self.kill_all()
+            self._restore_handlers()
+            raise
+        if self.term:  # a SIGTERM while they were starting: the later ones get it too
+            self.kill_all(signal.SIGTERM)
+        for rank, proc in enumerate(self.procs):
+            threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
         proc.wait()
-        ended.setdefault(rank, time.monotonic())
+        self.ended.setdefault(rank, time.monotonic())
 
-    for rank, proc in enumerate(procs):
-        threading.Thread(target=waiter, args=(rank, proc), daemon=True).start()
-    first_failure, deadline, left, settle = None, None, None, None
-    exiting_note: dict[str, bool] = {}
-    try:
-        while True:
-            codes = [p.poll() if r in ended else None for r, p in enumerate(procs)]
-            running = [r for r, c in enumerate(codes) if c is None]
-            if term and "said" not in term:
-                term["said"] = time.monotonic()
-                with lock:
-                    out.write(f"[launch] got SIGTERM: forwarded it to every process; they "
-                              f"get {args.term_grace:g} s to save and end (--term-grace)\n")
-                    out.flush()
-            if left is None and first_failure is None and running and not term:
-                # a script that ended (exit 0, or announced by zerojax.distributed before
-                # JAX's shutdown waits for the peers) while others still run
-                done = {r: ended[r] for r, c in enumerate(codes) if c == 0}
-                done.update({r: t for r, t in exiting.items() if r not in ended})
-                done = {r: t for r, t in done.items() if r not in preempted}
-                if done and [r for r in running if r not in done]:
-                    rank = min(done, key=done.get)
-                    left = (rank, done[rank])
-            if (left is not None and "said" not in exiting_note and running and not term
-                    and first_failure is None
-                    and time.monotonic() - left[1] > max(grace, 5.0)):
-                # the others did not follow within the grace: not a normal finish (in one,
-                # the processes end within a moment of each other)
-                exiting_note["said"] = True
-                with lock:
-                    out.write(f"[launch] process {left[0]}'s script ended "
-                              f"{time.monotonic() - left[1]:.0f} s ago while processes "
-                              f"{running} still run\n")
-                    out.flush()
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if first_failure is None and failed:
-                # A peer's failure makes the others fail too, within milliseconds (a
-                # reset connection): let them all end, then name the one whose error is
-                # its own, not a lost peer's. A stalled job: every process stops making
-                # steps and reports it within a second or so of the others; the one that
-                # made the fewest steps is the one the others wait for.
-                now = time.monotonic()
-                settle = settle or now + _SETTLE
-                stalled = {r: _stall_steps(errors.get(r, "")) for r in range(len(procs))}
-                stalled = {r: n for r, n in stalled.items() if n is not None}
-                if stalled and any(r not in stalled for r in running):
-                    settle = max(settle, min(ended[r] for r in failed) + _SETTLE_STALL)
-                if now >= settle or not running:
-                    candidates = sorted(set(failed) | set(stalled))
+    def watch(self) -> None:
+        """Poll until every process has ended; then kill what is left, wait for them
+        and their output, and put the signal handlers back."""
+        try:
+            while True:
+                codes = [p.poll() if r in self.ended else None
+                         for r, p in enumerate(self.procs)]
+                running = [r for r, c in enumerate(codes) if c is None]
+                if self.term and "said" not in self.term:
+                    self.term["said"] = time.monotonic()
+                    self.say(f"[launch] got SIGTERM: forwarded it to every process; they "
+                             f"get {self.args.term_grace:g} s to save and end "
+                             "(--term-grace)\n")
+                self._note_left(codes, running)
+                self._note_failure(codes, running)
+                if not running:
+                    break
+                self._kill_overdue(running)
+                time.sleep(0.05)
+        finally:
+            self.kill_all()
+            for p in self.procs:
+                p.wait()
+            for t in self.pumps:
+                t.join(timeout=5)
+            self._restore_handlers()
 
-                    rank = min(candidates, key=lambda r, stalled=stalled, now=now: (
-                        _peer_induced(errors.get(r, "")), r in stalled, stalled.get(r, 0),
-                        ended.get(r, now)))
-                    code = codes[rank] if codes[rank] is not None else 1
-                    first_failure = (rank, code, ended.get(rank, now))
-                    deadline = now + grace
-                    with lock:
-                        out.write(f"[launch] process {rank} failed ({_describe(code)})"
-                                  f"; the others get {grace:g} s to end\n")
-                        out.flush()
-            if not running:
-                break
-            if term and "killed" not in term and time.monotonic() > term["at"] + args.term_grace:
-                term["killed"] = time.monotonic()
-                with lock:
-                    out.write(f"[launch] killing processes still running {args.term_grace:g} "
-                              f"s after SIGTERM (--term-grace): {running}\n")
-                    out.flush()
-                kill_all()
-            if deadline is not None and time.monotonic() > deadline:
-                with lock:
-                    out.write(f"[launch] killing processes still running {grace:g} s after "
-                              f"process {first_failure[0]} failed: {running}\n")
-                kill_all()
-            time.sleep(0.05)
-    finally:
-        kill_all()
-        for p in procs:
-            p.wait()
-        for t in pumps:
-            t.join(timeout=5)
-        for s, h in old.items():
-            signal.signal(s, h)
-    if first_failure is None:
-        if term:
-            with lock:
-                out.write(f"[launch] every process ended with status 0 "
-                          f"{max(ended.values()) - term['at']:.1f} s after SIGTERM\n")
-                out.flush()
-        return 0
-    rank, code, when = first_failure
-    survivors = [r for r in range(args.nproc) if r != rank]
-    with lock:
-        if left is not None and left[1] <= when:
-            then = (f"then waited {when - left[1]:.1f} s in JAX's shutdown for its peers"
-                    if left[0] == rank else f"{when - left[1]:.1f} s before process {rank} "
-                    "failed")
-            out.write(f"[launch] process {left[0]} left first: its script ended while the "
-                      f"others still ran, and {then} (a rank that returns early leaves its "
-                      "peers waiting in a collective)\n")
-        if "killed" in term:
-            out.write(f"[launch] the processes did not all end within --term-grace "
-                      f"{args.term_grace:g} s of SIGTERM and were killed\n")
-        why = f": {errors[rank]}" if rank in errors else ""
-        out.write(f"[launch] process {rank} failed first ({_describe(code)}){why}\n")
-        out.write(f"[launch] processes {survivors} ended {time.monotonic() - when:.1f} s "
-                  f"after process {rank} failed\n")
-        for reporter, ids in sorted(lost.items()):
-            out.write(f"[launch] process {reporter} was ended by the coordination service: "
-                      f"lost process(es) {sorted(ids)}\n")
-        out.flush()
-    return code if 0 < code < 256 else 128 + (-code if code < 0 else 1)
+    def _note_left(self, codes: list, running: list) -> None:
+        """A script that ended (exit 0, or announced by zerojax.distributed before JAX's
+        shutdown waits for the peers) while others still run: noted, and said when the
+        others do not follow within the grace."""
+        term, ended = self.term, self.ended
+        if self.left is None and self.first_failure is None and running and not term:
+            done = {r: ended[r] for r, c in enumerate(codes) if c == 0}
+            done.update({r: t for r, t in self.exiting.items() if r not in ended})
+            done = {r: t for r, t in done.items() if r not in self.preempted}
+            if done and [r for r in running if r not in done]:
+                rank = min(done, key=done.get)
+                self.left = (rank, done[rank])
+        left = self.left
+        if (left is not None and "said" not in self.exiting_note and running and not term
+                and self.first_failure is None
+                and time.monotonic() - left[1] > max(self.grace, 5.0)):
+            # the others did not follow within the grace: not a normal finish (in one,
+            # the processes end within a moment of each other)
+            self.exiting_note["said"] = True
+            self.say(f"[launch] process {left[0]}'s script ended "
+                     f"{time.monotonic() - left[1]:.0f} s ago while processes "
+                     f"{running} still run\n")
+
+    def _note_failure(self, codes: list, running: list) -> None:
+        """The first failure, named once the near-simultaneous ones have settled."""
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if self.first_failure is not None or not failed:
+            return
+        # A peer's failure makes the others fail too, within milliseconds (a reset
+        # connection): let them all end, then name the one whose error is its own, not a
+        # lost peer's. A stalled job: every process stops making steps and reports it
+        # within a second or so of the others; the one that made the fewest steps is the
+        # one the others wait for.
+        errors, ended = self.errors, self.ended
+        now = time.monotonic()
+        self.settle = self.settle or now + _SETTLE
+        stalled = {r: _stall_steps(errors.get(r, "")) for r in range(len(self.procs))}
+        stalled = {r: n for r, n in stalled.items() if n is not None}
+        if stalled and any(r not in stalled for r in running):
+            self.settle = max(self.settle, min(ended[r] for r in failed) + _SETTLE_STALL)
+        if now >= self.settle or not running:
+            candidates = sorted(set(failed) | set(stalled))
+
+            rank = min(candidates, key=lambda r, stalled=stalled, now=now: (
+                _peer_induced(errors.get(r, "")), r in stalled, stalled.get(r, 0),
+                ended.get(r, now)))
+            code = codes[rank] if codes[rank] is not None else 1
+            self.first_failure = (rank, code, ended.get(rank, now))
+            self.deadline = now + self.grace
+            self.say(f"[launch] process {rank} failed ({_describe(code)})"
+                     f"; the others get {self.grace:g} s to end\n")
+
+    def _kill_overdue(self, running: list) -> None:
+        """Kill what still runs --term-grace after a SIGTERM, or --grace after the
+        first failure."""
+        term, term_grace = self.term, self.args.term_grace
+        if term and "killed" not in term and time.monotonic() > term["at"] + term_grace:
+            term["killed"] = time.monotonic()
+            self.say(f"[launch] killing processes still running {term_grace:g} "
+                     f"s after SIGTERM (--term-grace): {running}\n")
+            self.kill_all()
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.say(f"[launch] killing processes still running {self.grace:g} s after "
+                     f"process {self.first_failure[0]} failed: {running}\n", flush=False)
+            self.kill_all()
+
+    def report(self) -> int:
+        """Say how the job ended (who left first, who failed first and why, who was
+        lost); the launcher's exit status."""
+        term, ended, left = self.term, self.ended, self.left
+        if self.first_failure is None:
+            if term:
+                self.say(f"[launch] every process ended with status 0 "
+                         f"{max(ended.values()) - term['at']:.1f} s after SIGTERM\n")
+            return 0
+        rank, code, when = self.first_failure
+        survivors = [r for r in range(self.args.nproc) if r != rank]
+        out = self.out
+        with self.lock:
+            if left is not None and left[1] <= when:
+                then = (f"then waited {when - left[1]:.1f} s in JAX's shutdown for its peers"
+                        if left[0] == rank else f"{when - left[1]:.1f} s before process "
+                        f"{rank} failed")
+                out.write(f"[launch] process {left[0]} left first: its script ended while "
+                          f"the others still ran, and {then} (a rank that returns early "
+                          "leaves its peers waiting in a collective)\n")
+            if "killed" in term:
+                out.write(f"[launch] the processes did not all end within --term-grace "
+                          f"{self.args.term_grace:g} s of SIGTERM and were killed\n")
+            why = f": {self.errors[rank]}" if rank in self.errors else ""
+            out.write(f"[launch] process {rank} failed first ({_describe(code)}){why}\n")
+            out.write(f"[launch] processes {survivors} ended {time.monotonic() - when:.1f} "
+                      f"s after process {rank} failed\n")
+            for reporter, ids in sorted(self.lost.items()):
+                out.write(f"[launch] process {reporter} was ended by the coordination "
+                          f"service: lost process(es) {sorted(ids)}\n")
+            out.flush()
+        return code if 0 < code < 256 else 128 + (-code if code < 0 else 1)
+
+
+def launch(argv: list[str] | None = None, out=None, prog: str = "zerojax launch") -> int:
+    """Run the launcher (``argv`` as on the command line); returns its exit status."""
+    parser = build_parser(prog)
+    unknown = _unknown_option(parser, list(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {unknown}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    refusal = _refusal(args, prog)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    job = _Job(args, out or sys.stdout)
+    job.start(_environment(args, args.port or _free_port()))
+    job.watch()
+    return job.report()
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m zerojax.cli.launch") -> None:
