@@ -277,6 +277,38 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if _initialized or jax.distributed.is_initialized():
         _initialized = True
         return jax.process_count() > 1
+    heartbeat_timeout, progress_timeout, stall_floor = _timeouts(
+        heartbeat_timeout, progress_timeout, stall_floor, initialization_timeout)
+    target = _join_target(coordinator_address, num_processes, process_id, local_device_ids)
+    if target is None:  # one process: nothing to join
+        _initialized = True
+        return False
+    coordinator_address, num_processes, process_id, local_device_ids, launch = target
+    if coordinator_address is not None and process_id == 0:
+        _check_port_free(coordinator_address)
+    if cpu_collectives and _cpu_backend():
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout)
+    _initialized = True
+    if launch is not None:
+        _check_launch_joined(launch, coordinator_address)
+    if jax.process_count() > 1:
+        atexit.register(_announce_exit)  # runs before JAX's own shutdown (registered later)
+        _install_excepthook()
+        STALL_FLOOR = float(stall_floor)
+        _start_watchdog(float(progress_timeout))
+        if launch is not None:  # zerojax launch names a dead process itself
+            _watch_local_peers()
+    return jax.process_count() > 1
+
+
+def _timeouts(heartbeat_timeout, progress_timeout, stall_floor,
+              initialization_timeout) -> tuple:
+    """:func:`initialize`'s timeouts, the unset ones from the environment or the
+    defaults, checked: ``(heartbeat_timeout, progress_timeout, stall_floor)``."""
     if heartbeat_timeout is None:
         heartbeat_timeout = _env_number(ENV_HEARTBEAT) or DEFAULT_HEARTBEAT_TIMEOUT
     if progress_timeout is None:
@@ -294,29 +326,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                             ("initialization_timeout", initialization_timeout, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ValueError(f"{name}={value!r} must be a positive number of seconds (int).")
+    return heartbeat_timeout, progress_timeout, stall_floor
+
+
+def _join_target(coordinator_address, num_processes, process_id, local_device_ids):
+    """What :func:`initialize` joins: ``(coordinator_address, num_processes,
+    process_id, local_device_ids, launch)`` from the arguments, else the
+    ``ZEROJAX_*`` variables, else a launcher's (``launch``: its :class:`Launch`, None
+    for the first two); None when this is a single process."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
         num_processes = _env_number(ENV_NUM_PROCESSES)
     if process_id is None:
         process_id = _env_number(ENV_PROCESS_ID)
     if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
-        _initialized = True  # one process on purpose (ZEROJAX_NUM_PROCESSES=1), whatever
-        return False         # a launcher's variables say
-    explicit = coordinator_address is not None or num_processes is not None
-    launch = None
-    if not explicit:
-        launch = _detect_launch()
-        if launch is not None and launch.size == 1:
-            _initialized = True
-            return False
-        if launch is not None:
-            coordinator_address = _coordinator(launch)
-            num_processes, process_id = launch.size, launch.rank
-            if local_device_ids is None and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
-                # [], not None: None would send JAX into its own cluster detection for
-                # them (jax 0.12's Open MPI 5 detection then demands mpi4py)
-                local_device_ids = _local_device_ids(launch) or []
-    if explicit:
+        return None  # one process on purpose (ZEROJAX_NUM_PROCESSES=1), whatever a
+        # launcher's variables say
+    if coordinator_address is not None or num_processes is not None:
         if num_processes is None or process_id is None or coordinator_address is None:
             raise ValueError(
                 f"initialize: coordinator_address={coordinator_address!r}, "
@@ -328,41 +354,40 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             raise ValueError(f"initialize: process_id={process_id} must lie in "
                              f"[0, num_processes={num_processes}).")
         if num_processes == 1:
-            _initialized = True
-            return False
-    elif launch is None and not _cluster_detected():
-        _initialized = True
-        return False
-    if coordinator_address is not None and process_id == 0:
-        _check_port_free(coordinator_address)
-    if cpu_collectives and _cpu_backend():
-        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(
-        coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
-        initialization_timeout=initialization_timeout,
-        heartbeat_timeout_seconds=heartbeat_timeout)
-    _initialized = True
-    if launch is not None and jax.process_count() != launch.size:
+            return None
+        return coordinator_address, num_processes, process_id, local_device_ids, None
+    launch = _detect_launch()
+    if launch is None:
+        if not _cluster_detected():
+            return None
+        return coordinator_address, num_processes, process_id, local_device_ids, None
+    if launch.size == 1:
+        return None
+    coordinator_address = _coordinator(launch)
+    if local_device_ids is None and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        # [], not None: None would send JAX into its own cluster detection for
+        # them (jax 0.12's Open MPI 5 detection then demands mpi4py)
+        local_device_ids = _local_device_ids(launch) or []
+    return coordinator_address, launch.size, launch.rank, local_device_ids, launch
+
+
+def _check_launch_joined(launch, coordinator_address: str) -> None:
+    """After joining by a launcher's variables: JAX joined as many processes as the
+    launcher started; each says its pid and host, for a launcher that names a dead
+    process by them."""
+    if jax.process_count() != launch.size:
         raise RuntimeError(
             f"zerojax.distributed.initialize: {launch.describe()} says the job has "
             f"{launch.size} processes, but JAX joined {jax.process_count()} "
             f"(this one is {jax.process_index()}). Every process of the job must call "
             "initialize() with the same launcher environment.")
-    if launch is not None and jax.process_count() > 1:
+    if jax.process_count() > 1:
         # a launcher that reports a dead process by its pid (MPICH's Hydra) or host:
         # this line ties it to the rank
         print(f"zerojax.distributed: process {jax.process_index()} of {jax.process_count()} "
               f"is pid {os.getpid()} on {socket.gethostname()}, started by "
               f"{launch.launcher}, coordinator {coordinator_address}.", file=sys.stderr,
               flush=True)
-    if jax.process_count() > 1:
-        atexit.register(_announce_exit)  # runs before JAX's own shutdown (registered later)
-        _install_excepthook()
-        STALL_FLOOR = float(stall_floor)
-        _start_watchdog(float(progress_timeout))
-        if launch is not None:  # zerojax launch names a dead process itself
-            _watch_local_peers()
-    return jax.process_count() > 1
 
 
 def _check_port_free(address: str) -> None:
