@@ -281,6 +281,23 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
     import jax.numpy as jnp
 
     precision = "fp32" if p.param_dtype is None else jnp.dtype(p.param_dtype).name
+    out = "\n".join(_plan_head(p, memory_note, precision)) + "\n"
+    table, nvme = _plan_table(p)
+    out += table + _plan_columns(p, nvme) + _plan_assumptions(p)
+    if p.largest:
+        out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
+        out += _table(["option set", "layers", "hidden", "heads", "Psi"],
+                      [[label, str(s.layers) if s else "-", str(s.hidden) if s else "-",
+                        str(s.heads) if s else "-", human(psi) if s else "none"]
+                       for label, s, psi in p.largest])
+    if p.links:
+        out += _plan_links(p, precision)
+    out += f"\n\nrecommendation: {recommendation(p)}\n({NOT_COUNTED})"
+    return out
+
+
+def _plan_head(p: ModelPlan, memory_note: str, precision: str) -> list[str]:
+    """The model plan's setting: the mesh and memory, the model, its attention."""
     nodes = ""
     if p.devices_per_node:
         n_nodes = -(-p.devices // p.devices_per_node)
@@ -307,6 +324,12 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             else "explicit, float32 s x s scores materialised per layer being recomputed"))
     if memory_note:
         head.append(memory_note)
+    return head
+
+
+def _plan_table(p: ModelPlan) -> tuple[str, bool]:
+    """The model plan's rows (one per option set), and whether an =nvme row is
+    among them."""
     header = ["option set", "step (ms)", "tokens/s", "params", "grads", "optim", "act",
               "other", "peak", "fits", "traffic", "host", "host/node"]
     nvme = any(r.nvme for r in p.rows)
@@ -324,7 +347,11 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                      fits, r.traffic_bytes, r.host_traffic_bytes, r.host_bytes]
                     + ([r.disk_bytes if r.nvme else None] if nvme else []))
     size_columns(header, rows, [3, 4, 5, 6, 7, 8, 10, 11, 12] + ([13] if nvme else []))
-    out = "\n".join(head) + "\n" + _table(header, rows)
+    return _table(header, rows), nvme
+
+
+def _plan_columns(p: ModelPlan, nvme: bool) -> str:
+    """How the columns make the peak: what each holds, host and disk."""
     host_note = (f"host memory {_size(p.host_memory_bytes)} per node, "
                  f"{p.node_devices} devices per node" if p.host_memory_bytes is not None
                  else "host memory not checked")
@@ -346,7 +373,7 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             "node" + (" (--disk-bandwidth)" if p.disk_bandwidth else
                       " (one local NVMe SSD; a RAID of k drives: --disk-bandwidth)")
             + ", overlapped with the PCIe transfers: max(PCIe, disk)")
-    out += ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
+    return ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
             "bytes at the peak are inside other. params/optim: what init_state places on "
             "the device; grads: the gradient handed to the update; other: gradients in "
             "flight, working copies, the batch and --reserve at the step's peak (+ "
@@ -354,6 +381,11 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
             "offloaded state moved in and out per step; host/node: the pinned host memory "
             f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
             f"not the host{disk_note})")
+
+
+def _plan_assumptions(p: ModelPlan) -> str:
+    """What the step times assume (the accelerator preset), and Ulysses' all-to-alls."""
+    out, sp = "", p.seq_parallel
     if p.accelerator is not None:
         a = p.accelerator
         out += (f"\n(step, tokens/s: predicted for {a.name} by zerojax.analysis.cost: "
@@ -371,36 +403,35 @@ def format_model_plan(p: ModelPlan, memory_note: str = "") -> str:
                 f"{_size(a2a)} per device per step (4 per layer forward, (P - 1) / P "
                 "of each; x 2 with the backward, x 3 with full remat), in the step time: "
                 "zerojax.analysis.report.ulysses_bytes)")
-    if p.largest:
-        out += "\n\nlargest model that fits (layers = L, hidden = 128 L family):\n"
-        out += _table(["option set", "layers", "hidden", "heads", "Psi"],
-                      [[label, str(s.layers) if s else "-", str(s.hidden) if s else "-",
-                        str(s.heads) if s else "-", human(psi) if s else "none"]
-                       for label, s, psi in p.largest])
-    if p.links:
-        unit = p.num_params * jnp.dtype(p.param_dtype or jnp.float32).itemsize
-        out += (f"\n\nhierarchical sharding at stage 3: the step's peak and the traffic by "
-                f"link, per device per step "
-                f"({p.devices // p.devices_per_node} nodes x {p.devices_per_node}; "
-                "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
-                f"{precision}):\n")
-        peaks = {r.label: r for r in p.link_rows}
-        header = ["option set", "peak", "fits", "inside a node", "across nodes",
-                  "inside (Psi)", "across (Psi)", "step (ms)"]
-        rows = [[label, peaks[label].peak if label in peaks else None,
-                 ("yes" if peaks[label].fits else "no") if label in peaks else "-",
-                 inside, across, f"{inside / unit:.3f}", f"{across / unit:.3f}",
-                 _ms(peaks[label].step_time) if label in peaks and peaks[label].time
-                 else "-"] for label, inside, across in p.links]
-        size_columns(header, rows, (1, 3, 4))
-        out += _table(header, rows)
-        out += ("\n(qwZ int8: 1 byte + a 4-byte scale per 2048 elements; qgZ int4: zero()'s "
-                "default, block 256 + stochastic rounding, half a byte + a 4-byte scale per "
-                "256 (1/8 + 1/256 of fp32's bytes); measured loss cost on the demo's "
-                "char-level task (benchmarks/README.md, 'ZeRO++ convergence', 3 seeds, 1,000 "
-                "steps): held-out +0.008 nats against exact stage 3, int8's level "
-                "(block 2048 + round-to-nearest: 1/8 + 1/2048 of the bytes, +0.063))")
-    out += f"\n\nrecommendation: {recommendation(p)}\n({NOT_COUNTED})"
+    return out
+
+
+def _plan_links(p: ModelPlan, precision: str) -> str:
+    """The hierarchical rows: peak and traffic by link, at stage 3."""
+    import jax.numpy as jnp
+
+    unit = p.num_params * jnp.dtype(p.param_dtype or jnp.float32).itemsize
+    out = (f"\n\nhierarchical sharding at stage 3: the step's peak and the traffic by "
+           f"link, per device per step "
+           f"({p.devices // p.devices_per_node} nodes x {p.devices_per_node}; "
+           "zerojax.analysis.plan.link_traffic; Psi: the params' bytes in "
+           f"{precision}):\n")
+    peaks = {r.label: r for r in p.link_rows}
+    header = ["option set", "peak", "fits", "inside a node", "across nodes",
+              "inside (Psi)", "across (Psi)", "step (ms)"]
+    rows = [[label, peaks[label].peak if label in peaks else None,
+             ("yes" if peaks[label].fits else "no") if label in peaks else "-",
+             inside, across, f"{inside / unit:.3f}", f"{across / unit:.3f}",
+             _ms(peaks[label].step_time) if label in peaks and peaks[label].time
+             else "-"] for label, inside, across in p.links]
+    size_columns(header, rows, (1, 3, 4))
+    out += _table(header, rows)
+    out += ("\n(qwZ int8: 1 byte + a 4-byte scale per 2048 elements; qgZ int4: zero()'s "
+            "default, block 256 + stochastic rounding, half a byte + a 4-byte scale per "
+            "256 (1/8 + 1/256 of fp32's bytes); measured loss cost on the demo's "
+            "char-level task (benchmarks/README.md, 'ZeRO++ convergence', 3 seeds, 1,000 "
+            "steps): held-out +0.008 nats against exact stage 3, int8's level "
+            "(block 2048 + round-to-nearest: 1/8 + 1/2048 of the bytes, +0.063))")
     return out
 
 
