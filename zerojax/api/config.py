@@ -246,153 +246,13 @@ class ZeroConfig:
     deterministic_reduce: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in STAGES:
-            raise ValueError(
-                f"stage={self.stage!r} is not a ZeRO stage: use 0 (plain data parallelism), "
-                "1 (partition optimizer state), 2 (+ gradients) or 3 (+ parameters)."
-            )
-        object.__setattr__(self, "param_dtype", _as_float_dtype("param_dtype", self.param_dtype))
-        object.__setattr__(self, "reduce_dtype",
-                           _as_float_dtype("reduce_dtype", self.reduce_dtype))
-        if self.max_grad_norm is not None and not (
-                isinstance(self.max_grad_norm, (int, float, np.floating))
-                and not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):
-            raise ValueError(
-                f"max_grad_norm={self.max_grad_norm!r} must be a positive number "
-                "(the global L2 norm to clip to) or None for no clipping."
-            )
-        _positive_int("accum_steps", self.accum_steps, "micro-batches per step")
-        if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
-            object.__setattr__(self, "loss_scale", "dynamic" if self.param_dtype == jnp.float16
-                               else None)
-        if self.loss_scale is not None and self.loss_scale != "dynamic" and not (
-                isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
-                and self.loss_scale > 0):
-            raise ValueError(
-                f"loss_scale={self.loss_scale!r} must be 'auto', None, 'dynamic' or a "
-                "positive number (a static scale)."
-            )
-        for name in ("loss_scale_init", "loss_scale_min", "loss_scale_growth_factor"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be positive.")
-        if not 0 < float(self.loss_scale_backoff) < 1:
-            raise ValueError(
-                f"loss_scale_backoff={self.loss_scale_backoff!r} must be in (0, 1), "
-                "e.g. 0.5 to halve the scale on overflow."
-            )
-        if float(self.loss_scale_growth_factor) < 1:
-            raise ValueError(
-                f"loss_scale_growth_factor={self.loss_scale_growth_factor!r} must be >= 1.")
-        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval,
-                      "finite steps before the scale grows")
-        _positive_int("loss_scale_hysteresis", self.loss_scale_hysteresis,
-                      "overflows tolerated before the scale backs off")
-        if self.bucket_size is not None:
-            _positive_int("bucket_size", self.bucket_size, "elements per collective buffer")
-        for name in ("prefetch", "donate", "has_aux", "deterministic_reduce"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
-        for name in ("offload_optimizer", "offload_params"):
-            value = getattr(self, name)
-            if isinstance(value, str) and value == "nvme":
-                continue  # the NVMe tier: checked by nvme.check_config
-            if not isinstance(value, bool):
-                alt = (" or 'nvme' (files under nvme_path: DeepSpeed's {'device': 'nvme'})"
-                        if name == "offload_optimizer" else
-                        " or 'nvme' (stage 3, with offload_optimizer='nvme': files under "
-                        "nvme_path)")
-                raise ValueError(
-                    f"{name}={value!r} must be True or False{alt}: True keeps it in host "
-                    "memory (pinned_host; DeepSpeed's "
-                    f"{{'device': 'cpu'}} is {name}=True here).")
-        from zerojax.tiers import nvme
-
-        nvme.check_config(self)
-        if self.offload_optimizer is True and self.stage == 0:
-            raise ValueError(
-                "offload_optimizer=True needs stage 1, 2 or 3: at stage 0 the optimizer state "
-                "is replicated, so each device's host copy would be the whole state (N "
-                "copies in one host's memory, N times the transfers). Use stage=1: the same "
-                "step traffic, and each device offloads only its 1/N of the state.")
-        if self.offload_params and self.stage != 3:
-            raise ValueError(
-                f"offload_params=True needs stage=3 (got stage={self.stage}): only stage 3 "
-                "partitions the parameters, so only there does each device hold a shard it "
-                "can keep in host memory and fetch at its use. Use zero(..., stage=3, "
-                "offload_params=True), or offload_optimizer=True alone at this stage.")
-        if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(
-                f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES} (or None "
-                "to keep the model's own checkpointing)."
-            )
-        if not isinstance(self.min_shard_size, int) or self.min_shard_size < 0:
-            raise ValueError(
-                f"min_shard_size={self.min_shard_size!r} must be a non-negative int "
-                "(number of elements below which a leaf stays replicated)."
-            )
-        if not isinstance(self.data_axis, str) or not self.data_axis:
-            raise ValueError(f"data_axis={self.data_axis!r} must be a mesh axis name.")
-        self._check_hierarchical()
-        self._check_quantize()
-
-    def _check_quantize(self) -> None:
-        """``quantize_weights`` / ``quantize_gradients`` (ZeRO++ qwZ / qgZ); the mesh's
-        model axis is checked by ``zero()``."""
-        qw, qg = self.quantize_weights, self.quantize_gradients
-        if qw is not None and (not isinstance(qw, str) or qw not in QUANTIZE_WEIGHTS):
-            raise ValueError(
-                f"quantize_weights={qw!r} is not supported: use 'int8' (ZeRO++ qwZ: int8 "
-                "blocks plus per-block scales; int4 weights lose too much, see "
-                "zerojax.quant) or None for exact gathers.")
-        if qg is not None and (not isinstance(qg, str) or qg not in QUANTIZE_GRADIENTS):
-            raise ValueError(
-                f"quantize_gradients={qg!r} is not supported: use 'int8' or 'int4' (ZeRO++ "
-                "qgZ) or None for exact gradient reductions.")
-        if qw is not None and self.stage != 3:
-            raise ValueError(
-                f"quantize_weights={qw!r} needs stage=3 (got stage={self.stage}): only stage "
-                "3 all-gathers the parameters before their use. Use zero(tx, mesh, stage=3, "
-                f"quantize_weights={qw!r}), or quantize_gradients= at stage 2.")
-        if qg is not None and self.stage not in (2, 3):
-            raise ValueError(
-                f"quantize_gradients={qg!r} needs stage 2 or 3 (got stage={self.stage}): "
-                "qgZ quantizes the reduce-scatter of each gradient as it is produced, which "
-                "stages 0-1 replace by one reduction of the whole accumulated gradient. Use "
-                f"zero(tx, mesh, stage=2, quantize_gradients={qg!r}).")
-        self._check_gradient_options()
-        given = [f"{name}={v!r}" for name, v in (("quantize_weights", qw),
-                                                ("quantize_gradients", qg)) if v is not None]
-        if given and self.bucket_size is not None:
-            raise ValueError(
-                f"{' and '.join(given)} with bucket_size={self.bucket_size} is not "
-                "implemented: the quantized collectives run one per leaf (each already a "
-                "1/4 or 1/8 size buffer). Drop bucket_size, or the quantization.")
-        if given and (self.offload_optimizer or self.offload_params):
-            raise ValueError(
-                f"{' and '.join(given)} with offload_optimizer / offload_params is not "
-                "implemented: use ZeRO++ quantization or offloading, not both.")
-
-    def _check_gradient_options(self) -> None:
-        """``quantize_gradients_block`` / ``quantize_gradients_rounding``."""
-        from zerojax.core.quant import ROUNDINGS
-
-        block, rounding = self.quantize_gradients_block, self.quantize_gradients_rounding
-        if rounding is not None and (not isinstance(rounding, str) or rounding not in ROUNDINGS):
-            raise ValueError(
-                f"quantize_gradients_rounding={rounding!r} is not supported: use 'nearest' "
-                "(round to nearest), 'stochastic' (unbiased rounding) or None (int4: "
-                "'stochastic', int8: 'nearest').")
-        if block is not None and (isinstance(block, bool) or not isinstance(
-                block, (int, np.integer)) or block < 2 or block % 2):
-            raise ValueError(
-                f"quantize_gradients_block={block!r} must be an even int >= 2 (elements per "
-                "quantization block, one float32 scale each), e.g. 256, or None (int4: 256, "
-                "int8: 2048; zerojax.quant.GRAD_DEFAULTS).")
-        if self.quantize_gradients is None and (block is not None or rounding is not None):
-            raise ValueError(
-                f"quantize_gradients_block={block!r} / quantize_gradients_rounding="
-                f"{rounding!r} set without quantize_gradients: pass quantize_gradients="
-                "'int4' (or 'int8') too, or drop them.")
+        # the checks, by concern, in the functions below the class (each error names
+        # the option, its value and the fix)
+        _check_stage_and_precision(self)
+        _check_loss_scale(self)
+        _check_memory_options(self)
+        _check_hierarchical(self)
+        _check_quantize(self)
 
     @property
     def weight_bits(self) -> int | None:
@@ -416,59 +276,6 @@ class ZeroConfig:
         return grad_quant(_BITS[self.quantize_gradients], self.quantize_gradients_block,
                           self.quantize_gradients_rounding)
 
-    def _check_hierarchical(self) -> None:
-        """``replica_axis`` / ``hpz`` on their own; the mesh is checked by ``zero()``."""
-        if not isinstance(self.hpz, bool):
-            raise ValueError(
-                f"hpz={self.hpz!r} must be True or False: True keeps a secondary copy of the "
-                "stage-3 parameters partitioned inside each node (ZeRO++ hpZ), e.g. "
-                "zero(tx, mesh, stage=3, hpz=True).")
-        if self.replica_axis is not None and (not isinstance(self.replica_axis, str)
-                                              or not self.replica_axis):
-            raise ValueError(
-                f"replica_axis={self.replica_axis!r} must be the name of a mesh axis (e.g. "
-                "'replica' of zerojax.make_mesh(replica=2, data=4)) or None.")
-        if self.data_axis == REPLICA and self.replica_axis is None:
-            raise ValueError(
-                f"data_axis={self.data_axis!r} names the outer (node) axis of "
-                f"zerojax.make_mesh(replica=R, data=D), which zerojax already uses as the "
-                f"replica level (plain ZeRO partitions over ('replica', 'data')): the two "
-                f"levels would be the same axis. Keep the default data_axis='data' (plain "
-                f"ZeRO over replica x data, or replica_axis='replica' for HSDP); on a mesh "
-                f"of your own, name the partitioned axis something else than 'replica', or "
-                f"pass replica_axis= naming the outer axis.")
-        if self.replica_axis == MODEL:
-            opt = "hpz=True with " if self.hpz else ""
-            raise ValueError(
-                f"{opt}replica_axis={self.replica_axis!r} names the tensor-parallel axis of "
-                f"zerojax.make_mesh(data=D, model=M): the model's weights are split over it, "
-                f"so it cannot hold whole replicas of the model state. Use "
-                f"make_mesh(replica=R, data=D, model=M) and replica_axis='replica'"
-                f"{', hpz=True' if self.hpz else ''}, or drop replica_axis (plain ZeRO over "
-                f"{self.data_axis!r}).")
-        if self.replica_axis is not None and self.replica_axis == self.data_axis:
-            raise ValueError(
-                f"replica_axis={self.replica_axis!r} is the data axis itself: it must name the "
-                f"outer (node) axis the model states are replicated over, e.g. "
-                f"make_mesh(replica=2, data=4) and replica_axis='replica'.")
-        if self.hpz and self.stage != 3:
-            raise ValueError(
-                f"hpz=True needs stage=3 (got stage={self.stage}): hpZ keeps a secondary copy "
-                "of the partitioned parameters, which only stage 3 partitions. Use "
-                "zero(tx, mesh, stage=3, hpz=True), or replica_axis='replica' (HSDP) at "
-                f"stage {self.stage}.")
-        if self.replica_axis is not None and self.stage == 0 and not self.hpz:
-            raise ValueError(
-                f"replica_axis={self.replica_axis!r} needs stage 1, 2 or 3: stage 0 partitions "
-                "nothing, so there is nothing to keep inside a node. Drop replica_axis (stage "
-                "0 all-reduces the gradients over every device) or use stage=1.")
-        if (self.hpz or self.replica_axis is not None) and (
-                self.offload_optimizer or self.offload_params):
-            opt = "hpz=True" if self.hpz else f"replica_axis={self.replica_axis!r}"
-            raise ValueError(
-                f"{opt} with offload_optimizer / offload_params is not implemented: use "
-                "hierarchical sharding or offloading, not both.")
-
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale == "dynamic"
@@ -484,6 +291,219 @@ class ZeroConfig:
         return cls(**kwargs)
 
 
+def _check_stage_and_precision(c: ZeroConfig) -> None:
+    """``stage``, the dtypes (made ``jnp.dtype``), ``max_grad_norm``, ``accum_steps``,
+    ``loss_scale`` (``"auto"`` resolved from ``param_dtype``)."""
+    if isinstance(c.stage, bool) or c.stage not in STAGES:
+        raise ValueError(
+            f"stage={c.stage!r} is not a ZeRO stage: use 0 (plain data parallelism), "
+            "1 (partition optimizer state), 2 (+ gradients) or 3 (+ parameters)."
+        )
+    object.__setattr__(c, "param_dtype", _as_float_dtype("param_dtype", c.param_dtype))
+    object.__setattr__(c, "reduce_dtype",
+                       _as_float_dtype("reduce_dtype", c.reduce_dtype))
+    if c.max_grad_norm is not None and not (
+            isinstance(c.max_grad_norm, (int, float, np.floating))
+            and not isinstance(c.max_grad_norm, bool) and c.max_grad_norm > 0):
+        raise ValueError(
+            f"max_grad_norm={c.max_grad_norm!r} must be a positive number "
+            "(the global L2 norm to clip to) or None for no clipping."
+        )
+    _positive_int("accum_steps", c.accum_steps, "micro-batches per step")
+    if isinstance(c.loss_scale, str) and c.loss_scale == "auto":
+        object.__setattr__(c, "loss_scale", "dynamic" if c.param_dtype == jnp.float16
+                           else None)
+    if c.loss_scale is not None and c.loss_scale != "dynamic" and not (
+            isinstance(c.loss_scale, (int, float)) and not isinstance(c.loss_scale, bool)
+            and c.loss_scale > 0):
+        raise ValueError(
+            f"loss_scale={c.loss_scale!r} must be 'auto', None, 'dynamic' or a "
+            "positive number (a static scale)."
+        )
+
+
+def _check_loss_scale(c: ZeroConfig) -> None:
+    """The dynamic loss scale's settings (``loss_scale_*``)."""
+    for name in ("loss_scale_init", "loss_scale_min", "loss_scale_growth_factor"):
+        if not float(getattr(c, name)) > 0:
+            raise ValueError(f"{name}={getattr(c, name)!r} must be positive.")
+    if not 0 < float(c.loss_scale_backoff) < 1:
+        raise ValueError(
+            f"loss_scale_backoff={c.loss_scale_backoff!r} must be in (0, 1), "
+            "e.g. 0.5 to halve the scale on overflow."
+        )
+    if float(c.loss_scale_growth_factor) < 1:
+        raise ValueError(
+            f"loss_scale_growth_factor={c.loss_scale_growth_factor!r} must be >= 1.")
+    _positive_int("loss_scale_growth_interval", c.loss_scale_growth_interval,
+                  "finite steps before the scale grows")
+    _positive_int("loss_scale_hysteresis", c.loss_scale_hysteresis,
+                  "overflows tolerated before the scale backs off")
+
+
+def _check_memory_options(c: ZeroConfig) -> None:
+    """Buckets, the on/off flags, offloading (host and NVMe), ``remat_policy``,
+    ``min_shard_size``, ``data_axis``."""
+    if c.bucket_size is not None:
+        _positive_int("bucket_size", c.bucket_size, "elements per collective buffer")
+    for name in ("prefetch", "donate", "has_aux", "deterministic_reduce"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name}={getattr(c, name)!r} must be True or False.")
+    for name in ("offload_optimizer", "offload_params"):
+        value = getattr(c, name)
+        if isinstance(value, str) and value == "nvme":
+            continue  # the NVMe tier: checked by nvme.check_config
+        if not isinstance(value, bool):
+            alt = (" or 'nvme' (files under nvme_path: DeepSpeed's {'device': 'nvme'})"
+                    if name == "offload_optimizer" else
+                    " or 'nvme' (stage 3, with offload_optimizer='nvme': files under "
+                    "nvme_path)")
+            raise ValueError(
+                f"{name}={value!r} must be True or False{alt}: True keeps it in host "
+                "memory (pinned_host; DeepSpeed's "
+                f"{{'device': 'cpu'}} is {name}=True here).")
+    from zerojax.tiers import nvme
+
+    nvme.check_config(c)
+    if c.offload_optimizer is True and c.stage == 0:
+        raise ValueError(
+            "offload_optimizer=True needs stage 1, 2 or 3: at stage 0 the optimizer state "
+            "is replicated, so each device's host copy would be the whole state (N "
+            "copies in one host's memory, N times the transfers). Use stage=1: the same "
+            "step traffic, and each device offloads only its 1/N of the state.")
+    if c.offload_params and c.stage != 3:
+        raise ValueError(
+            f"offload_params=True needs stage=3 (got stage={c.stage}): only stage 3 "
+            "partitions the parameters, so only there does each device hold a shard it "
+            "can keep in host memory and fetch at its use. Use zero(..., stage=3, "
+            "offload_params=True), or offload_optimizer=True alone at this stage.")
+    if c.remat_policy is not None and c.remat_policy not in REMAT_POLICIES:
+        raise ValueError(
+            f"remat_policy={c.remat_policy!r} is not one of {REMAT_POLICIES} (or None "
+            "to keep the model's own checkpointing)."
+        )
+    if not isinstance(c.min_shard_size, int) or c.min_shard_size < 0:
+        raise ValueError(
+            f"min_shard_size={c.min_shard_size!r} must be a non-negative int "
+            "(number of elements below which a leaf stays replicated)."
+        )
+    if not isinstance(c.data_axis, str) or not c.data_axis:
+        raise ValueError(f"data_axis={c.data_axis!r} must be a mesh axis name.")
+
+
+def _check_hierarchical(c: ZeroConfig) -> None:
+    """``replica_axis`` / ``hpz`` on their own; the mesh is checked by ``zero()``."""
+    if not isinstance(c.hpz, bool):
+        raise ValueError(
+            f"hpz={c.hpz!r} must be True or False: True keeps a secondary copy of the "
+            "stage-3 parameters partitioned inside each node (ZeRO++ hpZ), e.g. "
+            "zero(tx, mesh, stage=3, hpz=True).")
+    if c.replica_axis is not None and (not isinstance(c.replica_axis, str)
+                                          or not c.replica_axis):
+        raise ValueError(
+            f"replica_axis={c.replica_axis!r} must be the name of a mesh axis (e.g. "
+            "'replica' of zerojax.make_mesh(replica=2, data=4)) or None.")
+    if c.data_axis == REPLICA and c.replica_axis is None:
+        raise ValueError(
+            f"data_axis={c.data_axis!r} names the outer (node) axis of "
+            f"zerojax.make_mesh(replica=R, data=D), which zerojax already uses as the "
+            f"replica level (plain ZeRO partitions over ('replica', 'data')): the two "
+            f"levels would be the same axis. Keep the default data_axis='data' (plain "
+            f"ZeRO over replica x data, or replica_axis='replica' for HSDP); on a mesh "
+            f"of your own, name the partitioned axis something else than 'replica', or "
+            f"pass replica_axis= naming the outer axis.")
+    if c.replica_axis == MODEL:
+        opt = "hpz=True with " if c.hpz else ""
+        raise ValueError(
+            f"{opt}replica_axis={c.replica_axis!r} names the tensor-parallel axis of "
+            f"zerojax.make_mesh(data=D, model=M): the model's weights are split over it, "
+            f"so it cannot hold whole replicas of the model state. Use "
+            f"make_mesh(replica=R, data=D, model=M) and replica_axis='replica'"
+            f"{', hpz=True' if c.hpz else ''}, or drop replica_axis (plain ZeRO over "
+            f"{c.data_axis!r}).")
+    if c.replica_axis is not None and c.replica_axis == c.data_axis:
+        raise ValueError(
+            f"replica_axis={c.replica_axis!r} is the data axis itself: it must name the "
+            f"outer (node) axis the model states are replicated over, e.g. "
+            f"make_mesh(replica=2, data=4) and replica_axis='replica'.")
+    if c.hpz and c.stage != 3:
+        raise ValueError(
+            f"hpz=True needs stage=3 (got stage={c.stage}): hpZ keeps a secondary copy "
+            "of the partitioned parameters, which only stage 3 partitions. Use "
+            "zero(tx, mesh, stage=3, hpz=True), or replica_axis='replica' (HSDP) at "
+            f"stage {c.stage}.")
+    if c.replica_axis is not None and c.stage == 0 and not c.hpz:
+        raise ValueError(
+            f"replica_axis={c.replica_axis!r} needs stage 1, 2 or 3: stage 0 partitions "
+            "nothing, so there is nothing to keep inside a node. Drop replica_axis (stage "
+            "0 all-reduces the gradients over every device) or use stage=1.")
+    if (c.hpz or c.replica_axis is not None) and (
+            c.offload_optimizer or c.offload_params):
+        opt = "hpz=True" if c.hpz else f"replica_axis={c.replica_axis!r}"
+        raise ValueError(
+            f"{opt} with offload_optimizer / offload_params is not implemented: use "
+            "hierarchical sharding or offloading, not both.")
+
+
+def _check_quantize(c: ZeroConfig) -> None:
+    """``quantize_weights`` / ``quantize_gradients`` (ZeRO++ qwZ / qgZ); the mesh's
+    model axis is checked by ``zero()``."""
+    qw, qg = c.quantize_weights, c.quantize_gradients
+    if qw is not None and (not isinstance(qw, str) or qw not in QUANTIZE_WEIGHTS):
+        raise ValueError(
+            f"quantize_weights={qw!r} is not supported: use 'int8' (ZeRO++ qwZ: int8 "
+            "blocks plus per-block scales; int4 weights lose too much, see "
+            "zerojax.quant) or None for exact gathers.")
+    if qg is not None and (not isinstance(qg, str) or qg not in QUANTIZE_GRADIENTS):
+        raise ValueError(
+            f"quantize_gradients={qg!r} is not supported: use 'int8' or 'int4' (ZeRO++ "
+            "qgZ) or None for exact gradient reductions.")
+    if qw is not None and c.stage != 3:
+        raise ValueError(
+            f"quantize_weights={qw!r} needs stage=3 (got stage={c.stage}): only stage "
+            "3 all-gathers the parameters before their use. Use zero(tx, mesh, stage=3, "
+            f"quantize_weights={qw!r}), or quantize_gradients= at stage 2.")
+    if qg is not None and c.stage not in (2, 3):
+        raise ValueError(
+            f"quantize_gradients={qg!r} needs stage 2 or 3 (got stage={c.stage}): "
+            "qgZ quantizes the reduce-scatter of each gradient as it is produced, which "
+            "stages 0-1 replace by one reduction of the whole accumulated gradient. Use "
+            f"zero(tx, mesh, stage=2, quantize_gradients={qg!r}).")
+    _check_gradient_options(c)
+    given = [f"{name}={v!r}" for name, v in (("quantize_weights", qw),
+                                            ("quantize_gradients", qg)) if v is not None]
+    if given and c.bucket_size is not None:
+        raise ValueError(
+            f"{' and '.join(given)} with bucket_size={c.bucket_size} is not "
+            "implemented: the quantized collectives run one per leaf (each already a "
+            "1/4 or 1/8 size buffer). Drop bucket_size, or the quantization.")
+    if given and (c.offload_optimizer or c.offload_params):
+        raise ValueError(
+            f"{' and '.join(given)} with offload_optimizer / offload_params is not "
+            "implemented: use ZeRO++ quantization or offloading, not both.")
+
+
+def _check_gradient_options(c: ZeroConfig) -> None:
+    """``quantize_gradients_block`` / ``quantize_gradients_rounding``."""
+    from zerojax.core.quant import ROUNDINGS
+
+    block, rounding = c.quantize_gradients_block, c.quantize_gradients_rounding
+    if rounding is not None and (not isinstance(rounding, str) or rounding not in ROUNDINGS):
+        raise ValueError(
+            f"quantize_gradients_rounding={rounding!r} is not supported: use 'nearest' "
+            "(round to nearest), 'stochastic' (unbiased rounding) or None (int4: "
+            "'stochastic', int8: 'nearest').")
+    if block is not None and (isinstance(block, bool) or not isinstance(
+            block, (int, np.integer)) or block < 2 or block % 2):
+        raise ValueError(
+            f"quantize_gradients_block={block!r} must be an even int >= 2 (elements per "
+            "quantization block, one float32 scale each), e.g. 256, or None (int4: 256, "
+            "int8: 2048; zerojax.quant.GRAD_DEFAULTS).")
+    if c.quantize_gradients is None and (block is not None or rounding is not None):
+        raise ValueError(
+            f"quantize_gradients_block={block!r} / quantize_gradients_rounding="
+            f"{rounding!r} set without quantize_gradients: pass quantize_gradients="
+            "'int4' (or 'int8') too, or drop them.")
 def _positive_int(name: str, value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int ({what}).")
