@@ -164,10 +164,8 @@ def run(args: argparse.Namespace) -> int:
     import jax  # XLA reads XLA_FLAGS when jax starts its CPU backend, i.e. below
     import jax.numpy as jnp
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
     import zerojax
-    from zerojax.analysis import compiled_memory, device_bytes
     from zerojax.models.gpt import GPT, GPTConfig, gpt_params, lm_loss
 
     have = jax.device_count()
@@ -193,6 +191,34 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=3 + len(args.stages) + args.warmup + args.steps, desc="compiling",
                unit="", disable=not args.progress, dynamic_ncols=True, mininterval=0.5,
                file=sys.stderr, leave=False)
+    runs = _compile_runs(args, mesh, cfg, params, batch, tx, loss_fn, bar)
+    bar.set_description("stepping (all runs in turn)")
+    for i in range(args.warmup + args.steps):
+        for r in runs:
+            start = time.perf_counter()
+            jax.block_until_ready(r.advance())
+            if i >= args.warmup:
+                r.times.append(time.perf_counter() - start)
+        bar.update()
+
+    bar.close()
+    _print_table(args, runs, psi)
+    return 0
+
+
+def _compile_runs(args: argparse.Namespace, mesh, cfg, params, batch, tx, loss_fn,
+                  bar) -> list[_Run]:
+    """The runs compiled, in the table's order: the plain jax.jit baselines (one device,
+    data parallel, FSDP), then zerojax at each of --stages."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+    import zerojax
+    from zerojax.analysis import device_bytes
+    from zerojax.models.gpt import GPT, lm_loss
+
+    n = args.devices
     runs: list[_Run] = []
     one = SingleDeviceSharding(jax.devices()[0])
     runs.append(_plain_run(RUN_NAMES[0], tx, loss_fn, params, batch, one, one, one))
@@ -231,16 +257,18 @@ def run(args: argparse.Namespace) -> int:
                          + device_bytes(box["state"].opt_state, dev)))
         bar.update()
 
-    bar.set_description("stepping (all runs in turn)")
-    for i in range(args.warmup + args.steps):
-        for r in runs:
-            start = time.perf_counter()
-            jax.block_until_ready(r.advance())
-            if i >= args.warmup:
-                r.times.append(time.perf_counter() - start)
-        bar.update()
+    return runs
 
-    bar.close()
+
+def _print_table(args: argparse.Namespace, runs: list[_Run], psi: int) -> None:
+    """The header and the table: each run's median step, peak, state, traffic and its
+    params' largest difference from the one-device run's."""
+    import jax
+
+    import zerojax
+    from zerojax.analysis import compiled_memory
+
+    n = args.devices
     reference = jax.tree.map(lambda x: jax.device_get(x).astype("float64"), runs[0].params())
 
     def max_diff(tree) -> float:  # in units of the learning rate
@@ -267,7 +295,6 @@ def run(args: argparse.Namespace) -> int:
               f"| {peak / base_peak:.2f} | {r.state_bytes / 2**20:.2f} | {comm:.2f} "
               f"| {diff} |", flush=True)
     return 0
-
 
 def main(argv: list[str] | None = None) -> int:
     """``zerojax bench [options]``: the exit status (2 for bad arguments)."""

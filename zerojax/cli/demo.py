@@ -585,10 +585,8 @@ def run(args: argparse.Namespace) -> int:
     """Train, plot, sample and summarise as ``args`` says; the exit status."""
     simulate_devices(args.devices)
     import jax  # XLA reads XLA_FLAGS when jax starts its CPU backend, i.e. here
-    import jax.numpy as jnp
 
     import zerojax
-    from zerojax.models import GPT, GPTConfig, lm_loss
 
     wall = time.perf_counter()
     n, m, sp = args.data, args.model, getattr(args, "seq_parallel", 1)
@@ -605,24 +603,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerojax train: --prompt has characters the corpus lacks: {unknown}",
               file=sys.stderr)
         return 2
-    vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
-    mesh = zerojax.make_mesh(data=n, model=m, seq=sp if sp > 1 else None,
-                             devices=jax.devices()[:n * m * sp])
-    tiles = getattr(args, "mlp_tiles", None)
-    config = GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
-                       heads=args.heads, attention=args.attention, mlp_tiles=tiles)
-    model = GPT(config)  # whole sequences: held-out loss and sampling on one device
-    # the trained model: with --seq-parallel, each device's slice of the sequence
-    split_model = GPT(dataclasses.replace(config, seq_axis="seq")) if sp > 1 else model
-    tokens = jnp.zeros((1, args.seq), jnp.int32)
-
-    def init_fn(key):  # the flax init: params with the Megatron layout as metadata
-        return model.init(key, tokens)["params"]
-
-    # shapes only (nothing allocated): each stage's state is born sharded from init_fn
-    like = jax.eval_shape(init_fn, jax.random.key(args.seed))
-    psi = sum(x.size for x in jax.tree.leaves(like))
-    loss_fn = lm_loss(split_model)
+    vocab, mesh, tiles, model, init_fn, like, psi, loss_fn = _build(args, corpus)
     unigram, uniform = corpus.unigram_entropy(), math.log(len(corpus.chars))
 
     print(f"corpus: {len(corpus.train) + len(corpus.held_out):,} characters of Python "
@@ -644,6 +625,57 @@ def run(args: argparse.Namespace) -> int:
 
         preemption.install()  # SIGTERM: save the step, exit 0 (CheckpointManager does too)
         mgr = zerojax.CheckpointManager(args.ckpt_dir, max_to_keep=2)
+    results = _train_stages(args, mesh, init_fn, like, corpus, loss_fn, mgr)
+    if isinstance(results, int):  # stopped for preemption, or nothing left
+        return results
+    ok = _report(args, results, model, corpus, unigram, uniform)
+    if args.summary:
+        _summary(args, results, mesh, init_fn, loss_fn, corpus, psi)
+    if mgr is not None:
+        mgr.close()
+        print(f"checkpoint: step {args.steps} in {mgr.directory}")
+    print(f"\ndone in {time.perf_counter() - wall:.0f} s")
+    return 0 if ok else 1
+
+
+def _build(args: argparse.Namespace, corpus) -> tuple:
+    """What every stage trains: ``(vocab, mesh, tiles, model, init_fn, like, psi,
+    loss_fn)``: the padded vocabulary, the mesh, the model on whole sequences (held-out
+    loss, sampling), its flax init and the params' shapes, their count, and the loss of
+    the model as trained (with --seq-parallel, each device's slice of the sequence)."""
+    import jax
+    import jax.numpy as jnp
+
+    import zerojax
+    from zerojax.models import GPT, GPTConfig, lm_loss
+
+    n, m, sp = args.data, args.model, getattr(args, "seq_parallel", 1)
+    vocab = -(-len(corpus.chars) // (8 * m)) * 8 * m  # padded: divisible over model
+    mesh = zerojax.make_mesh(data=n, model=m, seq=sp if sp > 1 else None,
+                             devices=jax.devices()[:n * m * sp])
+    tiles = getattr(args, "mlp_tiles", None)
+    config = GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
+                       heads=args.heads, attention=args.attention, mlp_tiles=tiles)
+    model = GPT(config)  # whole sequences: held-out loss and sampling on one device
+    # the trained model: with --seq-parallel, each device's slice of the sequence
+    split_model = GPT(dataclasses.replace(config, seq_axis="seq")) if sp > 1 else model
+    tokens = jnp.zeros((1, args.seq), jnp.int32)
+
+    def init_fn(key):  # the flax init: params with the Megatron layout as metadata
+        return model.init(key, tokens)["params"]
+
+    # shapes only (nothing allocated): each stage's state is born sharded from init_fn
+    like = jax.eval_shape(init_fn, jax.random.key(args.seed))
+    psi = sum(x.size for x in jax.tree.leaves(like))
+    loss_fn = lm_loss(split_model)
+    return vocab, mesh, tiles, model, init_fn, like, psi, loss_fn
+
+
+def _train_stages(args: argparse.Namespace, mesh, init_fn, like, corpus, loss_fn,
+                  mgr) -> list[dict] | int:
+    """Train each of --stage's stages in turn, printing each one's loss and speed; their
+    results, or the exit status when a SIGTERM stopped the run or ``mgr`` already holds
+    the last step."""
     results = []
     for stage in args.stages:
         r = train_stage(stage, args, mesh, init_fn, like, corpus, loss_fn, mgr)
@@ -665,6 +697,14 @@ def run(args: argparse.Namespace) -> int:
                  "compilation" if t else "")
         print(f"stage {stage}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} in "
               f"{sum(r['times']):.1f} s{speed}")
+    return results
+
+
+def _report(args: argparse.Namespace, results: list[dict], model, corpus, unigram: float,
+            uniform: float) -> bool:
+    """The final and held-out losses, the plot, the sample, and whether every stage
+    reached stage 0's loss."""
+    import jax
 
     last = results[-1]
     full = jax.device_get(last["opt"].full_params(last["state"]))
@@ -689,20 +729,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nfinal loss vs stage 0: max |difference| {diff:.2e} (tolerance "
               f"{LOSS_RTOL:g} relative) -> "
               + ("all stages reach the same loss" if ok else "MISMATCH between stages"))
-    if args.summary:
-        batch = train_batch(corpus.train, 0, args)
-        trained = {r["stage"]: r for r in results}
-        rows = []
-        for stage in range(4):
-            r = trained.get(stage)
-            rows.append(measure_stage(stage, args, mesh, init_fn, loss_fn, batch, psi,
-                                      *((r["opt"], r["state"], r["step"]) if r else ())))
-        print_summary(rows, {s: r["losses"][-1] for s, r in trained.items()}, args, psi)
-    if mgr is not None:
-        mgr.close()
-        print(f"checkpoint: step {args.steps} in {mgr.directory}")
-    print(f"\ndone in {time.perf_counter() - wall:.0f} s")
-    return 0 if ok else 1
+    return ok
+
+
+def _summary(args: argparse.Namespace, results: list[dict], mesh, init_fn, loss_fn, corpus,
+             psi: int) -> None:
+    """Memory and traffic per device at every stage (the trained ones measured on their
+    own state)."""
+    batch = train_batch(corpus.train, 0, args)
+    trained = {r["stage"]: r for r in results}
+    rows = []
+    for stage in range(4):
+        r = trained.get(stage)
+        rows.append(measure_stage(stage, args, mesh, init_fn, loss_fn, batch, psi,
+                                  *((r["opt"], r["state"], r["step"]) if r else ())))
+    print_summary(rows, {s: r["losses"][-1] for s, r in trained.items()}, args, psi)
 
 
 def main(argv: list[str] | None = None) -> int:

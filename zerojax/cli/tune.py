@@ -318,8 +318,6 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
     from tqdm.auto import tqdm
 
     import zerojax
-    from zerojax.analysis import compiled_memory
-    from zerojax.analysis.plan import HIERARCHICAL_SETS, ModelShape, plan_model
     from zerojax.models import GPT, GPTConfig, lm_loss
 
     have = len(jax.devices())
@@ -343,12 +341,32 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
 
     loss_fn = lm_loss(model)
     tx = optax.adamw(1e-3)
-    shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab)
-    per_device = args.batch // (dp * args.replicas)
     rng = np.random.default_rng(0)
     data = rng.integers(0, args.vocab, (args.batch, args.seq), dtype=np.int32)
 
     accel, accel_note = _accelerator(args, jax, mesh, budget)
+    todo, skipped = _planned(args, budget, tx, accel)
+
+    rows = []
+    total = len(todo) * (args.warmup + args.steps)
+    bar = tqdm(total=total, desc="tune", unit="step", disable=not args.progress,
+               dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+    for c, prow in todo:
+        bar.set_postfix_str(c.label, refresh=True)
+        rows.append(_timed(args, c, prow, mesh, tx, init_fn, loss_fn, data, clock, bar))
+    bar.close()
+    best = max(rows, key=lambda r: r.tokens_per_s) if rows else None
+    return TuneResult(rows, skipped, budget, source, best, accel_note)
+
+
+def _planned(args: argparse.Namespace, budget: int, tx, accel) -> tuple[list, list]:
+    """The candidates the planner predicts to fit ``budget`` (at most --max-configs),
+    with their planned rows, and the skipped ones with why."""
+    from zerojax.analysis.plan import HIERARCHICAL_SETS, ModelShape, plan_model
+
+    dp = args.data
+    shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab)
+    per_device = args.batch // (dp * args.replicas)
     todo, skipped = [], []
     for c in candidates(args):
         opts = {k: v for k, v in c.options.items() if k != "stage"}
@@ -379,41 +397,42 @@ def tune(args: argparse.Namespace, clock: Callable[[], float] = time.perf_counte
         for c, row in todo[args.max_configs:]:
             skipped.append((c.label, row.peak, f"beyond --max-configs {args.max_configs}"))
         todo = todo[:args.max_configs]
+    return todo, skipped
 
-    rows = []
-    total = len(todo) * (args.warmup + args.steps)
-    bar = tqdm(total=total, desc="tune", unit="step", disable=not args.progress,
-               dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-    for c, prow in todo:
-        bar.set_postfix_str(c.label, refresh=True)
-        opts = dict(c.options)
-        accum = opts.get("accum_steps", 1)
-        batch = data if accum == 1 else data.reshape(accum, args.batch // accum, args.seq)
-        opt = zerojax.zero(tx, mesh, **opts)
-        state = opt.init_sharded(init_fn, jax.random.key(0))
-        step = opt.train_step(loss_fn)
-        compiled = step.lower(state, batch).compile()
-        peak = compiled_memory(compiled).peak
-        placed = step.place_batch(batch)
-        # the timed steps run this very executable (one compilation per configuration)
-        for _ in range(args.warmup):
-            state, metrics = compiled(state, placed, None)
-            jax.block_until_ready((state, metrics))
-            bar.update()
-        times = []
-        for _ in range(args.steps):
-            start = clock()
-            state, metrics = compiled(state, placed, None)
-            jax.block_until_ready((state, metrics))
-            times.append(clock() - start)
-            bar.update()
-        predicted_time = getattr(prow, "step_time", None)
-        rows.append(TuneRow(c.label, opts, prow.peak, predicted_time, peak, times,
-                            args.batch * args.seq))
-        del state, opt, step, compiled
-    bar.close()
-    best = max(rows, key=lambda r: r.tokens_per_s) if rows else None
-    return TuneResult(rows, skipped, budget, source, best, accel_note)
+
+def _timed(args: argparse.Namespace, c, prow, mesh, tx, init_fn, loss_fn, data, clock,
+           bar) -> TuneRow:
+    """Compile candidate ``c`` and time --steps steps of that executable after
+    --warmup."""
+    import jax
+
+    import zerojax
+    from zerojax.analysis import compiled_memory
+
+    opts = dict(c.options)
+    accum = opts.get("accum_steps", 1)
+    batch = data if accum == 1 else data.reshape(accum, args.batch // accum, args.seq)
+    opt = zerojax.zero(tx, mesh, **opts)
+    state = opt.init_sharded(init_fn, jax.random.key(0))
+    step = opt.train_step(loss_fn)
+    compiled = step.lower(state, batch).compile()
+    peak = compiled_memory(compiled).peak
+    placed = step.place_batch(batch)
+    # the timed steps run this very executable (one compilation per configuration)
+    for _ in range(args.warmup):
+        state, metrics = compiled(state, placed, None)
+        jax.block_until_ready((state, metrics))
+        bar.update()
+    times = []
+    for _ in range(args.steps):
+        start = clock()
+        state, metrics = compiled(state, placed, None)
+        jax.block_until_ready((state, metrics))
+        times.append(clock() - start)
+        bar.update()
+    predicted_time = getattr(prow, "step_time", None)
+    return TuneRow(c.label, opts, prow.peak, predicted_time, peak, times,
+                   args.batch * args.seq)  # its state and executable freed on return
 
 
 def _ms(seconds: float) -> str:
