@@ -449,15 +449,11 @@ def _check_quantize(c: ZeroConfig) -> None:
     """``quantize_weights`` / ``quantize_gradients`` (ZeRO++ qwZ / qgZ); the mesh's
     model axis is checked by ``zero()``."""
     qw, qg = c.quantize_weights, c.quantize_gradients
-    if qw is not None and (not isinstance(qw, str) or qw not in QUANTIZE_WEIGHTS):
-        raise ValueError(
-            f"quantize_weights={qw!r} is not supported: use 'int8' (ZeRO++ qwZ: int8 "
-            "blocks plus per-block scales; int4 weights lose too much, see "
-            "zerojax.quant) or None for exact gathers.")
-    if qg is not None and (not isinstance(qg, str) or qg not in QUANTIZE_GRADIENTS):
-        raise ValueError(
-            f"quantize_gradients={qg!r} is not supported: use 'int8' or 'int4' (ZeRO++ "
-            "qgZ) or None for exact gradient reductions.")
+    _check_choice("quantize_weights", qw, QUANTIZE_WEIGHTS,
+                  "'int8' (ZeRO++ qwZ: int8 blocks plus per-block scales; int4 weights lose "
+                  "too much, see zerojax.quant) or None for exact gathers.")
+    _check_choice("quantize_gradients", qg, QUANTIZE_GRADIENTS,
+                  "'int8' or 'int4' (ZeRO++ qgZ) or None for exact gradient reductions.")
     if qw is not None and c.stage != 3:
         raise ValueError(
             f"quantize_weights={qw!r} needs stage=3 (got stage={c.stage}): only stage "
@@ -488,11 +484,9 @@ def _check_gradient_options(c: ZeroConfig) -> None:
     from zerojax.core.quant import ROUNDINGS
 
     block, rounding = c.quantize_gradients_block, c.quantize_gradients_rounding
-    if rounding is not None and (not isinstance(rounding, str) or rounding not in ROUNDINGS):
-        raise ValueError(
-            f"quantize_gradients_rounding={rounding!r} is not supported: use 'nearest' "
-            "(round to nearest), 'stochastic' (unbiased rounding) or None (int4: "
-            "'stochastic', int8: 'nearest').")
+    _check_choice("quantize_gradients_rounding", rounding, ROUNDINGS,
+                  "'nearest' (round to nearest), 'stochastic' (unbiased rounding) or None "
+                  "(int4: 'stochastic', int8: 'nearest').")
     if block is not None and (isinstance(block, bool) or not isinstance(
             block, (int, np.integer)) or block < 2 or block % 2):
         raise ValueError(
@@ -504,6 +498,12 @@ def _check_gradient_options(c: ZeroConfig) -> None:
             f"quantize_gradients_block={block!r} / quantize_gradients_rounding="
             f"{rounding!r} set without quantize_gradients: pass quantize_gradients="
             "'int4' (or 'int8') too, or drop them.")
+def _check_choice(name: str, value: Any, choices: tuple, use: str) -> None:
+    """``value`` is None or one of the strings ``choices``; else the error says ``use``."""
+    if value is not None and (not isinstance(value, str) or value not in choices):
+        raise ValueError(f"{name}={value!r} is not supported: use {use}")
+
+
 def _positive_int(name: str, value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int ({what}).")

@@ -271,3 +271,12 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
     out = [line(header), "-" * len(line(header))]
     return "\n".join(out + [line(r) for r in rows])
+
+
+def run_main(parser, check, run, argv: list[str] | None) -> int:
+    """A tool's ``main``: ``argv`` parsed by ``parser`` and checked (``check(args,
+    parser)``: a bad argument exits 2 with its one-line error), then ``run(args)``'s exit
+    status."""
+    args = parser.parse_args(argv)
+    check(args, parser)
+    return run(args)

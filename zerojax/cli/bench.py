@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zerojax.cli.args import model_arguments, positive_int
+from zerojax.cli.args import model_arguments, positive_int, run_main
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 RUN_NAMES = ("optax, 1 device", "jit DP", "FSDP (MaxText-style)")
@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.hidden % args.heads:
@@ -298,10 +298,7 @@ def _print_table(args: argparse.Namespace, runs: list[_Run], psi: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``zerojax bench [options]``: the exit status (2 for bad arguments)."""
-    p = parser()
-    args = p.parse_args(argv)
-    _check(p, args)
-    return run(args)
+    return run_main(parser(), _check, run, argv)
 
 
 if __name__ == "__main__":

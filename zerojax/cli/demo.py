@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zerojax.cli.args import run_main
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 HELD_OUT = 0.05        # fraction of the corpus kept for the held-out loss
@@ -747,10 +749,8 @@ def _summary(args: argparse.Namespace, results: list[dict], mesh, init_fn, loss_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_arguments(args, parser)
-    return run(args)
+    """``python -m zerojax.cli.demo [options]``: the exit status (2 for bad arguments)."""
+    return run_main(build_parser(), check_arguments, run, argv)
 
 
 if __name__ == "__main__":

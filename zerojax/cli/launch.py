@@ -106,20 +106,23 @@ def build_parser(prog: str = "zerojax launch") -> argparse.ArgumentParser:
                         "omit to use the machine's devices as they are")
     p.add_argument("--port", type=_port, default=0,
                    help="coordinator port on 127.0.0.1 (0, the default: a free one)")
-    p.add_argument("--heartbeat-timeout", type=_positive(int), default=30,
-                   help="seconds without a heartbeat before a process counts as dead and "
-                        "the others are ended with an error naming it (default 30)")
-    p.add_argument("--progress-timeout", type=_non_negative(float), default=None,
-                   help="seconds a process may go without a training step before it "
-                        "reports itself stuck and exits, ending the job (sets "
-                        f"{ENV_PROGRESS}; default: zerojax.distributed's, 600; 0: off)")
-    p.add_argument("--grace", type=_positive(float), default=5.0,
-                   help="seconds the other processes get to end on their own after one "
-                        "fails, before they are killed")
-    p.add_argument("--term-grace", type=_positive(float), default=DEFAULT_TERM_GRACE,
-                   help="seconds the processes get to save a checkpoint and end after the "
-                        "launcher forwards them a SIGTERM it got (a scheduler's preemption "
-                        f"notice), before they are killed (default {DEFAULT_TERM_GRACE:g})")
+    seconds = (  # the timeouts and graces: flag, type, default, help
+        ("--heartbeat-timeout", _positive(int), 30,
+         "seconds without a heartbeat before a process counts as dead and the others are "
+         "ended with an error naming it (default 30)"),
+        ("--progress-timeout", _non_negative(float), None,
+         "seconds a process may go without a training step before it reports itself "
+         f"stuck and exits, ending the job (sets {ENV_PROGRESS}; default: "
+         "zerojax.distributed's, 600; 0: off)"),
+        ("--grace", _positive(float), 5.0,
+         "seconds the other processes get to end on their own after one fails, before "
+         "they are killed"),
+        ("--term-grace", _positive(float), DEFAULT_TERM_GRACE,
+         "seconds the processes get to save a checkpoint and end after the launcher "
+         "forwards them a SIGTERM it got (a scheduler's preemption notice), before they "
+         f"are killed (default {DEFAULT_TERM_GRACE:g})"))
+    for flag, kind, default, text in seconds:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("script", help="the Python script each process runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p

@@ -136,11 +136,18 @@ class take(Op):  # noqa: N801
         return f"take(axis={self.axis}, {self.start}:{self.stop})"
 
 
-class expand_dims(Op):  # noqa: N801
-    """A new axis of size 1 at ``axis`` (a layer's tensor as one row of a stack)."""
+class _AxisOp(Op):
+    """An op on one axis, written ``name(axis)``."""
 
     def __init__(self, axis: int):
         self.axis = int(axis)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.axis})"
+
+
+class expand_dims(_AxisOp):  # noqa: N801
+    """A new axis of size 1 at ``axis`` (a layer's tensor as one row of a stack)."""
 
     def _ax(self, n):
         return self.axis % (n + 1)
@@ -156,15 +163,9 @@ class expand_dims(Op):  # noqa: N801
     def inverse(self, shape):
         return squeeze(self._ax(len(shape)))
 
-    def __repr__(self):
-        return f"expand_dims({self.axis})"
 
-
-class squeeze(Op):  # noqa: N801
+class squeeze(_AxisOp):  # noqa: N801
     """Drop the size-1 axis ``axis``."""
-
-    def __init__(self, axis: int):
-        self.axis = int(axis)
 
     def shape(self, shape):
         ax = self.axis % max(len(shape), 1)
@@ -178,9 +179,6 @@ class squeeze(Op):  # noqa: N801
 
     def inverse(self, shape):
         return expand_dims(self.axis % len(shape))
-
-    def __repr__(self):
-        return f"squeeze({self.axis})"
 
 
 def _groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
