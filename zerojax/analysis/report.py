@@ -915,9 +915,10 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     planner says ``"gpu"``): on ``"cpu"`` with jax 0.10, bf16/fp16 gradients in flight
     and a layer's internal activations count 4 bytes, as that XLA:CPU holds them (its
     float normalization; its collectives run in float32); newer XLA:CPU keeps them in
-    bf16, as GPUs do. Offloaded state adds the update's working memory on the device
-    (in ``batch``): two buckets of ``bucket_size`` elements (host offload), or the NVMe
-    tier's own buckets of ``nvme_buffer_size`` bytes (:func:`_nvme_working`); with
+    bf16, as GPUs do. Offloaded state adds the update's working memory on the device:
+    host offload's two largest consecutive buckets of whole leaves after the backward
+    (in ``end``, :func:`_offload_working`; none on the CPU), or the NVMe tier's own
+    buckets of ``nvme_buffer_size`` bytes (in ``batch``, :func:`_nvme_working`); with
     ``offload_params`` the param shards, in host memory (or on disk, ``"nvme"``) between
     steps, are on the device for the step (brought there before the gradient), so they
     stay in the peak (:func:`_step_states`).
@@ -980,12 +981,11 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     if _is_nvme(options):
         working = _nvme_working(e.disk_optimizer_state, math.ceil(psi / dp), compute,
                                 options)
-    elif options.get("offload_optimizer") or options.get("offload_params"):
-        # the update brings bucket_size elements of offloaded state per leaf at once
-        # (default 2**24), two buckets in flight: master, moments and new values
-        bucket = options.get("bucket_size") or 2**24
-        per_element = 3 * 4 + compute  # fp32 state in, fp32 out, the new compute copy
-        working = 2 * min(bucket, math.ceil(psi / dp)) * per_element
+    update = 0  # the offloaded update's buckets: after the backward, beside the gradients
+    if not _is_nvme(options) and (options.get("offload_optimizer")
+                                  or options.get("offload_params")):
+        update = _offload_working(config, dp, mp, e.host_optimizer_state,
+                                  math.ceil(psi / dp), compute, grad, platform, options)
     inter = 4 if _widens_bf16(platform) and compute < 4 else None
     policy = options.get("remat_policy")
     remat = config.remat and policy != "none"
@@ -1009,6 +1009,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                intermediate_bytes=inter,
                                largest_leaf=max(v * h, L * f * h),
                                collective_bytes=_collective_bytes(grad, platform))
+    if update:  # the update runs after the backward: beside the gradients, not the activations
+        step = dataclasses.replace(step, end=step.end + update)
     if not remat:
         return step
     # ZeRO++ qgZ quantizes each gradient leaf from float32: a 16-bit gradient's largest
@@ -1017,6 +1019,65 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     quant = 2 * 4 * split(h * f) if options.get("quantize_gradients") and grad < 4 else 0
     return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
                              widened=inter is not None, prefetch=prefetch, quantized=quant)
+
+
+def _offload_working(config, dp: int, mp: int, host: int, elements: int,
+                     compute: int, grad: int, platform: str, options: dict) -> int:
+    """Device bytes of the host-offloaded update (``offload_optimizer`` /
+    ``offload_params``, :func:`zerojax.offload.update_in_buckets`), held after the
+    backward beside the gradients (``StepPrediction.end``), not beside the activations.
+
+    The update brings its host operands to the device bucket by bucket, and a bucket
+    waits for the one two before it to be back in host memory: two consecutive buckets
+    are on the device at once. A bucket is whole leaves (:func:`offload_buckets`): a
+    param leaf's offloaded optimizer state (master, moments: ``host``, the device's host
+    state bytes, per parameter / 4 values) is one group, never split, so a leaf whose
+    state exceeds ``bucket_size`` (global; default 2**24 per device) is a bucket of its
+    own. The working memory is the largest pair of consecutive buckets, not ``2 x
+    bucket_size``: on one device, Llama-3-8B's scanned MLP stacks of 1.88e9 elements
+    each make 67.6 GB, where ``2 x 2**24`` elements said 0.47 GB. Each parameter element
+    of a bucket holds its state (``host / elements`` bytes; the new values are written
+    over it, elementwise), its gradient cast to float32 (4 bytes, when ``grad`` is
+    narrower) and its new param in the compute dtype. On the CPU XLA ignores memory
+    spaces: the moves compile to nothing and the update runs on the arguments in place
+    (the compiled temporaries equal those without offload at 1, 2 and 8 devices,
+    tests/test_plan_seq.py): 0."""
+    from zerojax.config import ZeroConfig
+
+    if platform == "cpu" or not host or not elements:
+        return 0
+    per_param = host / elements  # state bytes per parameter (Adam: 12)
+    buckets = offload_buckets(
+        [x.size for x in jax.tree.leaves(gpt_param_shapes(config))], per_param / 4,
+        options.get("bucket_size") or 2**24 * dp,  # global state elements
+        int(options.get("min_shard_size", ZeroConfig.min_shard_size)))
+    pair = max(a + b for a, b in zip(buckets, buckets[1:] + [0]))
+    per_element = per_param + (4 if grad < 4 else 0) + compute
+    return int(math.ceil(pair / (dp * mp)) * per_element)
+
+
+def offload_buckets(sizes: list, state_per_param: float, capacity: int | None,
+                    min_size: int) -> list:
+    """The parameter elements of each bucket of the host-offloaded update, in order:
+    :func:`zerojax.offload.bucket_plan`'s packing of an elementwise update (Adam's),
+    for param leaves of ``sizes`` elements in tree order, each with
+    ``state_per_param`` offloaded values per element (Adam with fp32 master: 3), in
+    buckets of ``capacity`` offloaded values (None: one bucket). A leaf's values are
+    one group, never split; leaves below ``max(min_size, 2)`` elements join none."""
+    small = max(min_size, 2)
+    buckets: list = []
+    filled = 0.0
+    for n in sizes:
+        if n < small:
+            continue
+        state = n * state_per_param
+        if buckets and (capacity is None or filled + state <= capacity):
+            buckets[-1] += n
+            filled += state
+        else:
+            buckets.append(n)
+            filled = state
+    return buckets
 
 
 def _step_states(e: MemoryEstimate) -> int:
