@@ -400,9 +400,8 @@ def test_offloaded_update_within_15_percent_at_every_device_count(n):
 @pytest.mark.parametrize("capacity", [1, 3 * 64 * 512, None])
 def test_offload_buckets_are_the_updates(capacity):
     """report.offload_buckets (the planner's buckets of the offloaded update, in param
-    elements) against zerojax.offload.bucket_plan on the tiny Llama's params (the same
-    tree order as gpt_param_shapes) with AdamW: one leaf per bucket, leaves packed up
-    to a capacity, one bucket."""
+    elements) against zerojax.offload.bucket_plan on the tiny Llama's params with
+    AdamW: one leaf per bucket, leaves packed up to a capacity, one bucket."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -429,10 +428,20 @@ def test_offload_buckets_are_the_updates(capacity):
     plan = offload.bucket_plan(fn, [*flat_p, *flat_s, *grads],
                                [True] * (n_p + n_s) + [False] * n_p, capacity, min_size=128)
     real = [sum(flat_p[i].size for i in b if i < n_p) for b in plan]
-    sizes = [x.size for x in jax.tree.leaves(gpt_param_shapes(cfg))]
-    assert sizes == [x.size for x in flat_p]
-    assert offload_buckets(sizes, 3, capacity, 128) == real, (real, capacity)
-    assert len(real) == {1: 9, None: 1}.get(capacity, len(real)) and len(real) >= 1
+    assert offload_buckets([x.size for x in flat_p], 3, capacity, 128) == real, real
+    # 12 leaves, the final norm's 64 elements below min_size: 11 buckets of one leaf
+    assert len(real) == {1: 11, None: 1}.get(capacity, len(real)) and len(real) >= 1
+    # the planner's tree (gpt_param_shapes: the same leaves, in another order) gives the
+    # largest pair of consecutive buckets the model's does: two MLP stacks at capacity 1
+    planned = offload_buckets([x.size for x in jax.tree.leaves(gpt_param_shapes(cfg))], 3,
+                              capacity, 128)
+
+    def pair(b):
+        return max(x + y for x, y in zip(b, b[1:] + [0]))
+
+    assert pair(planned) == pair(real)
+    if capacity == 1:
+        assert pair(real) == 2 * 2 * 64 * 512
 
 
 def test_one_device_offload_counts_whole_leaf_buckets():
@@ -454,7 +463,7 @@ def test_one_device_offload_counts_whole_leaf_buckets():
         assert row.seq == seq
         step = row.row.step
         # the bf16 gradients of 8,030,261,248 params, then mlp_gate's and mlp_in's buckets
-        assert step.end == 2 * 8_030_261_248 + 2 * stack * 18
+        assert step.end == pytest.approx(2 * 8_030_261_248 + 2 * stack * 18, rel=1e-9)
         assert step.peak == step.states + step.batch + step.end  # the update's phase
         assert 0.85 <= compiled / step.peak <= 1.15, (seq, compiled, step.peak)
     assert largest_seq(LLAMA, devices=1, budget_bytes=BUDGET, option_sets=alst,
