@@ -467,8 +467,8 @@ def test_readme_plan_figures_are_what_the_named_commands_print(capsys, monkeypat
     assert main(fastchat.split()[1:]) == 0
     out = capsys.readouterr().out
     assert ("stage 3 + offload_optimizer: the fastest" in out and "1,274 ms/step" in out
-            and "peak 10.34 GB of 29.00 GB per device" in out and "(64%) headroom" in out)
-    assert "29.00 GB planned, stage 3 + offload_optimizer at 10.34 GB (64% headroom" in readme
+            and "peak 20.48 GB of 29.00 GB per device" in out and "(29%) headroom" in out)
+    assert "29.00 GB planned, stage 3 + offload_optimizer at 20.48 GB (29% headroom" in readme
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     assert main(fastchat.split()[1:]) == 0
     out = capsys.readouterr().out
