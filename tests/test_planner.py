@@ -957,7 +957,7 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
     assert row.peak == off.peak
     assert not checked.fits and not checked.host_fits and checked.peak == row.peak
     assert tight.recommendation is None
-    # the smallest device peak is the NVMe row's (its buckets split leaves): its disk
+    # the smallest device peak is the NVMe row's (buckets of nvme_buffer_size): its disk
     assert "the smallest, stage 3 + offload_optimizer=nvme," in plan_text.recommendation(tight)
     assert "of disk per node of 1,000.00 GB" in plan_text.recommendation(tight)
     assert all(r.fits == f.fits for r, f in zip(tight.rows, free.rows) if not r.options)
