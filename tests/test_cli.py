@@ -841,3 +841,29 @@ def test_launch_runs_its_help_example_and_a_normal_finish_says_so(capsys):
     assert code == 0, out[-3000:] + err
     assert "[0] 2 process(es), 4 devices: done" in out, out[-3000:]
     assert "still run" not in out and "left first" not in out, out[-3000:]
+
+
+def test_train_and_plan_with_blockwise_attention(capsys):
+    """zerojax train --attention blockwise --attn-block B (under --seq-parallel: Ulysses'
+    whole sequences in blocks) runs and says its blocks; a block not dividing --seq is
+    refused naming both; zerojax plan --attention blockwise plans its B x B blocks (no
+    s x s scores: a longer sequence than the explicit attention)."""
+    code, out, _ = _exit_code(
+        ["train", "--seq-parallel", "2", "--steps", "1", "--layers", "1", "--hidden", "32",
+         "--heads", "2", "--seq", "16", "--batch", "8", "--corpus-mb", "0.2", "--png", "",
+         "--sample", "0", "--no-summary", "--no-progress", "--attention", "blockwise",
+         "--attn-block", "8"], capsys)
+    assert code == 0, out
+    assert "blockwise attention in blocks of 8 tokens" in out and "loss" in out
+    code, _, err = _exit_code(["train", "--attention", "blockwise", "--attn-block", "48"],
+                              capsys)
+    assert code == 2 and "--attn-block 48 does not divide --seq 64" in err, err
+    longest = {}
+    for attention in ("blockwise", "xla"):
+        code, out, _ = _exit_code(["plan", "--model", "llama3-8b", "--devices", "8",
+                                   "--gpu-mem", "80GB", "--largest-seq", "--host-memory",
+                                   "2TB", "--attention", attention], capsys)
+        assert code == 0, out
+        row = next(ln for ln in out.splitlines() if ln.strip().startswith("Ulysses  "))
+        longest[attention] = int(row.split()[1].replace(",", ""))
+    assert longest["blockwise"] > longest["xla"] > 0, longest

@@ -1085,12 +1085,14 @@ def _plan_option_arguments(plan: argparse.ArgumentParser) -> None:
     """plan's options of the step: attention, remat, tiles, sequence parallelism."""
     from zerojax.core.activations import REMAT_POLICIES
 
-    plan.add_argument("--attention", choices=["auto", "xla", "dot_product", "cudnn"],
+    plan.add_argument("--attention", choices=["auto", "xla", "dot_product", "cudnn",
+                                              "blockwise"],
                       default="auto",
                       help="the model's GPTConfig.attention on the planned CUDA GPU: auto "
                            "(default, what zerojax train runs) is cuDNN's flash attention "
                            "for bf16/fp16 params and head_dim <= 128, no s x s scores "
-                           "counted; xla and dot_product materialise them")
+                           "counted; xla and dot_product materialise them; blockwise "
+                           "(pure JAX, any backend, blocks of 128) holds 128 x 128 blocks")
     plan.add_argument("--remat-policy", choices=REMAT_POLICIES, default=None,
                       help="zero(remat_policy=...) planned for the model's rows: "
                            "partitioned (ZeRO-R's Pa: checkpoints split over --mp), "

@@ -79,11 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--heads", type=int, default=4,
                    help="attention heads (divide --hidden; a multiple of --model)")
     g.add_argument("--seq", type=int, default=64, help="characters the model reads at once")
-    g.add_argument("--attention", default="auto", choices=["auto", "xla", "dot_product"],
+    g.add_argument("--attention", default="auto",
+                   choices=["auto", "xla", "dot_product", "blockwise"],
                    help="GPTConfig.attention: xla is the explicit softmax(QK^T) attention, "
-                        "dot_product jax.nn.dot_product_attention (fused); auto is "
-                        "dot_product on a GPU, xla on the CPU (the demo computes in "
-                        "float32, which cuDNN's flash attention does not take)")
+                        "dot_product jax.nn.dot_product_attention (fused); blockwise the "
+                        "pure-JAX blockwise attention (blocks of --attn-block queries and "
+                        "keys, an online softmax: no seq x seq scores held, any backend); "
+                        "auto is dot_product on a GPU, xla on the CPU (the demo computes "
+                        "in float32, which cuDNN's flash attention does not take)")
+    g.add_argument("--attn-block", dest="attn_block", type=int, default=128, metavar="B",
+                   help="--attention blockwise: the block (GPTConfig.attn_block; default "
+                        "128, at most --seq), which must divide --seq")
     g.add_argument("--batch", type=int, default=32,
                    help="global batch in sequences (a multiple of the data degree)")
     g.add_argument("--lr", type=finite_float, default=5e-3,
@@ -162,6 +168,15 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                      f"of a sequence each device holds (--seq {args.seq}"
                      f"{f' / --seq-parallel {sp}' if sp > 1 else ''}): pick a divisor of "
                      f"{args.seq // sp}, or leave --mlp-tiles out")
+    block = getattr(args, "attn_block", 128)
+    if block < 1:
+        parser.error(f"--attn-block must be >= 1 (the blockwise attention's block), got "
+                     f"{block}")
+    if args.attention == "blockwise" and args.seq % min(block, args.seq):
+        divisors = [d for d in range(1, min(block, args.seq) + 1) if args.seq % d == 0]
+        parser.error(f"--attn-block {block} does not divide --seq {args.seq} (the whole "
+                     f"sequence the blockwise attention sees): pick a divisor such as "
+                     f"{divisors[-1]}")
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.heads % args.model:
@@ -607,13 +622,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     vocab, mesh, tiles, model, init_fn, like, psi, loss_fn = _build(args, corpus)
     unigram, uniform = corpus.unigram_entropy(), math.log(len(corpus.chars))
+    block = min(getattr(args, "attn_block", 128), args.seq)  # --attention blockwise
 
     print(f"corpus: {len(corpus.train) + len(corpus.held_out):,} characters of Python "
           f"from {corpus.files} files in {corpus.source}; {len(corpus.chars)} distinct "
           f"characters")
     print(f"model: GPT {args.layers} layers x hidden {args.hidden}, {args.heads} heads, "
           f"seq {args.seq}, vocab {vocab}: Psi = {psi:,} parameters"
-          + (f"; MLP in {tiles} tiles of {args.seq // sp // tiles} tokens" if tiles else ""))
+          + (f"; MLP in {tiles} tiles of {args.seq // sp // tiles} tokens" if tiles else "")
+          + (f"; blockwise attention in blocks of {block} tokens"
+             if args.attention == "blockwise" else ""))
     print(f"mesh: data={n}{f' x seq={sp}' if sp > 1 else ''} x model={m} of {have} "
           f"{jax.devices()[0].platform} devices; "
           f"adamw lr {args.lr:g}; batch {args.batch} x {args.seq} characters; "
@@ -657,7 +675,8 @@ def _build(args: argparse.Namespace, corpus) -> tuple:
                              devices=jax.devices()[:n * m * sp])
     tiles = getattr(args, "mlp_tiles", None)
     config = GPTConfig(vocab=vocab, seq=args.seq, layers=args.layers, hidden=args.hidden,
-                       heads=args.heads, attention=args.attention, mlp_tiles=tiles)
+                       heads=args.heads, attention=args.attention, mlp_tiles=tiles,
+                       attn_block=getattr(args, "attn_block", 128))
     model = GPT(config)  # whole sequences: held-out loss and sampling on one device
     # the trained model: with --seq-parallel, each device's slice of the sequence
     split_model = GPT(dataclasses.replace(config, seq_axis="seq")) if sp > 1 else model

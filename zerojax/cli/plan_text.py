@@ -321,6 +321,8 @@ def _plan_head(p: ModelPlan, memory_note: str, precision: str) -> list[str]:
         flash = flash_attention(p.shape.config(p.seq, p.param_dtype, p.attention))
         head.append(f"attention: {p.attention}: " + (
             "cuDNN flash attention on a CUDA GPU (no s x s scores in memory)" if flash
+            else "blockwise (pure JAX, blocks of 128 queries and keys: no s x s scores in "
+            "memory)" if p.attention == "blockwise"
             else "explicit, float32 s x s scores materialised per layer being recomputed"))
     if memory_note:
         head.append(memory_note)
