@@ -400,15 +400,15 @@ def test_offloaded_update_within_15_percent_at_every_device_count(n):
 @pytest.mark.parametrize("capacity", [1, 3 * 64 * 512])
 def test_offload_buckets_are_the_updates(capacity):
     """report.offload_buckets (the planner's buckets of the offloaded update, in param
-    elements) against zerojax.offload.bucket_plan on the tiny Llama's params with
+    elements) against zerojax.tiers.offload.bucket_plan on the tiny Llama's params with
     AdamW: one leaf per bucket, leaves packed up to a capacity, one bucket."""
     import jax
     import jax.numpy as jnp
     import optax
 
-    from zerojax import offload
     from zerojax.analysis.report import gpt_param_shapes, offload_buckets
     from zerojax.models.llama import Llama, LlamaConfig, llama_params
+    from zerojax.tiers import offload
 
     cfg = LlamaConfig(**_OFFLOAD_LLAMA)
     params = llama_params(Llama(cfg), 0)

@@ -1024,7 +1024,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
 def _offload_working(config, dp: int, mp: int, host: int, elements: int,
                      compute: int, grad: int, platform: str, options: dict) -> int:
     """Device bytes of the host-offloaded update (``offload_optimizer`` /
-    ``offload_params``, :func:`zerojax.offload.update_in_buckets`), held after the
+    ``offload_params``, :func:`zerojax.tiers.offload.update_in_buckets`), held after the
     backward beside the gradients (``StepPrediction.end``), not beside the activations.
 
     The update brings its host operands to the device bucket by bucket, and a bucket
@@ -1042,7 +1042,7 @@ def _offload_working(config, dp: int, mp: int, host: int, elements: int,
     spaces: the moves compile to nothing and the update runs on the arguments in place
     (the compiled temporaries equal those without offload at 1, 2 and 8 devices,
     tests/test_plan_seq.py): 0."""
-    from zerojax.config import ZeroConfig
+    from zerojax.api.config import ZeroConfig
 
     if platform == "cpu" or not host or not elements:
         return 0
@@ -1059,7 +1059,7 @@ def _offload_working(config, dp: int, mp: int, host: int, elements: int,
 def offload_buckets(sizes: list, state_per_param: float, capacity: int | None,
                     min_size: int) -> list:
     """The parameter elements of each bucket of the host-offloaded update, in order:
-    :func:`zerojax.offload.bucket_plan`'s packing of an elementwise update (Adam's),
+    :func:`zerojax.tiers.offload.bucket_plan`'s packing of an elementwise update (Adam's),
     for param leaves of ``sizes`` elements in tree order, each with
     ``state_per_param`` offloaded values per element (Adam with fp32 master: 3), in
     buckets of ``capacity`` offloaded values (None: one bucket). A leaf's values are
