@@ -403,30 +403,17 @@ def test_offload_buckets_are_the_updates(capacity):
     elements) against zerojax.tiers.offload.bucket_plan on the tiny Llama's params with
     AdamW: one leaf per bucket, leaves packed up to a capacity, one bucket."""
     import jax
-    import jax.numpy as jnp
     import optax
+    from test_offload import _plan
 
     from zerojax.analysis.report import gpt_param_shapes, offload_buckets
     from zerojax.models.llama import Llama, LlamaConfig, llama_params
-    from zerojax.tiers import offload
 
     cfg = LlamaConfig(**_OFFLOAD_LLAMA)
     params = llama_params(Llama(cfg), 0)
-    tx = optax.adamw(1e-3)
-    state = tx.init(params)
-    flat_p, flat_s = jax.tree.leaves(params), jax.tree.leaves(state)
-    n_p, n_s = len(flat_p), len(flat_s)
-
-    def fn(*xs):
-        p = jax.tree.unflatten(jax.tree.structure(params), xs[:n_p])
-        s = jax.tree.unflatten(jax.tree.structure(state), xs[n_p:n_p + n_s])
-        g = jax.tree.unflatten(jax.tree.structure(params), xs[n_p + n_s:])
-        updates, s = tx.update(g, s, p)
-        return jax.tree.leaves((optax.apply_updates(p, updates), s))
-
-    grads = [jnp.zeros_like(x) for x in flat_p]
-    plan = offload.bucket_plan(fn, [*flat_p, *flat_s, *grads],
-                               [True] * (n_p + n_s) + [False] * n_p, capacity, min_size=128)
+    flat_p = jax.tree.leaves(params)
+    n_p = len(flat_p)
+    plan = _plan(optax.adamw(1e-3), capacity, params, min_size=128)
     real = [sum(flat_p[i].size for i in b if i < n_p) for b in plan]
     assert offload_buckets([x.size for x in flat_p], 3, capacity, 128) == real, real
     # 12 leaves, the final norm's 64 elements below min_size: 11 buckets of one leaf
