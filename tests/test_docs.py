@@ -443,8 +443,8 @@ def test_readme_llama2_70b_figures_are_what_the_named_command_prints(capsys):
     def step_s(line):  # the step (ms) column, the first after the label
         return float(re.split(r"\s{2,}", line.strip())[1].replace(",", "")) / 1e3
 
-    assert "45.88" in params and "45.88 GB" in readme
-    assert "no: host" in host and "827.72" in host and "828 GB of state" in readme
+    assert "119.05" in params and "119.05 GB" in readme and "119.05" in host
+    assert " no " in host and "827.72" in host and "828 GB of state" in readme
     assert " yes " in nvme and "8.59" in nvme and "8.6 GB of host buffers" in readme
     assert round(step_s(nvme)) == 380 and "380 s" in readme
     assert round(step_s(both)) == 442 and "442 s/step" in readme
