@@ -241,8 +241,6 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     """
     import jax
     import jax.numpy as jnp
-    from flax.core import meta as flax_meta
-    from jax.sharding import PartitionSpec as P
 
     from zerojax.api.config import ZeroConfig
     from zerojax.core import partition as part
@@ -257,17 +255,7 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     if _is_nvme(options) and options.get("nvme_path") is None:
         options = dict(options, nvme_path="<planned>")  # validated, never opened
     cfg = ZeroConfig.from_kwargs(stage=stage, param_dtype=param_dtype, **options)
-    is_box = lambda x: isinstance(x, flax_meta.AxisMetadata)  # noqa: E731
-    if any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
-        if model_specs is None:
-            model_specs = flax_meta.get_partition_spec(params)
-        params = flax_meta.unbox(params)
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
-    if not jax.tree.leaves(structs):
-        raise ValueError("params has no array leaves; pass the model's parameter pytree.")
-    if model_specs is not None and mp == 1:  # splits over a size-1 axis split nothing
-        model_specs = jax.tree.map(lambda s: P(*(None,) * len(tuple(s))), model_specs,
-                                   is_leaf=lambda x: isinstance(x, P))
+    structs, model_specs = _param_structs(params, model_specs, mp)
     replicas = _count("replicas", replicas, minimum=1, hint="the size of the replica axis")
     if replicas > 1 and not cfg.hpz:
         raise ValueError(
@@ -313,6 +301,28 @@ def state_bytes(params: Any, dp: int, stage: int, *, tx: Any, param_dtype: Any =
     disk_o = off if _is_nvme(options) else 0
     return MemoryEstimate(p_bytes - off_p, g_bytes, opt - off + bookkeeping, off_p - disk_p,
                           off - disk_o, disk_o, disk_p)
+
+
+def _param_structs(params: Any, model_specs: Any, mp: int) -> tuple[Any, Any]:
+    """:func:`state_bytes`' params as ``ShapeDtypeStruct``s (flax's boxed params
+    unboxed, their partition specs the ``model_specs`` when none are given) and the
+    model specs (none split over a size-1 ``model`` axis)."""
+    import jax
+    from flax.core import meta as flax_meta
+    from jax.sharding import PartitionSpec as P
+
+    is_box = lambda x: isinstance(x, flax_meta.AxisMetadata)  # noqa: E731
+    if any(is_box(x) for x in jax.tree.leaves(params, is_leaf=is_box)):
+        if model_specs is None:
+            model_specs = flax_meta.get_partition_spec(params)
+        params = flax_meta.unbox(params)
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+    if not jax.tree.leaves(structs):
+        raise ValueError("params has no array leaves; pass the model's parameter pytree.")
+    if model_specs is not None and mp == 1:  # splits over a size-1 axis split nothing
+        model_specs = jax.tree.map(lambda s: P(*(None,) * len(tuple(s))), model_specs,
+                                   is_leaf=lambda x: isinstance(x, P))
+    return structs, model_specs
 
 
 def _is_nvme(options: dict, name: str = "offload_optimizer") -> bool:

@@ -305,33 +305,40 @@ def plan(num_params: int | None = None, *, dp: int, budget_bytes: int,
                             hint="the parameter count Psi, e.g. 7.5e9")
     activation_bytes = _count("activation_bytes", activation_bytes or 0, minimum=0)
 
-    rows = []
-    for stage in stages:
-        if buffer_bytes is None:
-            # constant-size buffers (C_B) only: a model-sized fused buffer would make
-            # the largest model a different equation; pass buffer_bytes for it
-            buffers = (grad_bytes * bucket_size if bucket_size is not None else 0)
-        else:
-            buffers = _count("buffer_bytes", buffer_bytes, minimum=0)
-        fixed = activation_bytes + buffers + reserve_bytes
-        per = bytes_per_param(stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                              optimizer_bytes=optimizer_bytes, mp=mp)
-        room = budget_bytes - fixed
-        max_params = 0.0 if room <= 0 else (room / per if per else math.inf)
-        if num_params is None:
-            rows.append(StagePlan(stage, None, activation_bytes, buffers, reserve_bytes,
-                                  None, None, None, None, max_params))
-            continue
-        states = estimate_memory(num_params, dp, stage, param_bytes=param_bytes,
-                                 grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, mp=mp)
-        total = int(states) + fixed
-        rows.append(StagePlan(
-            stage, states, activation_bytes, buffers, reserve_bytes, total,
-            total <= budget_bytes, comm_elements(num_params, stage, mp),
-            comm_bytes(num_params, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                       mp=mp), max_params))
+    if buffer_bytes is None:
+        # constant-size buffers (C_B) only: a model-sized fused buffer would make
+        # the largest model a different equation; pass buffer_bytes for it
+        buffers = (grad_bytes * bucket_size if bucket_size is not None else 0)
+    else:
+        buffers = _count("buffer_bytes", buffer_bytes, minimum=0)
+    rows = tuple(_stage_plan(stage, num_params, dp, mp, budget_bytes, activation_bytes,
+                             buffers, reserve_bytes, param_bytes, grad_bytes,
+                             optimizer_bytes) for stage in stages)
     return Plan(num_params, dp, mp, budget_bytes, param_bytes, grad_bytes, optimizer_bytes,
-                tuple(rows), note)
+                rows, note)
+
+
+def _stage_plan(stage: int, num_params: int | None, dp: int, mp: int, budget_bytes: int,
+                activation_bytes: int, buffers: int, reserve_bytes: int, param_bytes: int,
+                grad_bytes: int, optimizer_bytes: int) -> StagePlan:
+    """:func:`plan`'s row of one stage: the paper's model states and the fixed bytes,
+    fits or not, traffic, and the largest ``num_params`` that fits."""
+    fixed = activation_bytes + buffers + reserve_bytes
+    per = bytes_per_param(stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                          optimizer_bytes=optimizer_bytes, mp=mp)
+    room = budget_bytes - fixed
+    max_params = 0.0 if room <= 0 else (room / per if per else math.inf)
+    if num_params is None:
+        return StagePlan(stage, None, activation_bytes, buffers, reserve_bytes,
+                         None, None, None, None, max_params)
+    states = estimate_memory(num_params, dp, stage, param_bytes=param_bytes,
+                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, mp=mp)
+    total = int(states) + fixed
+    return StagePlan(
+        stage, states, activation_bytes, buffers, reserve_bytes, total,
+        total <= budget_bytes, comm_elements(num_params, stage, mp),
+        comm_bytes(num_params, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                   mp=mp), max_params)
 
 
 def _from_model(model, batch, dp, mp, value_bytes, checkpointing, partition):
@@ -537,7 +544,34 @@ OPTION_SETS = (
 
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
-    """One stage and option set: per-device bytes by part, fits or not, traffic."""
+    """One stage and option set: per-device bytes by part, fits or not, traffic.
+
+    The ``offload_optimizer=nvme`` rows (ZeRO-Infinity's NVMe tier) keep the optimizer
+    state and fp32 master weights in files: ``disk_bytes`` per node (the node's
+    devices' shards, 0 on the device and in host memory), whose host memory holds only
+    the buffers, ``nvme_buffer_count x nvme_buffer_size`` per process (one process per
+    device counted; ``buffer_bytes``, in ``host_bytes``); their update's device working
+    memory is those buckets too (``nvme_buffer_count + 1`` of ``nvme_buffer_size``
+    bytes of state with their new params, in the peak; ``bucket_size``'s for the host
+    offload rows). :func:`plan_model`'s ``disk_bytes``: the disk per node (None:
+    unchecked); a row whose state exceeds it does not fit (``disk_fits``). Their step
+    reads and writes that state once at ``disk_bandwidth`` (``(read, write)`` bytes/s
+    per node, or one figure for both; default the accelerator preset's local NVMe),
+    overlapped with its PCIe transfers (:func:`zerojax.analysis.cost.step_time`). The
+    ``offload_params=nvme`` row keeps the stage-3 param shards there too
+    (``MemoryEstimate.disk_params``: 0 in the params column, the device's memory
+    between steps; in ``disk_bytes``): the step reads them into device memory before
+    the gradient, so its peak is the ``=nvme`` row's, and its disk time adds their read
+    and write. The host tier's ``offload_params`` row counts its shards the same way
+    (``MemoryEstimate.host_params``: 0 in the params column, in the peak): the step
+    brings them to the device whole, so its peak is the ``stage 3 +
+    offload_optimizer`` row's; it saves device memory between steps.
+
+    :func:`plan_model`'s ``accelerator``: a preset of
+    :data:`zerojax.analysis.cost.ACCELERATORS` (h100, h200, a100, v100, tpu-v5e) or an
+    ``Accelerator``: each row gets a predicted step (``step_time`` seconds,
+    ``tokens_per_s`` of the whole job, from :func:`zerojax.analysis.cost.step_time`).
+    """
 
     label: str
     stage: int
@@ -767,33 +801,10 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     ``devices_per_node x mp`` devices, else ``min(devices x mp, 8)``) exceeds it does not
     fit (``PlanRow.host_bytes``, ``.host_fits``).
 
-    The ``offload_optimizer=nvme`` rows (ZeRO-Infinity's NVMe tier) keep the optimizer
-    state and fp32 master weights in files: ``PlanRow.disk_bytes`` per node (the
-    node's devices' shards, 0 on the device and in host memory), whose host memory
-    holds only the buffers, ``nvme_buffer_count x nvme_buffer_size`` per process (one
-    process per device counted; ``PlanRow.buffer_bytes``, in ``host_bytes``); their
-    update's device working memory is those buckets too (``nvme_buffer_count + 1`` of
-    ``nvme_buffer_size`` bytes of state with their new params, in the peak;
-    ``bucket_size``'s for the host offload rows). ``disk_bytes``: the disk per node
-    (None: unchecked); a row whose state exceeds it does not fit
-    (``PlanRow.disk_fits``). Their step reads and writes that state once at
-    ``disk_bandwidth`` (``(read, write)`` bytes/s per node, or one figure for both;
-    default the accelerator preset's local NVMe), overlapped with its PCIe transfers
-    (:func:`zerojax.analysis.cost.step_time`). The ``offload_params=nvme`` row keeps
-    the stage-3 param shards there too (``MemoryEstimate.disk_params``: 0 in the params
-    column, the device's memory between steps; in ``disk_bytes``): the step reads them
-    into device memory before the gradient, so its peak is the ``=nvme`` row's, and its
-    disk time adds their read and write. The host tier's ``offload_params`` row
-    counts its shards the same way (``MemoryEstimate.host_params``: 0 in the params
-    column, in the peak): the step brings them to the device whole, so its peak is
-    the ``stage 3 + offload_optimizer`` row's; it saves device memory between steps.
-
-    ``accelerator``: a preset of :data:`zerojax.analysis.cost.ACCELERATORS` (h100,
-    h200, a100, v100, tpu-v5e) or an ``Accelerator``: each row gets a predicted step
-    (``PlanRow.step_time`` seconds, ``PlanRow.tokens_per_s`` of the whole job, from
-    :func:`zerojax.analysis.cost.step_time`). The recommendation is the fastest row
-    that fits (ties: the lower peak); ``ModelPlan.leanest`` the fitting row of the
-    lowest peak.
+    The offload rows' host memory, the ``offload_optimizer=nvme`` rows' disk and
+    buffers, and each row's predicted step (``accelerator``, ``disk_bandwidth``):
+    :class:`PlanRow`. The recommendation is the fastest row that fits (ties: the lower
+    peak); ``ModelPlan.leanest`` the fitting row of the lowest peak.
 
     ``seq_parallel`` = P: sequence parallelism (a ``seq`` mesh axis of P, Ulysses
     attention, arXiv:2309.14509): ``devices`` is then data x seq (P must divide it),
@@ -812,6 +823,45 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     seq = _count("seq", seq, minimum=1, hint="tokens per sequence")
     batch = _count("batch", batch, minimum=1, hint="sequences per device")
     reserve_bytes = _count("reserve_bytes", reserve_bytes, minimum=0)
+    _check_nodes(devices, devices_per_node)
+    model, note = _preset(model, seq)
+    host_memory_bytes, disk_bytes, disk_bandwidth = _node_limits(
+        host_memory_bytes, disk_bytes, disk_bandwidth)
+    if model is None and not largest:
+        raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
+    pd = _dtype(param_dtype)
+    tx = make_optimizer(optimizer) if tx is None else tx
+    mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
+    _check_seq_axis(model, devices, seq, seq_parallel, mp)
+    _check_model_axis(model, mp, vocab)
+    node_devices = devices_per_node * mp if devices_per_node else min(devices * mp, 8)
+    accel = _accelerator(accelerator)
+    kw = dict(accel=accel, per_node=devices_per_node, devices=devices, seq=seq, batch=batch,
+              tx=tx, param_dtype=pd, budget=budget_bytes, reserve=reserve_bytes, remat=remat,
+              extra=options, mp=mp, attention=attention, host_budget=host_memory_bytes,
+              host_devices=node_devices, disk_budget=disk_bytes,
+              disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel)
+
+    found, model = _largest_models(model, option_sets, kw, width_per_layer=width_per_layer,
+                                   head_dim=head_dim, vocab=vocab, mp=mp,
+                                   seq_parallel=seq_parallel, seq=seq) if largest else ([], model)
+    rows = tuple(_row(model, label, stage, opts, **kw) for label, stage, opts in option_sets)
+    fitting = [r for r in rows if r.fits]
+    best = min(fitting, key=lambda r: (r.step_time, r.peak)) if fitting else None
+    leanest = min(fitting, key=lambda r: (r.peak, r.step_time)) if fitting else None
+    links, link_rows = _link_rows(model, kw, devices=devices,
+                                  devices_per_node=devices_per_node, pd=pd, seq=seq)
+    return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
+                     seq, batch, optimizer if isinstance(optimizer, str) else "tx", pd, rows,
+                     best, tuple(found), links=links, mp=mp, options=dict(options),
+                     attention=attention, link_rows=link_rows, note=note,
+                     host_memory_bytes=host_memory_bytes, node_devices=node_devices,
+                     accelerator=accel, leanest=leanest, disk_bytes=disk_bytes,
+                     disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel)
+
+
+def _check_nodes(devices: int, devices_per_node: int | None) -> None:
+    """Refuse ``devices`` beyond one node that are not a whole number of nodes."""
     if devices_per_node is not None:
         _count("devices_per_node", devices_per_node, minimum=1)
         if devices > devices_per_node and devices % devices_per_node:
@@ -819,6 +869,22 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                 f"devices {devices} is not a whole number of nodes of devices_per_node "
                 f"{devices_per_node}; give a multiple of {devices_per_node} (or the devices "
                 "of one node)")
+
+
+def _node_limits(host_memory_bytes: Any, disk_bytes: Any,
+                 disk_bandwidth: Any) -> tuple[int | None, int | None, tuple | None]:
+    """:func:`plan_model`'s per-node host memory, disk and disk bandwidth, checked."""
+    if host_memory_bytes is not None:
+        host_memory_bytes = _count("host_memory_bytes", host_memory_bytes, minimum=1,
+                                   hint="pinned host memory per node")
+    if disk_bytes is not None:
+        disk_bytes = _count("disk_bytes", disk_bytes, minimum=1, hint="disk per node")
+    return host_memory_bytes, disk_bytes, _disk_bandwidth(disk_bandwidth)
+
+
+def _preset(model: ModelShape | str | None, seq: int) -> tuple[ModelShape | None, str]:
+    """:func:`plan_model`'s model: a preset's shape for its name (and a note for an old
+    name), refused when ``seq`` is beyond its learned positions."""
     note = ""
     if isinstance(model, str):
         if model not in PRESETS:
@@ -833,95 +899,70 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
             f"seq {seq} is beyond {model.name or 'the model'}'s {model.positions} learned "
             f"positions; use a seq of at most {model.positions}, or a shape of your own "
             "(--layers --hidden --heads: the reference GPT learns one position per token)")
-    if host_memory_bytes is not None:
-        host_memory_bytes = _count("host_memory_bytes", host_memory_bytes, minimum=1,
-                                   hint="pinned host memory per node")
-    if disk_bytes is not None:
-        disk_bytes = _count("disk_bytes", disk_bytes, minimum=1, hint="disk per node")
-    disk_bandwidth = _disk_bandwidth(disk_bandwidth)
-    if model is None and not largest:
-        raise ValueError("give a model (a ModelShape or a preset name) or largest=True")
-    pd = _dtype(param_dtype)
-    tx = make_optimizer(optimizer) if tx is None else tx
-    mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
-    _check_seq_axis(model, devices, seq, seq_parallel, mp)
-    if model is not None:
-        _check_model_axis(model, mp)
-    elif mp > 1 and vocab % mp:
-        raise ValueError(f"vocab {vocab} is not divisible by mp {mp}: the reference GPT "
-                         "splits the embedding's rows over the model axis; give a vocab "
-                         f"padded to a multiple of {mp}")
-    node_devices = devices_per_node * mp if devices_per_node else min(devices * mp, 8)
-    accel = _accelerator(accelerator)
-    kw = dict(accel=accel, per_node=devices_per_node, devices=devices, seq=seq, batch=batch,
-              tx=tx, param_dtype=pd,
-              budget=budget_bytes, reserve=reserve_bytes, remat=remat, extra=options, mp=mp,
-              attention=attention, host_budget=host_memory_bytes, host_devices=node_devices,
-              disk_budget=disk_bytes, disk_bandwidth=disk_bandwidth,
-              seq_parallel=seq_parallel)
+    return model, note
 
+
+def _largest_models(model: ModelShape | None, option_sets: Sequence, kw: dict, *,
+                    width_per_layer: int, head_dim: int, vocab: int, mp: int,
+                    seq_parallel: int, seq: int) -> tuple[list, ModelShape]:
+    """:func:`plan_model`'s ``largest=True``: for each option set, ``(label, shape,
+    Psi)`` of the largest model of the family ``hidden = width_per_layer x layers``,
+    heads of ``head_dim``, that fits (shape None: none); and the model to plan (the
+    given one, else the largest found)."""
+    from zerojax.analysis.report import _largest
+
+    def family(layers):
+        hidden = width_per_layer * layers
+        return ModelShape(layers, hidden, max(1, hidden // head_dim), vocab,
+                          name=f"L{layers}")
+
+    # with a model axis, the layer counts whose heads split over it: multiples of
+    # the smallest such count (heads grow in proportion to layers)
+    split = mp * seq_parallel  # the heads split over the model and sequence axes
+    step = next((m for m in range(1, split * head_dim + 1)
+                 if family(m).heads % split == 0 and family(m).hidden % mp == 0), None)
+    if step is None or any(family(step * k).heads % split for k in (2, 3)):
+        raise ValueError(
+            f"largest=True with mp {mp} x seq_parallel {seq_parallel}: no layer count "
+            f"in the family hidden = {width_per_layer} x layers, heads of {head_dim} "
+            f"gives heads divisible by {split}; give a model, or another mp / "
+            "seq_parallel")
     found = []
-    if largest:
-        from zerojax.analysis.report import _largest
+    for label, stage, opts in option_sets:
+        def fits(k, stage=stage, opts=opts, label=label):
+            return _row(family(step * k), label, stage, opts, **kw).fits
 
-        def family(layers):
-            hidden = width_per_layer * layers
-            return ModelShape(layers, hidden, max(1, hidden // head_dim), vocab,
-                              name=f"L{layers}")
+        best = step * _largest(fits, 1, max(1, 1024 // step))
+        shape = family(best) if best >= 1 else None
+        found.append((label, shape, shape.num_params(seq) if shape else 0))
+    if model is None:
+        sizes = [(psi, shape) for _, shape, psi in found if shape is not None]
+        model = max(sizes, key=lambda x: x[0])[1] if sizes else family(1)
+    return found, model
 
-        # with a model axis, the layer counts whose heads split over it: multiples of
-        # the smallest such count (heads grow in proportion to layers)
-        split = mp * seq_parallel  # the heads split over the model and sequence axes
-        step = next((m for m in range(1, split * head_dim + 1)
-                     if family(m).heads % split == 0 and family(m).hidden % mp == 0), None)
-        if step is None or any(family(step * k).heads % split for k in (2, 3)):
-            raise ValueError(
-                f"largest=True with mp {mp} x seq_parallel {seq_parallel}: no layer count "
-                f"in the family hidden = {width_per_layer} x layers, heads of {head_dim} "
-                f"gives heads divisible by {split}; give a model, or another mp / "
-                "seq_parallel")
-        for label, stage, opts in option_sets:
-            def fits(k, stage=stage, opts=opts, label=label):
-                return _row(family(step * k), label, stage, opts, **kw).fits
 
-            best = step * _largest(fits, 1, max(1, 1024 // step))
-            shape = family(best) if best >= 1 else None
-            found.append((label, shape, shape.num_params(seq) if shape else 0))
-        if model is None:
-            sizes = [(psi, shape) for _, shape, psi in found if shape is not None]
-            model = max(sizes, key=lambda x: x[0])[1] if sizes else family(1)
-    rows = tuple(_row(model, label, stage, opts, **kw) for label, stage, opts in option_sets)
-    fitting = [r for r in rows if r.fits]
-    if fitting:
-        best = min(fitting, key=lambda r: (r.step_time, r.peak))
-        leanest = min(fitting, key=lambda r: (r.peak, r.step_time))
-    else:
-        best = leanest = None
-    links = ()
-    if devices_per_node and devices > devices_per_node and devices % devices_per_node == 0:
-        import jax.numpy as jnp
+def _link_rows(model: ModelShape, kw: dict, *, devices: int, devices_per_node: int | None,
+               pd: Any, seq: int) -> tuple[tuple, tuple]:
+    """:func:`plan_model`'s hierarchical rows across nodes (devices beyond one node, a
+    whole number of them): ``(links, link_rows)``, each set's inter-node traffic and its
+    stage-3 row; empty otherwise."""
+    if not (devices_per_node and devices > devices_per_node
+            and devices % devices_per_node == 0):
+        return (), ()
+    import jax.numpy as jnp
 
-        compute = jnp.dtype(pd or jnp.float32).itemsize
-        nodes = devices // devices_per_node
-        links = tuple(
-            (label, *link_traffic(model.num_params(seq), 3, per_node=devices_per_node,
-                                  nodes=nodes, param_bytes=compute,
-                                  grad_bytes=compute, **opts))
-            for label, opts in HIERARCHICAL_SETS)
-        hkw = dict(kw, devices=devices_per_node, replicas=nodes, seq_parallel=1)
-        link_rows = tuple(
-            _row(model, label, 3, opts, **(hkw if opts else kw))
-            for label, opts in HIERARCHICAL_SETS)
-    else:
-        link_rows = ()
-    return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
-                     seq, batch, optimizer if isinstance(optimizer, str) else "tx",
-                     pd, rows, best, tuple(found), links=links, mp=mp,
-                     options=dict(options), attention=attention, link_rows=link_rows,
-                     note=note, host_memory_bytes=host_memory_bytes,
-                     node_devices=node_devices,
-                     accelerator=accel, leanest=leanest, disk_bytes=disk_bytes,
-                     disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel)
+    compute = jnp.dtype(pd or jnp.float32).itemsize
+    nodes = devices // devices_per_node
+    links = tuple(
+        (label, *link_traffic(model.num_params(seq), 3, per_node=devices_per_node,
+                              nodes=nodes, param_bytes=compute,
+                              grad_bytes=compute, **opts))
+        for label, opts in HIERARCHICAL_SETS)
+    hkw = dict(kw, devices=devices_per_node, replicas=nodes, seq_parallel=1)
+    link_rows = tuple(
+        _row(model, label, 3, opts, **(hkw if opts else kw))
+        for label, opts in HIERARCHICAL_SETS)
+    return links, link_rows
 
 
 def _check_seq_axis(model: ModelShape | None, devices: int, seq: int, sp: int,
@@ -980,11 +1021,18 @@ def _disk_bandwidth(value: Any) -> tuple[float, float] | None:
     return float(pair[0]), float(pair[1])
 
 
-def _check_model_axis(model: ModelShape, mp: int) -> None:
+def _check_model_axis(model: ModelShape | None, mp: int, vocab: int | None = None) -> None:
     """Refuse a model the reference GPT's Megatron specs cannot split ``mp`` ways (the
     heads, hence the QKV and attention-out columns and rows, the MLP's hidden units and
-    the embedding's vocabulary rows are split over the model axis)."""
+    the embedding's vocabulary rows are split over the model axis); without a model
+    (the largest model's search), a ``vocab`` it cannot split."""
     if mp == 1:
+        return
+    if model is None:
+        if vocab % mp:
+            raise ValueError(f"vocab {vocab} is not divisible by mp {mp}: the reference GPT "
+                             "splits the embedding's rows over the model axis; give a vocab "
+                             f"padded to a multiple of {mp}")
         return
     mlp = model.mlp_hidden if model.mlp_hidden is not None else model.mlp_ratio * model.hidden
     for what, n, fix in (("heads", model.heads, "--heads"),

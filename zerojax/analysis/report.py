@@ -195,6 +195,25 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
     states = _count("states", states, minimum=0)
     accum = _count("accum_steps", accum_steps, minimum=1)
     shard = math.ceil(psi / n)
+    end, in_flight = _gradient_terms(psi, shard, pl, g, cb, stage, scanned, remat,
+                                     largest_leaf)
+    if accum > 1:  # one micro-batch's activations, a float32 accumulator
+        batch, acc = -(-batch // accum), 4 * (psi if stage < 2 else shard)
+        end, in_flight = end + acc, in_flight + acc
+    acts = (_count("activations", activations, minimum=0) if activations is not None else
+            _activation_terms(hidden, batch, seq, layers, vocab, heads, remat,
+                              activation_bytes, intermediate_bytes, softmax_bytes))
+    if mixed_stack and stage == 2:
+        in_flight += 4 * mixed_stack - g * pl
+    working = _working_copies(stage, p * pl, scanned, remat, prefetch)
+    converted = _count("converted", converted, minimum=0) if stage < 3 else 0
+    return StepPrediction(states, batch_bytes, end, in_flight, acts, working, converted)
+
+
+def _gradient_terms(psi: int, shard: int, pl: int, g: int, cb: int, stage: int,
+                    scanned: bool, remat: bool, largest_leaf: int) -> tuple[int, int]:
+    """:func:`predict_step_memory`'s gradients (one micro-batch's): ``(end, in
+    flight)``, the gradients alive when the backward is over and those at its peak."""
     whole_grads = stage == 0 or (stage == 1 and scanned)
     # stage 0: the all-reduce's input and output, in the collective's dtype
     end = 2 * (cb if stage == 0 else g) * psi if whole_grads else g * shard
@@ -205,34 +224,37 @@ def predict_step_memory(num_params: int, dp: int, stage: int, *, layer_params: i
         if stage == 1:  # one leaf's relayout copy at a time, not the whole stack's
             leaf = min(largest_leaf or psi, psi)
             end = g * psi + (2 * cb * leaf if cb > g else g * leaf)
-    if accum > 1:
-        batch = -(-batch // accum)
-        acc = 4 * (psi if stage < 2 else shard)
-        end, in_flight = end + acc, in_flight + acc
-    if activations is not None:
-        acts = _count("activations", activations, minimum=0)
-    else:
-        acts = estimate_activations(hidden, batch, seq, layers,
-                                    bytes_per_value=activation_bytes, checkpointing=remat)
-        if intermediate_bytes is not None:  # the 12 h b s of each live layer's internals
-            acts += (12 * hidden * batch * seq * (1 if remat else layers)
-                     * (intermediate_bytes - activation_bytes))
-        scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
-        acts += (scores + 3 * batch * seq * vocab) * softmax_bytes
-    if mixed_stack and stage == 2:
-        in_flight += 4 * mixed_stack - g * pl
+    return end, in_flight
 
+
+def _activation_terms(hidden: int, batch: int, seq: int, layers: int, vocab: int,
+                      heads: int, remat: bool, activation_bytes: int,
+                      intermediate_bytes: int | None, softmax_bytes: int) -> int:
+    """:func:`predict_step_memory`'s activations of a GPT-like model: the paper's
+    ``estimate_activations``, the layer internals' wider bytes, the float32 scores and
+    logits."""
+    acts = estimate_activations(hidden, batch, seq, layers,
+                                bytes_per_value=activation_bytes, checkpointing=remat)
+    if intermediate_bytes is not None:  # the 12 h b s of each live layer's internals
+        acts += (12 * hidden * batch * seq * (1 if remat else layers)
+                 * (intermediate_bytes - activation_bytes))
+    scores = 3 * heads * seq * seq * batch * (1 if remat else layers)
+    return acts + (scores + 3 * batch * seq * vocab) * softmax_bytes
+
+
+def _working_copies(stage: int, layer_bytes: int, scanned: bool, remat: bool,
+                    prefetch: bool) -> int:
+    """:func:`predict_step_memory`'s working parameter copies (``layer_bytes`` = P
+    Psi_l each): stage 3's gathered layers, stages 1-2's waiting weights."""
+    whole_grads = stage == 0 or (stage == 1 and scanned)
     if stage == 3:
-        working = p * pl * (1 if scanned or not prefetch or not remat else 2)
-    elif scanned and whole_grads and remat:
-        working = p * pl  # the iteration's weights, kept for its recomputation
-    elif stage == 0 or whole_grads or not remat:
+        return layer_bytes * (1 if scanned or not prefetch or not remat else 2)
+    if scanned and whole_grads and remat:
+        return layer_bytes  # the iteration's weights, kept for its recomputation
+    if stage == 0 or whole_grads or not remat:
         # stages 1-2 without remat: nothing is recomputed, no layer's weights wait
-        working = 0
-    else:
-        working = p * pl
-    converted = _count("converted", converted, minimum=0) if stage < 3 else 0
-    return StepPrediction(states, batch_bytes, end, in_flight, acts, working, converted)
+        return 0
+    return layer_bytes
 
 
 # --- compiling from shapes ----------------------------------------------------------------
@@ -702,38 +724,72 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
     ``f`` values for one tile, ``ceil(s / (P T))`` tokens, plus the tile loop's copy
     of each MLP matrix and its gradient accumulator, ``2 h f / mp`` per matrix (2;
     SwiGLU's 3)."""
-    h, v, L, a = config.hidden, config.vocab, config.layers, config.heads
+    h, v, L = config.hidden, config.vocab, config.layers
     dm = _dims(config)
-    f = dm.mlp_values
     mp = _count("mp", mp, minimum=1)
     b = _count("batch", batch, minimum=0)
     sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
     s = seq_local(config.seq, sp)  # the tokens of a sequence on this device
     tile = s if mlp_tiles is None else -(-s // _count("mlp_tiles", mlp_tiles, minimum=1))
     inner = value_bytes if internal_bytes is None else internal_bytes
+    hbs = h * b * s
+    probs, scores, mask, one_head = _attention_terms(config, b, mp, sp, softmax_bytes,
+                                                     platform)
+    mlp = _mlp_phase(dm, b, s, tile, mp, inner, value_bytes, probs,
+                     tiled=mlp_tiles is not None)
+    attention = scores + one_head + (3 * hbs + math.ceil(6 * hbs / mp)) * inner
+    logits = _logits_values(config, b, mp, softmax_bytes, s) + 4 * hbs * inner
+    head = 0
+    if getattr(config, "vocab_tiles", None):
+        # the tile loop beside the top layer's recomputed attention scores (fitted to
+        # compiled stage-3 steps) and, at stage 3, the gathered head it reads
+        logits += scores
+        head = math.ceil(h * v / mp) * value_bytes
+    forward = scores + mask + 4 * hbs * inner if config.scan else 0
+    ckpt, saved = _checkpoint_terms(dm, remat_policy, platform, b, s, mp)
+    # XLA:CPU up to jax 0.10 converts a scanned stack's 16-bit checkpoints to float32
+    ckpt_bytes = inner if config.scan and inner > value_bytes else value_bytes
+    return GPTPhases(checkpoints=L * ckpt * ckpt_bytes + (L - 1) * saved * value_bytes,
+                     bottom=ckpt * ckpt_bytes, mlp=mlp, attention=attention, logits=logits,
+                     forward=forward, head=head)
+
+
+def _attention_terms(config, b: int, mp: int, sp: int, softmax_bytes: int,
+                     platform: str) -> tuple[int, int, int, int]:
+    """:func:`gpt_phases`' attention terms, bytes per device: ``(probs, scores, mask,
+    one_head)``, the probabilities kept for the attention's backward, the scores' and
+    their gradients at it, a scanned forward's causal mask, and XLA:CPU's extra copy
+    with one head a device (flash attention's statistics; blockwise's blocks)."""
+    a = config.heads
+    if flash_attention(config, platform):
+        # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
+        # (a / P heads over the whole sequence: a s b / P)
+        stats = math.ceil(a * seq_local(config.seq, sp) * b / mp) * 4
+        return stats, stats, 0, 0
+    if config.attention == "blockwise":
+        probs, scores = _blockwise_terms(config, b, mp, sp)
+        return probs, scores, 0, 0
+    sq = math.ceil(a * config.seq * config.seq * b / (mp * sp))
+    one_head = 0
+    if sp > 1 and a // (mp * sp) == 1:
+        # one head a device: XLA:CPU drops the size-1 head axis (bitcasts) and
+        # copies the softmax's gradient into the dots' layout, a fourth s^2 buffer
+        # beside the three (compiled GPT, seq 512, 4 heads over P = 4: 4 live at the
+        # attention's backward, 3 at P = 2, 2 at P = 1; 2 heads over P = 2: 1.18x
+        # under without it)
+        one_head = sq * softmax_bytes
+    return 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq, one_head
+
+
+def _mlp_phase(dm: Shape, b: int, s: int, tile: int, mp: int, inner: int,
+               value_bytes: int, probs: int, *, tiled: bool) -> int:
+    """:func:`gpt_phases`' ``mlp``: the recomputed layer at its MLP's backward, beside
+    the attention's ``probs``, on ``tile`` of the device's ``s`` tokens at a time."""
+    h, f = dm.hidden, dm.mlp_values
     split = lambda n: math.ceil(n / mp)  # noqa: E731
     hbs = h * b * s
     # GQA's narrower k and v beside the recomputed layer's MLP (0 without GQA)
     narrow = split((dm.qkv - 3 * h) * b * s) * inner
-    if flash_attention(config, platform):
-        # cuDNN's flash attention: no a s^2 values, a float32 softmax statistic per row
-        # (a / P heads over the whole sequence: a s b / P)
-        probs = scores = split(a * s * b) * 4
-        mask = one_head = 0
-    elif config.attention == "blockwise":
-        probs, scores = _blockwise_terms(config, b, mp, sp)
-        mask = one_head = 0
-    else:
-        sq = math.ceil(a * config.seq * config.seq * b / (mp * sp))
-        probs, scores, mask = 2 * sq * softmax_bytes, 3 * sq * softmax_bytes, sq
-        one_head = 0
-        if sp > 1 and a // (mp * sp) == 1:
-            # one head a device: XLA:CPU drops the size-1 head axis (bitcasts) and
-            # copies the softmax's gradient into the dots' layout, a fourth s^2 buffer
-            # beside the three (compiled GPT, seq 512, 4 heads over P = 4: 4 live at the
-            # attention's backward, 3 at P = 2, 2 at P = 1; 2 heads over P = 2: 1.18x
-            # under without it)
-            one_head = sq * softmax_bytes
     mlp_values = 4 if inner >= 4 else 7
     if dm.gated:
         # SwiGLU's backward: gate, up, silu(gate), their product and the cotangents of
@@ -746,34 +802,29 @@ def gpt_phases(config, batch: int, *, mp: int = 1, remat_policy: str | None = No
         narrow += 4 * hbs * inner
     mlp = (probs + (split(mlp_values * f * b * tile) + 9 * hbs + split(4 * hbs)) * inner
            + narrow)
-    if mlp_tiles is not None:
+    if tiled:
         # the tile loop's backward carries a copy of each MLP matrix and sums its
         # gradient over the tiles: two (h, f) buffers per matrix (2 matrices, SwiGLU 3)
         # beside the layer's gathered weights and gradients (compiled GPT at seq 128,
         # P = 1, 2, 4: benchmarks/seq_memory.py --only tiled)
         mlp += 2 * (3 if dm.gated else 2) * split(h * f) * value_bytes
-    attention = scores + one_head + (3 * hbs + split(6 * hbs)) * inner
-    logits = _logits_values(config, b, mp, softmax_bytes, s) + 4 * hbs * inner
-    head = 0
-    if getattr(config, "vocab_tiles", None):
-        # the tile loop beside the top layer's recomputed attention scores (fitted to
-        # compiled stage-3 steps) and, at stage 3, the gathered head it reads
-        logits += scores
-        head = split(h * v) * value_bytes
-    forward = scores + mask + 4 * hbs * inner if config.scan else 0
-    policy = remat_policy
+    return mlp
+
+
+def _checkpoint_terms(dm: Shape, policy: str | None, platform: str, b: int, s: int,
+                      mp: int) -> tuple[int, int]:
+    """:func:`gpt_phases`' values a layer keeps under the remat ``policy``: ``(ckpt,
+    saved)``, its input (split by Pa, none on the device with Pa+cpu off the CPU) and
+    what the policy saves beyond it."""
+    hbs = dm.hidden * b * s
     if policy == "partitioned_host" and platform != "cpu":
         ckpt = 0
     elif policy in ("partitioned", "partitioned_host"):
-        ckpt = split(hbs)
+        ckpt = math.ceil(hbs / mp)
     else:
         ckpt = hbs
-    # XLA:CPU up to jax 0.10 converts a scanned stack's 16-bit checkpoints to float32
-    ckpt_bytes = inner if config.scan and inner > value_bytes else value_bytes
-    saved = split(_SAVED[policy](dm) * b * s) if policy in _SAVED else 0
-    return GPTPhases(checkpoints=L * ckpt * ckpt_bytes + (L - 1) * saved * value_bytes,
-                     bottom=ckpt * ckpt_bytes, mlp=mlp, attention=attention, logits=logits,
-                     forward=forward, head=head)
+    saved = math.ceil(_SAVED[policy](dm) * b * s / mp) if policy in _SAVED else 0
+    return ckpt, saved
 
 
 def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str | None = None,
@@ -888,6 +939,47 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
 _STATES: dict = {}  # gpt_state_estimate's remembered answers (insertion order)
 
 
+def _check_replicas(replicas: Any, options: dict) -> int:
+    """``replicas`` (an int >= 1), refused above 1 without hierarchical sharding."""
+    replicas = _count("replicas", replicas, minimum=1, hint="the size of the replica axis")
+    hierarchical = bool(options.get("replica_axis")) or bool(options.get("hpz"))
+    if replicas > 1 and not hierarchical:
+        raise ValueError(
+            f"replicas={replicas} is the replica axis of hierarchical sharding: pass "
+            "replica_axis='replica' (HSDP) or hpz=True with it; plain ZeRO over replica x "
+            f"data devices is dp = {replicas} x D")
+    return replicas
+
+
+def _params_per_device(dm: Shape, mp: int) -> tuple[int, int]:
+    """``(Psi_l, Psi)`` on one device of a ``model`` axis of ``mp`` (the Megatron
+    specs): one layer's parameters and the model's."""
+    h, v, s, L, f = dm.hidden, dm.vocab, dm.seq, dm.layers, dm.mlp_hidden
+    split = lambda n: -(-n // mp)  # noqa: E731  (a leaf split over the model axis)
+    # per device: QKV and MLP-in column-parallel, attention-out and MLP-out row-parallel
+    layer = (split(3 * h * h + 3 * h) + split(h * h) + h + split(h * f + f) + split(f * h)
+             + h + 4 * h)
+    psi = split(v * h) + s * h + L * layer + 2 * h
+    if not dm.gpt:  # GQA's k and v, a gated MLP, RMSNorm, no biases, an untied head
+        nb = int(dm.bias)
+        qkv = (split(h * dm.qkv + nb * dm.qkv) if dm.kv_heads == dm.heads else
+               split(h * h + nb * h) + 2 * split((h + nb) * dm.kv_heads * dm.head_dim))
+        layer = (qkv + split(h * h) + nb * h + (1 + dm.gated) * split(h * f + nb * f)
+                 + split(f * h) + nb * h + 2 * h * (1 if dm.rms else 2))
+        psi = (split(v * h) * (1 if dm.tied else 2) + dm.positions * h + L * layer
+               + h * (1 if dm.rms else 2))
+    return layer, psi
+
+
+def _step_activations(config, batch: int, remat: bool, **counts: Any) -> tuple:
+    """``(phases, bytes)``: a rematerialised step's :func:`gpt_phases` and its largest,
+    or (None, :func:`gpt_activation_bytes`) without remat."""
+    if remat:
+        phases = gpt_phases(config, batch, **counts)
+        return phases, phases.largest()
+    return None, gpt_activation_bytes(config, batch, **counts)
+
+
 def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                         prefetch: bool = True, tx: Any = None, param_dtype: Any = None,
                         platform: str | None = None, mp: int = 1, replicas: int = 1,
@@ -943,30 +1035,11 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     import optax
 
     tx = optax.adam(1e-3) if tx is None else tx
-    replicas = _count("replicas", replicas, minimum=1, hint="the size of the replica axis")
-    hierarchical = bool(options.get("replica_axis")) or bool(options.get("hpz"))
-    if replicas > 1 and not hierarchical:
-        raise ValueError(
-            f"replicas={replicas} is the replica axis of hierarchical sharding: pass "
-            "replica_axis='replica' (HSDP) or hpz=True with it; plain ZeRO over replica x "
-            f"data devices is dp = {replicas} x D")
+    replicas = _check_replicas(replicas, options)
     h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
-    dm = _dims(config)
-    f = dm.mlp_hidden
+    f = _dims(config).mlp_hidden
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
-    split = lambda n: -(-n // mp)  # noqa: E731  (a leaf split over the model axis)
-    # per device: QKV and MLP-in column-parallel, attention-out and MLP-out row-parallel
-    layer = (split(3 * h * h + 3 * h) + split(h * h) + h + split(h * f + f) + split(f * h)
-             + h + 4 * h)
-    psi = split(v * h) + s * h + L * layer + 2 * h
-    if not dm.gpt:  # GQA's k and v, a gated MLP, RMSNorm, no biases, an untied head
-        nb = int(dm.bias)
-        qkv = (split(h * dm.qkv + nb * dm.qkv) if dm.kv_heads == dm.heads else
-               split(h * h + nb * h) + 2 * split((h + nb) * dm.kv_heads * dm.head_dim))
-        layer = (qkv + split(h * h) + nb * h + (1 + dm.gated) * split(h * f + nb * f)
-                 + split(f * h) + nb * h + 2 * h * (1 if dm.rms else 2))
-        psi = (split(v * h) * (1 if dm.tied else 2) + dm.positions * h + L * layer
-               + h * (1 if dm.rms else 2))
+    layer, psi = _params_per_device(_dims(config), mp)
     sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
     b = global_batch // (dp * replicas)
     # ZeRO over data x seq: the sequence devices hold their own shards of the states
@@ -989,11 +1062,10 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     inter = 4 if _widens_bf16(platform) and compute < 4 else None
     policy = options.get("remat_policy")
     remat = config.remat and policy != "none"
-    counts = dict(mp=mp, remat_policy=policy, value_bytes=compute, internal_bytes=inter,
-                  platform=platform, seq_parallel=sp, mlp_tiles=mlp_tiles)
-    phases = gpt_phases(config, -(-b // accum), **counts) if remat else None
-    acts = (phases.largest() if remat
-            else gpt_activation_bytes(config, -(-b // accum), **counts))
+    phases, acts = _step_activations(config, -(-b // accum), remat, mp=mp,
+                                     remat_policy=policy, value_bytes=compute,
+                                     internal_bytes=inter, platform=platform,
+                                     seq_parallel=sp, mlp_tiles=mlp_tiles)
     step = predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
                                hidden=h, batch=b, seq=s, layers=L, vocab=v,
                                heads=config.heads, remat=remat, prefetch=prefetch,
@@ -1016,7 +1088,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     # ZeRO++ qgZ quantizes each gradient leaf from float32: a 16-bit gradient's largest
     # leaf is held as two float32 copies beside the layer's gradient (seen on jax 0.12's
     # XLA:CPU, which keeps bf16 gradients in bf16)
-    quant = 2 * 4 * split(h * f) if options.get("quantize_gradients") and grad < 4 else 0
+    quant = 2 * 4 * -(-h * f // mp) if options.get("quantize_gradients") and grad < 4 else 0
     return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
                              widened=inter is not None, prefetch=prefetch, quantized=quant)
 
