@@ -1050,15 +1050,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     platform = jax.default_backend() if platform is None else platform
     grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
     accum = options.get("accum_steps", 1)
-    working = 0
-    if _is_nvme(options):
-        working = _nvme_working(e.disk_optimizer_state, math.ceil(psi / dp), compute,
-                                options)
-    update = 0  # the offloaded update's buckets: after the backward, beside the gradients
-    if not _is_nvme(options) and (options.get("offload_optimizer")
-                                  or options.get("offload_params")):
-        update = _offload_working(config, dp, mp, e.host_optimizer_state,
-                                  math.ceil(psi / dp), compute, grad, platform, options)
+    working, update = _update_bytes(config, e, math.ceil(psi / dp), dp, mp, compute, grad,
+                                    platform, options)
     inter = 4 if _widens_bf16(platform) and compute < 4 else None
     policy = options.get("remat_policy")
     remat = config.remat and policy != "none"
@@ -1066,21 +1059,17 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                                      remat_policy=policy, value_bytes=compute,
                                      internal_bytes=inter, platform=platform,
                                      seq_parallel=sp, mlp_tiles=mlp_tiles)
-    step = predict_step_memory(psi, dp, stage, layer_params=layer, scanned=config.scan,
-                               hidden=h, batch=b, seq=s, layers=L, vocab=v,
-                               heads=config.heads, remat=remat, prefetch=prefetch,
-                               activations=acts,
-                               batch_bytes=b * (seq_local(s, sp) + 1) * 4 + working,
-                               # offload_params (host or "nvme"): the step brings
-                               # every param shard to the device before the gradient
-                               states=_step_states(e),
-                               param_bytes=compute, grad_bytes=grad,
-                               activation_bytes=compute, accum_steps=accum,
-                               mixed_stack=L * layer if param_dtype is not None
-                               and config.scan and _widens_bf16(platform) else 0,
-                               intermediate_bytes=inter,
-                               largest_leaf=max(v * h, L * f * h),
-                               collective_bytes=_collective_bytes(grad, platform))
+    step = predict_step_memory(
+        psi, dp, stage, layer_params=layer, scanned=config.scan, hidden=h, batch=b, seq=s,
+        layers=L, vocab=v, heads=config.heads, remat=remat, prefetch=prefetch,
+        activations=acts, batch_bytes=b * (seq_local(s, sp) + 1) * 4 + working,
+        # offload_params (host or "nvme"): every param shard on the device for the step
+        states=_step_states(e), param_bytes=compute, grad_bytes=grad,
+        activation_bytes=compute, accum_steps=accum,
+        mixed_stack=L * layer if param_dtype is not None and config.scan
+        and _widens_bf16(platform) else 0,
+        intermediate_bytes=inter, largest_leaf=max(v * h, L * f * h),
+        collective_bytes=_collective_bytes(grad, platform))
     if update:  # the update runs after the backward: beside the gradients, not the activations
         step = dataclasses.replace(step, end=step.end + update)
     if not remat:
@@ -1091,6 +1080,19 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     quant = 2 * 4 * -(-h * f // mp) if options.get("quantize_gradients") and grad < 4 else 0
     return _at_largest_phase(step, phases, config.scan, stage, layer, L, compute, grad,
                              widened=inter is not None, prefetch=prefetch, quantized=quant)
+
+
+def _update_bytes(config, e: MemoryEstimate, elements: int, dp: int, mp: int, compute: int,
+                  grad: int, platform: str, options: dict) -> tuple[int, int]:
+    """The offloaded update's device bytes, ``(working, update)``: the NVMe tier's
+    buckets (:func:`_nvme_working`, in the step's batch term) or the host tier's
+    (:func:`_offload_working`: after the backward, beside the gradients)."""
+    if _is_nvme(options):
+        return _nvme_working(e.disk_optimizer_state, elements, compute, options), 0
+    if options.get("offload_optimizer") or options.get("offload_params"):
+        return 0, _offload_working(config, dp, mp, e.host_optimizer_state, elements,
+                                   compute, grad, platform, options)
+    return 0, 0
 
 
 def _offload_working(config, dp: int, mp: int, host: int, elements: int,
