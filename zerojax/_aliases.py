@@ -2,7 +2,7 @@
 modules: ``import zerojax.step``, ``from zerojax.step import build_train_step``,
 ``from zerojax import step``, ``monkeypatch.setattr("zerojax.checkpoint.x", ...)`` and
 pickles naming ``zerojax.<old>`` reach the same module object as
-``zerojax.engine.step`` (written by /work/notes/s19/relayout.py; docs/architecture.md,
+``zerojax.engine.step`` (docs/architecture.md,
 "Where things moved"). No file per old name: :class:`AliasFinder`, first on
 ``sys.meta_path`` once ``zerojax`` is imported, answers an old name by importing the
 new one."""
