@@ -48,10 +48,16 @@ if os.environ.get("ZEROJAX_TEST_COMPILE_CACHE"):
 #     pytest -m serial
 # and `-m serial` / `-m "not serial"` work without xdist too.
 SERIAL_MODULES = frozenset({
-    "test_checkpoint.py", "test_checkpoint_memory.py", "test_cli.py", "test_hostmem.py",
-    "test_launchers.py", "test_load.py", "test_mpirun.py", "test_multiprocess.py",
+    "test_checkpoint.py", "test_checkpoint_memory.py", "test_hostmem.py",
+    "test_launchers.py", "test_mpirun.py", "test_multiprocess.py",
     "test_nvme.py", "test_preemption.py", "test_sharded_init.py",
 })
+# Modules whose other tests run on the workers: only these tests start a process group
+# (`zerojax launch --nproc 2`) or measure resident memory.
+SERIAL_TESTS = {
+    "test_cli.py": {"test_launch_runs_its_help_example_and_a_normal_finish_says_so"},
+    "test_load.py": {"test_load_peak_rss_is_the_shards_plus_two_buffers_in_one_process_and_two"},
+}
 
 
 # Tests whose assertion holds only at XLA's default LLVM level (each measured failing at
@@ -71,7 +77,8 @@ def pytest_collection_modifyitems(config, items):
 
     kept, deselected = [], []
     for item in items:
-        if item.path.name in SERIAL_MODULES:
+        if (item.path.name in SERIAL_MODULES
+                or item.originalname in SERIAL_TESTS.get(item.path.name, ())):
             item.add_marker(pytest.mark.serial)
         names = FULL_OPT_TESTS.get(item.path.name, ())
         if names is None or item.originalname in names:
