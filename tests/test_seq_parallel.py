@@ -40,7 +40,7 @@ from zerojax.models.gpt import (
     shift_tokens,
 )
 from zerojax.models.llama import Llama, LlamaConfig, llama_param_specs, llama_params
-from zerojax.models.ulysses import model_split
+from zerojax.models.ulysses import check_heads, model_split
 from zerojax.step import check_batch
 
 B, S = 4, 32
@@ -174,6 +174,7 @@ def _attention_elements(cfg, b, t, p, passes, mp=1):
 @pytest.mark.parametrize("family,d,p,m,stage,weighted", [
     ("gpt", 2, 4, 1, 3, False), ("llama", 1, 8, 1, 2, True), ("gpt", 2, 2, 2, 3, True),
     ("llama", 2, 2, 2, 3, True), ("llama", 1, 2, 4, 3, True)])
+@pytest.mark.filterwarnings("error:the loss traced")  # Ulysses' loss crosses 'seq'
 def test_zero_step_equals_one_device(data, reference, family, d, p, m, stage, weighted):
     """ZeRO over data x seq (x model): the step's loss and its SGD(lr=1) update (params
     - grad) equal the one-device reference; the all-to-all elements are Ulysses'
@@ -276,8 +277,13 @@ def test_errors_name_values_and_fix(data):
     toks = jnp.zeros((1, 8), jnp.int32)
     fn = jax.shard_map(lambda t: Llama(cfg).init(jax.random.key(0), t), mesh=mesh,
                        in_specs=P(None, "seq"), out_specs=P(), check_vma=False)
-    with pytest.raises(ValueError, match=r"heads=12 and kv_heads=3.*make_mesh\(seq=3\)"):
+    # 3 would divide heads and kv_heads, but 8 devices form no seq=3: not suggested
+    with pytest.raises(ValueError, match=r"heads=12 and kv_heads=3.*No seq degree above 1 "
+                                         r"divides heads=12 .* and the 8 devices"):
         jax.eval_shape(fn, jnp.zeros((1, 32), jnp.int32))
+    with pytest.raises(ValueError, match=r"heads=6 .* the 8 devices: make_mesh\(seq=2, "
+                                         r"\.\.\.\) \(seq degrees that fit: 1, 2\)"):
+        check_heads(6, 6, 4, "GPTConfig")
     # a seq-parallel model run where no seq axis is bound
     with pytest.raises(ValueError, match=r"GPTConfig.seq_axis='seq', but .* no 'seq' axis"):
         GPT(dataclasses.replace(GPT_CFG, seq_axis="seq")).apply(
@@ -287,3 +293,38 @@ def test_errors_name_values_and_fix(data):
     with pytest.raises(ValueError, match=r"replica_axis='replica' on a mesh with a 'seq'"):
         zerojax.zero(optax.sgd(1.0), mesh=zerojax.make_mesh(replica=2, data=2, seq=2),
                      stage=3, replica_axis="replica")
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_whole_sequence_model_on_a_seq_mesh_is_refused(data, family):
+    """GPT/Llama built without seq_axis, stepped on data=4 x seq=2: each device would take
+    its half of every sequence for a whole one (the issue: loss 4.1706 against 4.1735 on
+    data=8, no error). Refused while the step traces the loss (nothing compiled), naming
+    seq_axis and the fix; outside the step the same model runs."""
+    tokens, _, params = data
+    opt = zerojax.zero(optax.sgd(1.0), mesh=zerojax.make_mesh(data=4, seq=2), stage=2)
+    state = opt.init_state(params[family])
+    owner = "GPTConfig" if family == "gpt" else "LlamaConfig"
+    step = opt.train_step(lm_loss(_model(family)))
+    with pytest.raises(ValueError, match=rf"{owner}.seq_axis=None, .* 'seq' axis \(size 2\) "
+                                         rf"splits every sequence.*{owner}\(\.\.\., "
+                                         r"seq_axis='seq'\)"):
+        step.lower(state, tokens[:, :S])
+    out = jax.eval_shape(_model(family).apply, {"params": params[family]}, tokens[:1, :8])
+    assert out.shape == (1, 8, 64)  # outside the step's split: whole sequences, no refusal
+
+
+def test_a_loss_that_never_crosses_the_seq_axis_is_warned_about():
+    """A loss of the user's own (no zerojax config to read) traced on a seq mesh without
+    any collective or axis_index over 'seq': a warning naming seq_axis and the fix, the
+    step still built (a per-token loss is right as it is); none for Ulysses' GPT."""
+    def per_token(p, batch):
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(p["e"][x], y).mean()
+
+    opt = zerojax.zero(optax.sgd(1.0), mesh=zerojax.make_mesh(data=4, seq=2), stage=2)
+    state = opt.init_state({"e": jnp.zeros((64, 64))})
+    toks = jnp.zeros((8, 16), jnp.int32)
+    with pytest.warns(UserWarning, match=r"uses no collective or index over 'seq'.*"
+                                         r"GPTConfig\(\.\.\., seq_axis='seq'\)"):
+        opt.train_step(per_token).lower(state, (toks, toks))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -123,3 +126,27 @@ def constrain(tree, shardings):
         return jax.lax.with_sharding_constraint(x, s)
 
     return jax.tree.map(one, tree, shardings)
+
+
+# --- the sequence split a step traces its loss under ---------------------------------
+
+_SEQUENCE_SPLIT: contextvars.ContextVar = contextvars.ContextVar("zerojax_sequence_split",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def sequence_split(axis: str, size: int):
+    """While zerojax's step traces the loss on a ``seq`` mesh: each device's batch holds
+    ``1 / size`` of every sequence, split over ``axis``. zerojax's models read it
+    (:func:`current_sequence_split`) to refuse running as whole sequences there."""
+    token = _SEQUENCE_SPLIT.set((axis, int(size)))
+    try:
+        yield
+    finally:
+        _SEQUENCE_SPLIT.reset(token)
+
+
+def current_sequence_split() -> tuple | None:
+    """``(axis, size)`` of the sequence split being traced (:func:`sequence_split`), or
+    None outside one."""
+    return _SEQUENCE_SPLIT.get()

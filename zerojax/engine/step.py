@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from zerojax.core import collectives as C
-from zerojax.core.mesh import constrain
+from zerojax.core.mesh import constrain, sequence_split
 from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
 from zerojax.core.state import LossScaleState, MasterState, TrainState
@@ -381,14 +383,40 @@ def trace_loss(loss_fn, axes: GradAxes, treedef, lays, batch, rng, has_aux: bool
     under = (jax.sharding.use_abstract_mesh(axes.mesh.abstract_mesh)
              if seq and axes.model_axis and jax.sharding.get_abstract_mesh().empty
              else contextlib.nullcontext())
-    with under:
+    split = sequence_split(*seq) if seq else contextlib.nullcontext()
+    with under, split:
         closed, out_shape = jax.make_jaxpr(
             call_loss, return_shape=True, axis_env=[seq] if seq else None)(
             full_structs, local_struct, *key_struct)
         remesh = not jax.sharding.get_abstract_mesh().empty
+    if seq and seq[1] > 1 and not uses_axis(closed.jaxpr, seq[0]):
+        warnings.warn(
+            f"the loss traced on this mesh's {seq[0]!r} axis (size {seq[1]}, each device "
+            f"holding 1/{seq[1]} of every sequence) uses no collective or index over "
+            f"{seq[0]!r}: a model with attention or positions then takes each slice for a "
+            f"whole sequence. zerojax's GPT/Llama: build them with seq_axis={seq[0]!r} "
+            f"(GPTConfig(..., seq_axis={seq[0]!r})); a model of your own: attend across "
+            f"{seq[0]!r} (zerojax.models.ulysses.ulysses_attention) and offset positions by "
+            f"jax.lax.axis_index({seq[0]!r}); a per-token loss is right as it is.",
+            stacklevel=4)
     _split_out(out_shape, has_aux, weighted)
     return LossTrace(localize_constraints(closed, axes.manual), jax.tree.structure(out_shape),
                      local_struct, key_struct, remesh)
+
+
+def uses_axis(jaxpr, axis: str) -> bool:
+    """Whether any equation of ``jaxpr`` (its sub-jaxprs included) names mesh axis
+    ``axis`` in an axis parameter (``axis_name``, ``axes``: collectives, axis_index)."""
+    for eqn in jaxpr.eqns:
+        for key, value in eqn.params.items():
+            if "axis" in key or key == "axes":
+                names = value if isinstance(value, (tuple, list, frozenset, set)) else (value,)
+                if axis in names:
+                    return True
+        if any(uses_axis(getattr(sub, "jaxpr", sub), axis)
+               for sub in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 def device_grads(call: GradCall, param_leaves, local_batch, scale, rng):

@@ -59,7 +59,13 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax.core.activations import checkpoint_policy
 from zerojax.core.modelspec import DecoderSpec, MLPRatio
 from zerojax.models.blockwise import blockwise_attention
-from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
+from zerojax.models.ulysses import (
+    check_heads,
+    check_whole_sequences,
+    seq_degree,
+    seq_offset,
+    ulysses_attention,
+)
 
 _INIT_STD = 0.02
 
@@ -395,6 +401,7 @@ class GPT(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"GPT expects int tokens of shape (batch, t), got {tokens.shape}")
         t = tokens.shape[1]
+        check_whole_sequences(cfg.seq_axis, "GPTConfig")
         p = 1 if cfg.seq_axis is None else seq_degree(cfg.seq_axis, "GPTConfig")
         if t * p > cfg.seq:
             raise ValueError(f"GPT got sequences of length {t * p} > config.seq = {cfg.seq}"

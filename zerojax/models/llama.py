@@ -104,7 +104,13 @@ from zerojax.models.gpt import (
     resolve_attention,
     tiled_tokens,
 )
-from zerojax.models.ulysses import check_heads, seq_degree, seq_offset, ulysses_attention
+from zerojax.models.ulysses import (
+    check_heads,
+    check_whole_sequences,
+    seq_degree,
+    seq_offset,
+    ulysses_attention,
+)
 
 _INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
@@ -729,6 +735,7 @@ class Llama(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"Llama expects int tokens of shape (batch, t), got "
                              f"{tokens.shape}")
+        check_whole_sequences(cfg.seq_axis, "LlamaConfig")
         p = 1 if cfg.seq_axis is None else seq_degree(cfg.seq_axis, "LlamaConfig")
         if tokens.shape[1] * p > cfg.seq:
             raise ValueError(f"Llama got sequences of length {tokens.shape[1] * p} > "

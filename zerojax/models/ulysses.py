@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
+from zerojax.core.mesh import current_sequence_split
+
 
 def seq_degree(axis: str, owner: str) -> int:
     """The size of the bound mesh axis ``axis``, or a ValueError naming ``owner``'s
@@ -44,19 +46,50 @@ def seq_offset(axis: str, t: int):
 def check_heads(heads: int, kv_heads: int, p: int, owner: str) -> None:
     """Ulysses gives each of the ``p`` devices ``heads / p`` query heads: ``heads``
     must divide by ``p``, and ``kv_heads`` divide by ``p`` or ``p`` by ``kv_heads``
-    (repeated then, :func:`ulysses_attention`)."""
+    (repeated then, :func:`ulysses_attention`). The fix names only seq degrees the
+    devices can form (divisors of ``jax.device_count()``)."""
     if heads % p or (kv_heads % p and p % kv_heads):
+        n = jax.device_count()
+        fits = seq_degrees(heads, kv_heads, n)
+        kv = "" if kv_heads == heads else " (and kv_heads, or a multiple of it)"
+        if len(fits) > 1:
+            fix = (f"Use a seq degree dividing heads{kv} and the {n} devices: "
+                   f"make_mesh(seq={fits[-1]}, ...) (seq degrees that fit: "
+                   f"{', '.join(map(str, fits))})")
+        else:
+            fix = (f"No seq degree above 1 divides heads={heads}{kv} and the {n} devices: "
+                   "train without a seq axis (make_mesh(data=...)), or give the model a "
+                   f"heads count that a divisor of {n} divides")
         raise ValueError(
             f"{owner}: sequence parallelism over {p} devices (seq={p}) splits the attention "
             f"heads over them, but heads={heads} and kv_heads={kv_heads}: heads must divide "
-            f"by {p}, and kv_heads divide by {p} or {p} by kv_heads. Use a seq degree "
-            f"dividing heads (and kv_heads, or a multiple of it), e.g. make_mesh(seq="
-            f"{_largest_divisor(heads, kv_heads, p)}).")
+            f"by {p}, and kv_heads divide by {p} or {p} by kv_heads. {fix}.")
 
 
-def _largest_divisor(heads: int, kv: int, p: int) -> int:
-    return max(d for d in range(1, p + 1)
-               if heads % d == 0 and (kv % d == 0 or d % kv == 0))
+def seq_degrees(heads: int, kv: int, devices: int) -> list[int]:
+    """The seq degrees P (ascending) Ulysses can split ``heads`` query and ``kv``
+    key/value heads over on ``devices`` devices: P divides ``devices`` and ``heads``,
+    and ``kv`` divides by P or P by ``kv``."""
+    return [d for d in range(1, devices + 1)
+            if devices % d == 0 and heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+
+
+def check_whole_sequences(seq_axis: str | None, owner: str) -> None:
+    """A model built without ``seq_axis`` (whole sequences) traced by zerojax's step on
+    a mesh that splits each sequence (``make_mesh(seq=P)``): each device would take its
+    slice for a whole sequence (positions from 0, attention within the slice), a
+    silently different model. Refused naming ``seq_axis`` and the fix."""
+    split = current_sequence_split()
+    if seq_axis is not None or split is None or split[1] < 2:
+        return
+    axis, size = split
+    raise ValueError(
+        f"{owner}.seq_axis=None, but zerojax's step runs it on a mesh whose {axis!r} axis "
+        f"(size {size}) splits every sequence: each device holds 1/{size} of each "
+        f"sequence, which the model would take for a whole one (positions from 0, "
+        f"attention within the slice). Build it with {owner}(..., seq_axis={axis!r}) "
+        f"(Ulysses attention over the split), or train on a mesh without {axis!r} "
+        f"(zerojax.make_mesh(data=...)).")
 
 
 def model_split(heads: int, kv_heads: int, p: int, axis: str = "model"):
