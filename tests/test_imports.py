@@ -196,9 +196,10 @@ def test_architecture_doc_lists_the_same_layers():
         return rel[:-1] if rel.endswith("*") else (
             f"{rel}/" if (PACKAGE / rel).is_dir() else f"{rel}.py")
 
-    def held(pats):
-        return sorted(p.name for pat in pats if pat.endswith(".*")
-                      for p in (PACKAGE / written(pat)).glob("*.py") if p.name != "__init__.py")
+    def held(pats):  # a subpackage's modules as hf/config.py
+        return sorted(p.relative_to(PACKAGE / written(pat)).as_posix()
+                      for pat in pats if pat.endswith(".*")
+                      for p in (PACKAGE / written(pat)).rglob("*.py") if p.name != "__init__.py")
 
     want = [(str(i + 1), name, sorted({written(p) for p in pats}), held(pats))
             for i, (name, pats) in enumerate(LAYERS)]

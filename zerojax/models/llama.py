@@ -63,9 +63,10 @@ the GPT. ``LlamaConfig(attention=...)`` takes the GPT's attention implementation
 heads to ``jax.nn.dot_product_attention`` unrepeated, and ``"blockwise"`` groups them
 as the explicit one does (:mod:`zerojax.models.blockwise`, ``attn_block``).
 
-Hugging Face layout (``LlamaForCausalLM.state_dict()``, safetensors): see
-:func:`hf_llama_mapping` (one :class:`HFTensor` per HF tensor: its name, the params
-path, the layer it fills of a stacked leaf, and whether it is transposed),
+Hugging Face layout (``LlamaForCausalLM.state_dict()``, safetensors), computed in
+:mod:`zerojax.models.hf` (one table per family: :mod:`zerojax.models.hf.families`) and
+re-exported here: see :func:`hf_llama_mapping` (one :class:`HFTensor` per HF tensor:
+its name, the params path, the layer it fills of a stacked leaf, and whether it is transposed),
 :func:`params_from_hf` / :func:`hf_from_params` (whole trees in memory, numpy), and
 :func:`read_hf_checkpoint` / :func:`save_hf_checkpoint` (a single file or an
 index-JSON sharded checkpoint, with ``config.json``). :meth:`LlamaConfig.from_hf` /
@@ -76,10 +77,9 @@ index-JSON sharded checkpoint, with ``config.json``). :meth:`LlamaConfig.from_hf
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -104,6 +104,26 @@ from zerojax.models.gpt import (
     resolve_attention,
     tiled_tokens,
 )
+from zerojax.models.hf.config import (  # noqa: F401 (ROPE_TYPES: re-exported)
+    INIT_STD,
+    ROPE_TYPES,
+    config_fields,
+    config_to_hf,
+)
+from zerojax.models.hf.families import FAMILIES
+from zerojax.models.hf.files import (  # noqa: F401 (the HF names, re-exported: issue 52)
+    _check_model_split,
+    load_hf_llama,
+    read_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from zerojax.models.hf.tensors import (  # noqa: F401 (re-exported)
+    HFTensor,
+    hf_from_params,
+    hf_llama_mapping,
+    hf_rename,
+    params_from_hf,
+)
 from zerojax.models.ulysses import (
     check_heads,
     check_whole_sequences,
@@ -112,140 +132,7 @@ from zerojax.models.ulysses import (
     ulysses_attention,
 )
 
-_INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
-
-# model_type -> (the transformers class, its defaults where config.json omits a key)
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", dict(sliding_window=None)),
-    "mistral": ("MistralForCausalLM", dict(sliding_window=4096)),
-    "qwen2": ("Qwen2ForCausalLM", dict(sliding_window=4096)),
-    "qwen3": ("Qwen3ForCausalLM", dict(sliding_window=4096, head_dim=128)),
-}
-ROPE_TYPES = ("default", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
-
-# config.json keys that do not change the function the model computes (token ids,
-# the init's std, generation settings PretrainedConfig wrote at the top level in 4.x)
-_INERT_KEYS = frozenset("""
-architectures model_type transformers_version torch_dtype dtype bos_token_id eos_token_id
-pad_token_id sep_token_id decoder_start_token_id initializer_range use_cache
-_name_or_path name_or_path tokenizer_class return_dict output_hidden_states
-output_attentions torchscript use_bfloat16 pruned_heads chunk_size_feed_forward
-is_encoder_decoder is_decoder add_cross_attention cross_attention_hidden_size
-tie_encoder_decoder finetuning_task id2label label2id num_labels problem_type prefix
-task_specific_params tf_legacy_loss max_length min_length do_sample early_stopping
-num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
-repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
-bad_words_ids num_return_sequences output_scores return_dict_in_generate
-forced_bos_token_id forced_eos_token_id remove_invalid_values
-exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
-pretraining_tp
-""".split())
-# keys whose value is computed (read below), per family
-_COMMON_KEYS = frozenset("""
-vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
-num_key_value_heads max_position_embeddings rms_norm_eps hidden_act head_dim
-tie_word_embeddings rope_theta rope_scaling rope_parameters attention_dropout
-""".split())
-_FAMILY_KEYS = {
-    "llama": frozenset({"attention_bias", "mlp_bias", "sliding_window"}),  # window unused
-    "mistral": frozenset({"sliding_window"}),
-    "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
-                        "layer_types", "use_mrope"}),
-    "qwen3": frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
-                        "layer_types", "attention_bias"}),
-}
-
-
-def _read_hf_config(hf) -> dict:
-    if isinstance(hf, dict):
-        return hf
-    path = os.fspath(hf)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return json.load(f)
-
-
-def _rope(hf: dict, problems: list) -> tuple[float, tuple | None]:
-    """``(rope_theta, llama3 scaling or None)`` of a config in either spelling:
-    transformers 5's ``rope_parameters`` or 4.x's ``rope_theta`` + ``rope_scaling``;
-    what is not computed goes to ``problems``, naming the key."""
-    params, key = hf.get("rope_parameters"), "rope_parameters"
-    if hf.get("rope_scaling") is not None:  # 4.x (5.x reads it first, as here)
-        params, key = hf["rope_scaling"], "rope_scaling"
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        problems.append(f"{key}={params!r} (a dict of rope_type and its values)")
-        return 10000.0, None
-    params = dict(params)
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        problems.append(f"{key}.rope_theta={theta!r} (a positive number)")
-        theta = 10000.0
-    factor = params.pop("partial_rotary_factor", 1.0)
-    if factor != 1.0:
-        problems.append(f"{key}.partial_rotary_factor={factor!r} (rotary embeddings on "
-                        f"the whole head only)")
-    if rope_type not in ROPE_TYPES:
-        problems.append(f"{key}.rope_type={rope_type!r} (computed: "
-                        f"{', '.join(ROPE_TYPES)})")
-        return float(theta), None
-    scaling = None
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings",
-                          hf.get("max_position_embeddings", 2048))
-        lacking = [k for k in _LLAMA3_KEYS if k not in params]
-        if lacking:
-            problems.append(f"{key} (rope_type 'llama3') lacks {', '.join(lacking)}")
-        else:
-            scaling = tuple(float(params.pop(k)) for k in _LLAMA3_KEYS[:3]) + (
-                int(params.pop("original_max_position_embeddings")),)
-    for extra, value in params.items():
-        problems.append(f"{key}.{extra}={value!r} (rope_type {rope_type!r} uses no such "
-                        f"value)")
-    return float(theta), scaling
-
-
-def _window(hf: dict, family: str, layers: int, problems: list) -> int | None:
-    """The sliding attention window every layer uses (``None``: full causal), computed
-    as transformers does: Mistral's ``sliding_window`` (4096 when the key is absent),
-    Qwen's only with ``use_sliding_window`` and for the layers ``layer_types`` (or
-    ``max_window_layers``) marks ``sliding_attention``; Llama has none."""
-    default = FAMILIES[family][1]["sliding_window"]
-    window = hf.get("sliding_window", default)
-    if family == "llama":
-        return None
-    if family in ("qwen2", "qwen3"):
-        if not hf.get("use_sliding_window", False):
-            window = None
-        types = hf.get("layer_types")
-        if types is None:
-            first = hf.get("max_window_layers", 28)
-            types = ["sliding_attention" if window is not None and i >= first
-                     else "full_attention" for i in range(layers)]
-        kinds = set(types)
-        if not kinds <= {"full_attention", "sliding_attention"} or len(types) != layers:
-            problems.append(f"layer_types={types!r} (one of 'full_attention', "
-                            f"'sliding_attention' per layer)")
-            return None
-        if len(kinds) > 1:
-            problems.append(f"layer_types / max_window_layers={hf.get('max_window_layers')} "
-                            f"with use_sliding_window=True: sliding attention in some "
-                            f"layers only (zerojax's decoder uses one window in every "
-                            f"layer)")
-            return None
-        if kinds == {"full_attention"}:
-            return None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
-        problems.append(f"sliding_window={window!r} (null or an int >= 1)")
-        return None
-    return window
-
+_INIT_STD = INIT_STD  # transformers' LlamaConfig.initializer_range
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(DecoderSpec):
@@ -381,108 +268,17 @@ class LlamaConfig(DecoderSpec):
         sliding attention in some layers only, a key this decoder does not know.
         ``ignore_keys``: keys you know do not change the function (they are then not
         refused). Keys that never do (token ids, ``initializer_range``, generation
-        settings, ``torch_dtype``) are skipped."""
-        hf = _read_hf_config(hf)
-        if not isinstance(hf, dict):
-            raise ValueError(f"LlamaConfig.from_hf: config.json holds {type(hf).__name__}, "
-                             f"not an object")
-        family = hf.get("model_type", "llama")
-        if family not in FAMILIES:
-            raise ValueError(f"LlamaConfig.from_hf: model_type={family!r} is not a family "
-                             f"zerojax's decoder computes ({', '.join(FAMILIES)}); a model "
-                             f"of another family needs its own module")
-        needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")
-        lacking = [k for k in needed if k not in hf]
-        if lacking:
-            raise ValueError(f"LlamaConfig.from_hf: the config lacks {', '.join(lacking)}; "
-                             f"pass a {FAMILIES[family][0]} config.json (it has "
-                             f"{sorted(hf)})")
-        problems = []
-        known = _INERT_KEYS | _COMMON_KEYS | _FAMILY_KEYS[family] | set(ignore_keys)
-        for key in hf:
-            if key not in known:
-                problems.append(f"{key}={hf[key]!r} (a key zerojax's {family} decoder does "
-                                f"not compute; if it does not change the function, pass "
-                                f"ignore_keys=({key!r},))")
-        theta, llama3 = _rope(hf, problems)
-        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-            problems.append(f"hidden_act={hf['hidden_act']!r} (SwiGLU with silu)")
-        if hf.get("attention_dropout") not in (None, 0, 0.0):
-            problems.append(f"attention_dropout={hf['attention_dropout']!r} (zerojax's "
-                            f"decoder has no dropout)")
-        if hf.get("use_mrope", False):
-            problems.append(f"use_mrope={hf['use_mrope']!r} (multimodal rotary "
-                            f"embeddings)")
-        tie = hf.get("tie_word_embeddings", False)
-        head_dim = hf.get("head_dim", FAMILIES[family][1].get("head_dim"))
-        for key, value in (("tie_word_embeddings", tie), ("attention_bias",
-                           hf.get("attention_bias", False)),
-                           ("mlp_bias", hf.get("mlp_bias", False)),
-                           ("use_sliding_window", hf.get("use_sliding_window", False))):
-            if not isinstance(value, bool):
-                problems.append(f"{key}={value!r} (true or false)")
-        if head_dim is not None and (isinstance(head_dim, bool)
-                                     or not isinstance(head_dim, int) or head_dim < 1):
-            problems.append(f"head_dim={head_dim!r} (an int >= 1)")
-            head_dim = None
-        window = _window(hf, family, hf["num_hidden_layers"], problems)
-        if problems:
-            raise ValueError(f"LlamaConfig.from_hf: this {family} config has "
-                             + "; ".join(problems) + ". zerojax's decoder does not compute "
-                             "it; nothing was read")
-        kw = dict(vocab=hf["vocab_size"], seq=hf.get("max_position_embeddings", 2048),
-                  layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
-                  heads=hf["num_attention_heads"],
-                  kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                  mlp_hidden=hf["intermediate_size"], rope_theta=theta,
-                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)), family=family,
-                  head_dim=head_dim, rope_llama3=llama3, sliding_window=window,
-                  qkv_bias=family == "qwen2",
-                  attention_bias=bool(hf.get("attention_bias", False)),
-                  mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=family == "qwen3",
-                  tie_embeddings=bool(tie))
-        return cls(**{**kw, **overrides})
+        settings, ``torch_dtype``) are skipped. The family's table says what is read
+        (:mod:`zerojax.models.hf.families`; :func:`zerojax.models.hf.config.config_fields`
+        reads it)."""
+        return cls(**{**config_fields(hf, ignore_keys=ignore_keys), **overrides})
 
     def to_hf(self, torch_dtype: str = "float32") -> dict:
         """This config as a Hugging Face ``config.json`` of its family (``model_type``
         and ``architectures`` from ``family``), in the spelling both ``transformers``
         4.x and 5.x read (``rope_theta`` + ``rope_scaling``). Options the family's
         class has no key for (Mistral's biases, say) are refused."""
-        arch = FAMILIES[self.family][0]
-        out = {"architectures": [arch], "model_type": self.family,
-               "vocab_size": self.vocab, "max_position_embeddings": self.seq,
-               "num_hidden_layers": self.layers, "hidden_size": self.hidden,
-               "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-               "head_dim": self.head_dim, "intermediate_size": self.mlp_hidden,
-               "rope_theta": self.rope_theta, "rms_norm_eps": self.norm_eps,
-               "hidden_act": "silu", "tie_word_embeddings": self.tie_embeddings,
-               "rope_scaling": None if self.rope_llama3 is None else dict(
-                   zip(("rope_type",) + _LLAMA3_KEYS, ("llama3",) + self.rope_llama3)),
-               "initializer_range": _INIT_STD, "torch_dtype": torch_dtype}
-        fits = {"llama": not self.qkv_bias and not self.qk_norm
-                and self.sliding_window is None,
-                "mistral": not (self.qkv_bias or self.attention_bias or self.mlp_bias
-                                or self.qk_norm),
-                "qwen2": self.qkv_bias and not (self.attention_bias or self.mlp_bias
-                                                or self.qk_norm),
-                "qwen3": self.qk_norm and not (self.qkv_bias or self.mlp_bias)}[self.family]
-        if not fits:
-            raise ValueError(f"LlamaConfig.to_hf: family={self.family!r} ({arch}) cannot "
-                             f"say qkv_bias={self.qkv_bias}, attention_bias="
-                             f"{self.attention_bias}, mlp_bias={self.mlp_bias}, qk_norm="
-                             f"{self.qk_norm}, sliding_window={self.sliding_window}; pick "
-                             f"the family whose config.json has them")
-        if self.family == "llama":
-            out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
-        elif self.family == "mistral":
-            out["sliding_window"] = self.sliding_window
-        else:
-            out.update(use_sliding_window=self.sliding_window is not None,
-                       sliding_window=self.sliding_window, max_window_layers=0)
-            if self.family == "qwen3":
-                out["attention_bias"] = self.attention_bias
-        return out
+        return config_to_hf(self, torch_dtype)
 
 
 # --- the model -------------------------------------------------------------------------
@@ -782,161 +578,7 @@ def llama_param_count(config: LlamaConfig) -> int:
     return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
 
 
-# --- Hugging Face layout ---------------------------------------------------------------
-
-class HFTensor(NamedTuple):
-    """One tensor of a Hugging Face ``LlamaForCausalLM`` checkpoint and where it goes.
-
-    name: the HF tensor name (``model.layers.3.self_attn.q_proj.weight``). path: the
-    params path, a tuple of dict keys (``("decoder", "layers", "self_attention",
-    "query", "kernel")``). layer: for a scanned (stacked) leaf, the index along its
-    leading layer axis that this tensor fills (``params[path][layer] = tensor``), else
-    ``None`` (the tensor is the whole leaf). transpose: whether the HF tensor is the
-    transpose of the leaf's slice (PyTorch Linear weights are ``(out, in)``, flax
-    kernels ``(in, out)``). hf_shape: the tensor's shape in the HF file."""
-
-    name: str
-    path: tuple
-    layer: int | None
-    transpose: bool
-    hf_shape: tuple
-
-
-def hf_llama_mapping(config: LlamaConfig) -> list[HFTensor]:
-    """Every tensor of the Hugging Face checkpoint of ``config`` (in HF's order) with
-    the params leaf (and layer of a stacked leaf) it fills. The inverse direction is
-    the same list read the other way: ``hf_tensor = leaf[layer].T`` (or ``leaf.T``, or
-    the leaf itself where ``transpose`` is False)."""
-    c = config
-    hd = c.head_dim
-    out = [HFTensor("model.embed_tokens.weight", ("token_embedder", "embedding"), None,
-                    False, (c.vocab, c.hidden))]
-    attn_bias = c.qkv_bias or c.attention_bias
-    per_layer = []  # (hf suffix, params path under the layer, transpose, hf shape)
-    for proj, name, width in (("q", "query", c.heads), ("k", "key", c.kv_heads),
-                              ("v", "value", c.kv_heads)):
-        per_layer.append((f"self_attn.{proj}_proj.weight", ("self_attention", name, "kernel"),
-                          True, (width * hd, c.hidden)))
-        if attn_bias:
-            per_layer.append((f"self_attn.{proj}_proj.bias", ("self_attention", name, "bias"),
-                              False, (width * hd,)))
-    per_layer.append(("self_attn.o_proj.weight", ("self_attention", "out", "kernel"), True,
-                      (c.hidden, c.heads * hd)))
-    if c.attention_bias:
-        per_layer.append(("self_attn.o_proj.bias", ("self_attention", "out", "bias"), False,
-                          (c.hidden,)))
-    if c.qk_norm:
-        per_layer += [("self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"),
-                       False, (hd,)),
-                      ("self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"),
-                       False, (hd,))]
-    for proj, name, shape in (("gate", "wi_0", (c.mlp_hidden, c.hidden)),
-                              ("up", "wi_1", (c.mlp_hidden, c.hidden)),
-                              ("down", "wo", (c.hidden, c.mlp_hidden))):
-        per_layer.append((f"mlp.{proj}_proj.weight", ("mlp", name, "kernel"), True, shape))
-        if c.mlp_bias:
-            per_layer.append((f"mlp.{proj}_proj.bias", ("mlp", name, "bias"), False,
-                              shape[:1]))
-    per_layer += [
-        ("input_layernorm.weight", ("pre_self_attention_layer_norm", "scale"), False,
-         (c.hidden,)),
-        ("post_attention_layernorm.weight", ("post_self_attention_layer_norm", "scale"),
-         False, (c.hidden,)),
-    ]
-    for i in range(c.layers):
-        for suffix, sub, transpose, shape in per_layer:
-            if c.scan:
-                out.append(HFTensor(f"model.layers.{i}.{suffix}", ("decoder", "layers") + sub,
-                                    i, transpose, shape))
-            else:
-                out.append(HFTensor(f"model.layers.{i}.{suffix}",
-                                    ("decoder", f"layers_{i}") + sub, None, transpose, shape))
-    out.append(HFTensor("model.norm.weight", ("decoder", "decoder_norm", "scale"), None,
-                        False, (c.hidden,)))
-    if not c.tie_embeddings:  # tied: transformers writes (and reads) no lm_head.weight
-        out.append(HFTensor("lm_head.weight", ("decoder", "logits_dense", "kernel"), None,
-                            True, (c.vocab, c.hidden)))
-    return out
-
-
-def hf_rename(config: LlamaConfig) -> dict:
-    """The ``rename`` of :func:`zerojax.load.load_params` that reads a Hugging Face
-    checkpoint of ``config`` into :class:`Llama`'s params: HF tensor name ->
-    :class:`zerojax.load.Into` (the params leaf's tensor name, ``transpose()`` for a
-    PyTorch Linear, ``expand_dims(0)`` at ``{0: layer}`` for one layer of a stacked
-    leaf). Each device then reads only its shard's region of each file tensor."""
-    from zerojax.io import load as ld
-
-    out = {}
-    for e in hf_llama_mapping(config):
-        ops = ((ld.transpose(),) if e.transpose else ()) + (
-            (ld.expand_dims(0),) if e.layer is not None else ())
-        out[e.name] = ld.Into(".".join(e.path), ops, None if e.layer is None else {0: e.layer})
-    return out
-
-
-def load_hf_llama(path: str | os.PathLike, model: Llama, *, shardings: Any = None,
-                  strict: bool = True, **load_options) -> Any:
-    """The params of ``model`` from the Hugging Face ``LlamaForCausalLM`` checkpoint at
-    ``path`` (one ``.safetensors`` file, an index JSON or its directory), read by the
-    sharded loader :func:`zerojax.load.load_params` with :func:`hf_rename`: each leaf
-    a float32 ``jax.Array``, each process reading only its shards' regions (bf16 files
-    cast exactly). ``load_options`` go to ``load_params`` (``buffer_bytes``).
-
-    ``shardings``: a :class:`zerojax.ZeroOptimizer` (the stage's layout, model split
-    included: ``opt.input_shardings`` of the params with their model specs, and the
-    optimizer remembers the model specs, so ``opt.init_state(params)`` keeps them;
-    :func:`load_hf` does this from the path alone), a tree of shardings, one sharding,
-    or None (one device). A sharding tree that leaves out a model split the model's
-    layout has on a mesh axis of size > 1 is refused, naming the leaf (it would hold
-    the leaf ``model`` times over on that axis). A tensor the file lacks is refused,
-    named (``strict=False`` skips only the file's extra tensors: every leaf must be
-    filled)."""
-    from zerojax.api.optimizer import ZeroOptimizer
-    from zerojax.io import load as ld
-
-    boxed = init_variables(model, 0, _dummy_tokens(model), abstract=True)["params"]
-    like, specs = nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
-    if isinstance(shardings, ZeroOptimizer):
-        opt, shardings = shardings, shardings.input_shardings(like, specs)
-        opt._remember(like, specs)
-    elif shardings is not None:
-        _check_model_split(like, specs, shardings)
-    return ld.load_params(path, like, shardings=shardings, rename=hf_rename(model.config),
-                          strict=strict, **load_options)
-
-
-def _check_model_split(like: Any, specs: Any, shardings: Any) -> None:
-    """Refuse shardings that drop a leaf's model split on an axis of size > 1."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    flat = jax.tree_util.tree_flatten_with_path(like)[0]
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    if isinstance(shardings, jax.sharding.Sharding):
-        given = [shardings] * len(flat)
-    else:
-        given = jax.tree.leaves(shardings, is_leaf=lambda x: x is None or isinstance(
-            x, jax.sharding.Sharding))
-    if len(given) != len(flat) or len(spec_leaves) != len(flat):
-        return  # load_params names a tree that does not match
-    for (path, _), spec, sh in zip(flat, spec_leaves, given):
-        if not isinstance(sh, NamedSharding):
-            continue
-        sizes = dict(sh.mesh.shape)
-        got = tuple(sh.spec) + (None,) * (len(tuple(spec)) - len(tuple(sh.spec)))
-        for dim, (want, have) in enumerate(zip(tuple(spec), got)):
-            want = want if isinstance(want, tuple) else (want,)
-            have = have if isinstance(have, tuple) else (have,)
-            lost = [a for a in want if a is not None and sizes.get(a, 1) > 1 and a not in have]
-            if lost:
-                raise ValueError(
-                    f"load_hf_llama: shardings{jax.tree_util.keystr(path)} is {sh.spec}, "
-                    f"which drops the model split {spec} (axis {lost[0]!r} of size "
-                    f"{sizes[lost[0]]} on dim {dim}): each device would hold "
-                    f"{sizes[lost[0]]}x its share. Pass shardings=opt (the optimizer), "
-                    "use load_hf(path, opt), or opt.input_shardings(llama_param_shapes("
-                    "model), model_specs=llama_param_specs(model)).")
-
+# --- Hugging Face checkpoints (zerojax.models.hf: the family tables, tensors, files) --
 
 def load_hf(path: str | os.PathLike, opt: Any, *, strict: bool = True,
             buffer_bytes: int | None = None, **config_overrides) -> tuple[Llama, Any]:
@@ -961,155 +603,3 @@ def load_hf(path: str | os.PathLike, opt: Any, *, strict: bool = True,
     model = Llama(LlamaConfig.from_hf(root, **config_overrides))
     options = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
     return model, load_hf_llama(path, model, shardings=opt, strict=strict, **options)
-
-
-def _leaf_shape(entry: HFTensor, config: LlamaConfig) -> tuple:
-    shape = entry.hf_shape[::-1] if entry.transpose else entry.hf_shape
-    return ((config.layers,) + shape) if entry.layer is not None else shape
-
-
-def _path_str(path: tuple) -> str:
-    return "/".join(path)
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
-def _get(tree, path: tuple):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def params_from_hf(state_dict: dict, config: LlamaConfig, *, dtype=np.float32,
-                   strict: bool = True) -> dict:
-    """The params tree (numpy arrays of ``dtype``) of the Hugging Face ``state_dict``
-    (tensor name -> array, e.g. ``safetensors.numpy.load_file``): Linear weights
-    transposed to ``(in, out)``, per-layer tensors stacked along a leading layer axis
-    (scanned config). Missing tensors, misshapen ones, and (``strict``) tensors the
-    mapping does not know raise ``ValueError`` naming them before anything is
-    converted. bf16 files need ``ml_dtypes`` arrays (what safetensors' numpy loader
-    returns); they are cast to ``dtype`` exactly."""
-    mapping = hf_llama_mapping(config)
-    names = {e.name for e in mapping}
-    missing = [e.name for e in mapping if e.name not in state_dict]
-    extra = sorted(k for k in state_dict if k not in names)
-    shapes = [f"{e.name} (file {tuple(np.shape(state_dict[e.name]))}, expected "
-              f"{e.hf_shape})" for e in mapping
-              if e.name in state_dict and tuple(np.shape(state_dict[e.name])) != e.hf_shape]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} tensor(s) missing: {', '.join(missing[:5])}")
-    if strict and extra:
-        problems.append(f"{len(extra)} tensor(s) the Llama mapping does not know: "
-                        f"{', '.join(extra[:5])}")
-    if shapes:
-        problems.append(f"{len(shapes)} shape(s) that differ: {', '.join(shapes[:5])}")
-    if problems:
-        raise ValueError("params_from_hf: the checkpoint does not match "
-                         f"LlamaConfig(layers={config.layers}, hidden={config.hidden}, "
-                         f"heads={config.heads}, kv_heads={config.kv_heads}, "
-                         f"mlp_hidden={config.mlp_hidden}, vocab={config.vocab}): "
-                         + "; ".join(problems) + ". Build the config with "
-                         "LlamaConfig.from_hf(config.json), or strict=False to skip "
-                         "unknown tensors.")
-    params: dict = {}
-    stacked: dict = {}
-    for e in mapping:
-        value = np.asarray(state_dict[e.name])
-        value = (value.T if e.transpose else value).astype(dtype)
-        if e.layer is None:
-            _set(params, e.path, np.ascontiguousarray(value))
-        else:
-            if e.path not in stacked:
-                stacked[e.path] = np.empty(_leaf_shape(e, config), dtype)
-                _set(params, e.path, stacked[e.path])
-            stacked[e.path][e.layer] = value
-    return params
-
-
-def hf_from_params(params: Any, config: LlamaConfig, *, dtype=None) -> dict:
-    """The Hugging Face ``LlamaForCausalLM`` state dict (tensor name -> contiguous
-    numpy array, Linear weights ``(out, in)``) of a params tree (jax or numpy arrays,
-    with or without partitioning boxes), each tensor of ``dtype`` (default: the
-    leaf's). The exact inverse of :func:`params_from_hf`: values are only
-    transposed, sliced and (if ``dtype`` is given) cast."""
-    params = nn.meta.unbox(params)
-    out = {}
-    for e in hf_llama_mapping(config):
-        try:
-            leaf = _get(params, e.path)
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"hf_from_params: the params have no leaf "
-                             f"{_path_str(e.path)} (for {e.name}); pass the params of "
-                             f"Llama({config})") from err
-        if tuple(leaf.shape) != _leaf_shape(e, config):
-            raise ValueError(f"hf_from_params: leaf {_path_str(e.path)} has shape "
-                             f"{tuple(leaf.shape)}, expected {_leaf_shape(e, config)} for "
-                             f"{e.name}; pass the params of the model of this config")
-        value = np.asarray(leaf if e.layer is None else leaf[e.layer])
-        if e.transpose:
-            value = value.T
-        if dtype is not None:
-            value = value.astype(dtype)
-        out[e.name] = np.ascontiguousarray(value)
-    return out
-
-
-def read_hf_checkpoint(path: str | os.PathLike) -> dict:
-    """All tensors of a Hugging Face safetensors checkpoint as numpy arrays: ``path``
-    is one ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
-    holding either. Reads every tensor whole into host memory (for a model one host
-    holds; the sharded loader of :mod:`zerojax.load` reads slices instead)."""
-    from safetensors.numpy import load_file
-
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
-            path = index
-        elif os.path.exists(single):
-            path = single
-        else:
-            raise ValueError(f"read_hf_checkpoint: {path} holds neither "
-                             f"model.safetensors nor model.safetensors.index.json; pass "
-                             f"the checkpoint's directory or file")
-    if path.endswith(".json"):
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
-        root = os.path.dirname(path)
-        out = {}
-        for file in sorted(set(weight_map.values())):
-            full = os.path.join(root, file)
-            if not os.path.exists(full):
-                raise ValueError(f"read_hf_checkpoint: {path} names {file}, which is not "
-                                 f"in {root}; download the checkpoint's every file")
-            out.update(load_file(full))
-        return out
-    return load_file(path)
-
-
-def save_hf_checkpoint(params: Any, config: LlamaConfig, directory: str | os.PathLike, *,
-                       dtype=None) -> str:
-    """Write ``params`` as a Hugging Face ``LlamaForCausalLM`` checkpoint in
-    ``directory``: ``model.safetensors`` (tensors of ``dtype``, default the params')
-    and ``config.json`` (its ``torch_dtype`` and ``dtype``, as transformers 4.x and 5.x
-    write them, the tensors' dtype); ``transformers.LlamaForCausalLM.from_pretrained
-    (directory)`` reads it. Returns the safetensors file's path."""
-    from safetensors.numpy import save_file
-
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    tensors = hf_from_params(params, config, dtype=dtype)
-    from zerojax.io.formats import write_hf_config
-
-    torch_dtype = str(next(iter(tensors.values())).dtype)
-    hf = {**config.to_hf(torch_dtype), "dtype": torch_dtype}  # transformers 4.x and 5.x
-    write_hf_config(hf, directory, torch_dtype)
-    out = os.path.join(directory, "model.safetensors")
-    save_file(tensors, out, metadata={"format": "pt"})
-    return out

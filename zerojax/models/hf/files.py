@@ -1,0 +1,140 @@
+"""Hugging Face checkpoint files: :func:`read_hf_checkpoint` (every tensor, whole, into
+host memory), :func:`save_hf_checkpoint` (``model.safetensors`` + ``config.json``), and
+:func:`load_hf_llama` (the sharded loader :func:`zerojax.load.load_params` with
+:func:`zerojax.models.hf.tensors.hf_rename`: each device reads its shard's regions)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zerojax.models.gpt import init_variables
+from zerojax.models.hf.tensors import hf_from_params, hf_rename
+
+
+def _dummy_tokens(model) -> jax.Array:
+    # no parameter depends on the length: a short dummy keeps the eager init cheap
+    return jnp.zeros((1, min(model.config.seq, 2)), jnp.int32)
+
+
+def load_hf_llama(path: str | os.PathLike, model, *, shardings: Any = None,
+                  strict: bool = True, **load_options) -> Any:
+    """The params of ``model`` from the Hugging Face ``LlamaForCausalLM`` checkpoint at
+    ``path`` (one ``.safetensors`` file, an index JSON or its directory), read by the
+    sharded loader :func:`zerojax.load.load_params` with :func:`hf_rename`: each leaf
+    a float32 ``jax.Array``, each process reading only its shards' regions (bf16 files
+    cast exactly). ``load_options`` go to ``load_params`` (``buffer_bytes``).
+
+    ``shardings``: a :class:`zerojax.ZeroOptimizer` (the stage's layout, model split
+    included: ``opt.input_shardings`` of the params with their model specs, and the
+    optimizer remembers the model specs, so ``opt.init_state(params)`` keeps them;
+    :func:`load_hf` does this from the path alone), a tree of shardings, one sharding,
+    or None (one device). A sharding tree that leaves out a model split the model's
+    layout has on a mesh axis of size > 1 is refused, naming the leaf (it would hold
+    the leaf ``model`` times over on that axis). A tensor the file lacks is refused,
+    named (``strict=False`` skips only the file's extra tensors: every leaf must be
+    filled)."""
+    from zerojax.api.optimizer import ZeroOptimizer
+    from zerojax.io import load as ld
+
+    boxed = init_variables(model, 0, _dummy_tokens(model), abstract=True)["params"]
+    like, specs = nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+    if isinstance(shardings, ZeroOptimizer):
+        opt, shardings = shardings, shardings.input_shardings(like, specs)
+        opt._remember(like, specs)
+    elif shardings is not None:
+        _check_model_split(like, specs, shardings)
+    return ld.load_params(path, like, shardings=shardings, rename=hf_rename(model.config),
+                          strict=strict, **load_options)
+
+
+def _check_model_split(like: Any, specs: Any, shardings: Any) -> None:
+    """Refuse shardings that drop a leaf's model split on an axis of size > 1."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    flat = jax.tree_util.tree_flatten_with_path(like)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    if isinstance(shardings, jax.sharding.Sharding):
+        given = [shardings] * len(flat)
+    else:
+        given = jax.tree.leaves(shardings, is_leaf=lambda x: x is None or isinstance(
+            x, jax.sharding.Sharding))
+    if len(given) != len(flat) or len(spec_leaves) != len(flat):
+        return  # load_params names a tree that does not match
+    for (path, _), spec, sh in zip(flat, spec_leaves, given):
+        if not isinstance(sh, NamedSharding):
+            continue
+        sizes = dict(sh.mesh.shape)
+        got = tuple(sh.spec) + (None,) * (len(tuple(spec)) - len(tuple(sh.spec)))
+        for dim, (want, have) in enumerate(zip(tuple(spec), got)):
+            want = want if isinstance(want, tuple) else (want,)
+            have = have if isinstance(have, tuple) else (have,)
+            lost = [a for a in want if a is not None and sizes.get(a, 1) > 1 and a not in have]
+            if lost:
+                raise ValueError(
+                    f"load_hf_llama: shardings{jax.tree_util.keystr(path)} is {sh.spec}, "
+                    f"which drops the model split {spec} (axis {lost[0]!r} of size "
+                    f"{sizes[lost[0]]} on dim {dim}): each device would hold "
+                    f"{sizes[lost[0]]}x its share. Pass shardings=opt (the optimizer), "
+                    "use load_hf(path, opt), or opt.input_shardings(llama_param_shapes("
+                    "model), model_specs=llama_param_specs(model)).")
+
+def read_hf_checkpoint(path: str | os.PathLike) -> dict:
+    """All tensors of a Hugging Face safetensors checkpoint as numpy arrays: ``path``
+    is one ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
+    holding either. Reads every tensor whole into host memory (for a model one host
+    holds; the sharded loader of :mod:`zerojax.load` reads slices instead)."""
+    from safetensors.numpy import load_file
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.exists(index):
+            path = index
+        elif os.path.exists(single):
+            path = single
+        else:
+            raise ValueError(f"read_hf_checkpoint: {path} holds neither "
+                             f"model.safetensors nor model.safetensors.index.json; pass "
+                             f"the checkpoint's directory or file")
+    if path.endswith(".json"):
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+        root = os.path.dirname(path)
+        out = {}
+        for file in sorted(set(weight_map.values())):
+            full = os.path.join(root, file)
+            if not os.path.exists(full):
+                raise ValueError(f"read_hf_checkpoint: {path} names {file}, which is not "
+                                 f"in {root}; download the checkpoint's every file")
+            out.update(load_file(full))
+        return out
+    return load_file(path)
+
+
+def save_hf_checkpoint(params: Any, config, directory: str | os.PathLike, *,
+                       dtype=None) -> str:
+    """Write ``params`` as a Hugging Face ``LlamaForCausalLM`` checkpoint in
+    ``directory``: ``model.safetensors`` (tensors of ``dtype``, default the params')
+    and ``config.json`` (its ``torch_dtype`` and ``dtype``, as transformers 4.x and 5.x
+    write them, the tensors' dtype); ``transformers.LlamaForCausalLM.from_pretrained
+    (directory)`` reads it. Returns the safetensors file's path."""
+    from safetensors.numpy import save_file
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    tensors = hf_from_params(params, config, dtype=dtype)
+    from zerojax.io.formats import write_hf_config
+
+    torch_dtype = str(next(iter(tensors.values())).dtype)
+    hf = {**config.to_hf(torch_dtype), "dtype": torch_dtype}  # transformers 4.x and 5.x
+    write_hf_config(hf, directory, torch_dtype)
+    out = os.path.join(directory, "model.safetensors")
+    save_file(tensors, out, metadata={"format": "pt"})
+    return out
