@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.api.optimizer_layout import _axes_size
 from zerojax.core import partition as part
 from zerojax.core.state import LossScaleState, MasterState, TrainState
-from zerojax.tiers import nvme, offload
+from zerojax.tiers import nvme, offload, streamed
 
 
 def _check_params(params: Any) -> None:
@@ -233,10 +233,14 @@ def init_state(opt, params: Any, model_specs: Any = None) -> TrainState:
     # then padded and split under jit; leaves on the mesh go in as they are.
     devices = set(opt.mesh.devices.flat)
 
+    # with host offload a leaf not yet on the mesh goes to host memory (the streamed
+    # init brings each group's leaves to the device), never whole on the device
+    kind = offload.HOST if _host_offload(opt.config) else None
+
     def place(x, lay):
         if isinstance(x, jax.Array) and x.sharding.device_set == devices:
             return x
-        return _put(x, NamedSharding(opt.mesh, lay.model_spec))
+        return _put(x, NamedSharding(opt.mesh, lay.model_spec, memory_kind=kind))
 
     placed_in = jax.tree.map(place, params, lays)
     on_host = any(k not in (None, offload.DEVICE) for k in offload.memory_kinds(placed_in))
@@ -250,9 +254,27 @@ def init_state(opt, params: Any, model_specs: Any = None) -> TrainState:
             opt, lambda *xs: build(jax.tree.unflatten(in_def, xs))[1], flat_in,
             shardings.opt_state)
         return train_state(opt, placed, opt_state, params)
-    placed, opt_state = jax.jit(
-        build, out_shardings=(shardings.params, shardings.opt_state))(placed_in)
+    out_shardings = (shardings.params, shardings.opt_state)
+    if _host_offload(opt.config):  # the state made a bounded group at a time
+        flat_in, in_def = jax.tree.flatten(placed_in)
+        placed, opt_state = streamed.run_streamed(
+            lambda *xs: build(jax.tree.unflatten(in_def, xs)), flat_in, out_shardings,
+            _init_capacity(opt))
+    else:
+        placed, opt_state = jax.jit(build, out_shardings=out_shardings)(placed_in)
     return train_state(opt, placed, opt_state, params)
+
+
+def _host_offload(cfg) -> bool:
+    """Whether the state lives (partly) in host memory (``offload_optimizer=True`` /
+    ``offload_params=True``; the NVMe tier streams its own way)."""
+    return cfg.offload_optimizer is True or cfg.offload_params is True
+
+
+def _init_capacity(opt) -> int:
+    """Elements per device of state made at once by a streamed init
+    (:data:`zerojax.tiers.streamed.GROUP_PER_DEVICE`)."""
+    return streamed.GROUP_PER_DEVICE
 
 
 def init_sharded(opt, init_fn: Callable, *args: Any, model_specs: Any = None
@@ -297,7 +319,12 @@ def init_sharded(opt, init_fn: Callable, *args: Any, model_specs: Any = None
                                                              params_only=True)
         return opt.init_state(jitted(*placed_args), model_specs)  # (specs remembered)
     jitted, placed_args, params = sharded_init_jit(opt, init_fn, args, model_specs)
-    stored, opt_state = jitted(*placed_args)
+    if _host_offload(opt.config):  # born in host memory, a bounded group at a time
+        stored, opt_state = streamed.run_streamed(
+            jitted.__wrapped__, list(placed_args), jitted.zerojax_out_shardings,
+            _init_capacity(opt))
+    else:
+        stored, opt_state = jitted(*placed_args)
     return train_state(opt, stored, opt_state, params)
 
 
@@ -340,18 +367,21 @@ def sharded_init_jit(opt, init_fn: Callable, args: tuple, model_specs: Any,
         out_tree = jax.tree.structure(out_shape)
 
         out_specs = jax.tree.leaves(shardings.params)
+        streams = _host_offload(opt.config) and not params_only
 
         def build(zero, *flat):
             out = _eager_eval(closed.jaxpr, closed.consts, list(flat), zero, out_specs)
             # made whole before the cast and the master read them (see _eager_eval)
-            out = jax.lax.optimization_barrier(out)
+            out = ([jax.lax.optimization_barrier(x) for x in out] if streams
+                   else jax.lax.optimization_barrier(out))  # per leaf: streamed by groups
             if params_only:  # the params at their own shapes, as init_fn made them
                 return _unbox(jax.tree.unflatten(out_tree, out))
             return body(_unbox(jax.tree.unflatten(out_tree, out)))
 
-        jitted = opt._init_jits[key] = jax.jit(
-            build, out_shardings=opt.input_shardings(params, specs) if params_only
-            else (shardings.params, shardings.opt_state))
+        out_shardings = (opt.input_shardings(params, specs) if params_only
+                         else (shardings.params, shardings.opt_state))
+        jitted = opt._init_jits[key] = jax.jit(build, out_shardings=out_shardings)
+        jitted.zerojax_out_shardings = out_shardings  # for the streamed init
     zero = jax.device_put(jnp.zeros((), jnp.float32), replicated)
     placed_args = (zero, *jax.tree.leaves(placed_args))
     return jitted, placed_args, params
