@@ -28,6 +28,8 @@ times every configuration at the largest size all of them fit.
     python benchmarks/offload.py                         # CPU, 8 simulated devices
     python benchmarks/offload.py --gpu                   # one GPU: the table
     python benchmarks/offload.py --gpu --find-largest    # + the largest model per config
+    python benchmarks/offload.py --fetch                 # per-layer fetch vs device_put
+    python benchmarks/offload.py --fetch --dry-run       # the same, tiny, on the CPU
 
 Runs unchanged on a GPU machine with jax >= 0.10 and zerojax on PYTHONPATH (no other
 packages than zerojax's own).
@@ -52,13 +54,17 @@ CONFIGS = {  # name -> zero() options
     "none": {},
     "optimizer": {"offload_optimizer": True},
     "optimizer+params": {"offload_optimizer": True, "offload_params": True},
+    # the same, the param shards moved to the device whole at the step's start
+    "optimizer+params/whole": {"offload_optimizer": True, "offload_params": True,
+                               "param_fetch": "whole"},
 }
+TABLE_CONFIGS = ("none", "optimizer", "optimizer+params")  # the default table's rows
 
 
 def moved_formula(psi: int, n: int, config: str) -> int:
     """Bytes per device that leave the device: 12 Psi/N (fp32 master, mu, nu), plus
     2 Psi/N (bf16 params) with offload_params."""
-    per = {"none": 0, "optimizer": 12, "optimizer+params": 14}[config]
+    per = {"none": 0, "optimizer": 12}.get(config, 14)
     return per * math.ceil(psi / n)
 
 
@@ -135,7 +141,9 @@ def probe(args, stage: int, config: str, layers: int, data: int) -> dict:
         with open(os.path.join(os.environ["OFFLOAD_HLO_DIR"], name), "w") as f:
             f.write(hlo)
     out["hlo"] = {k: hlo.count(k) for k in ("copy-start", "copy-done", "S(5)",
-                                              "annotate_device_placement", "opt-barrier")}
+                                              "annotate_device_placement", "opt-barrier",
+                                              "dynamic-slice-start",
+                                              "dynamic-update-slice-start")}
     stats = jax.devices()[0].memory_stats() or {}
     out["measured_peak"] = stats.get("peak_bytes_in_use")
     out["fits"] = all(math.isfinite(x) for x in losses)
@@ -224,7 +232,7 @@ def cpu_table(args) -> None:
     n = args.data or len(jax.devices())
     rows = []
     for stage in (1, 2, 3):
-        for config in CONFIGS:
+        for config in TABLE_CONFIGS:
             if config == "optimizer+params" and stage != 3:
                 continue
             rows.append(probe(args, stage, config, args.layers, n))
@@ -290,7 +298,7 @@ def gpu_main(args) -> None:
         return
     print("\nLargest model per configuration (compile + 2 steps):", flush=True)
     largest = {}
-    for config in CONFIGS:
+    for config in TABLE_CONFIGS:
         layers, result = find_largest(args, config, lambda s: print(s, flush=True))
         largest[config] = (layers, result)
     common = min(layers for layers, _ in largest.values())
@@ -307,8 +315,129 @@ def gpu_main(args) -> None:
               f"| {result['step_s']:.2f} | {result['tokens_s']:,.0f} |")
     if common:
         print(f"\nAt the largest common size, {common} layers:\n")
-        at = [run_probe_process(args, 3, c, common, args.probe_timeout) for c in CONFIGS]
+        at = [run_probe_process(args, 3, c, common, args.probe_timeout)
+              for c in TABLE_CONFIGS]
         _table(at, 1, measured_peak=True)
+
+
+# -- --fetch: per-layer fetch against a plain device_put of the same bytes ---------------
+
+
+def _median_time(fn, steps: int, warmup: int) -> float:
+    import jax
+
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fetch_rows(layers: int, rows: int, cols: int, steps: int, warmup: int,
+               forms=None) -> list[dict]:
+    """A stack of ``layers`` float32 ``(rows, cols)`` layers in host memory
+    (``pinned_host``) on the first device, and per row the seconds and GB/s of:
+
+    - ``device_put``: ``jax.device_put`` of the whole stack to the device (the same
+      bytes, outside ``jit``: the copy rate this machine reaches);
+    - ``fetch <form>``: a jitted ``lax.scan`` over the layers whose body moves its layer
+      to the device by :data:`zerojax.collectives.FETCH_FORMS` ``[form]`` (what
+      ``param_fetch="layer"`` runs inside a scanned model's loop) and reduces it
+      (``sum``: it must arrive whole), with the compiled program's ``copy-start`` and
+      ``dynamic-slice-start`` counts (asynchronous copies: XLA 0.11.2 on an H200 makes
+      the layer's move a ``dynamic-slice-start``/``-done`` DMA from host memory, at
+      0.87-0.90x of ``device_put``, measured 2026-11-28) and of ``dynamic-slice``
+      (any: a synchronous one reads host memory through a kernel), and its share of
+      the ``device_put`` rate;
+    - ``resident``: the same loop with the stack already on the device (its compute).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from zerojax.core import collectives as C
+
+    dev = jax.devices()[0]
+    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
+    on_dev = SingleDeviceSharding(dev, memory_kind="device")
+    stack = jax.jit(lambda: jnp.ones((layers, rows, cols), jnp.float32) * 0.5,
+                    out_shardings=host)()
+    nbytes = stack.nbytes
+    put_s = _median_time(lambda: jax.device_put(stack, on_dev), steps, warmup)
+    out = [dict(row="device_put", seconds=put_s, gbps=nbytes / put_s / 1e9, share=1.0)]
+
+    def looped(move):
+        def f(stack):
+            def body(acc, i):
+                return acc + jnp.sum(move(stack, i)), None
+            return jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                                jnp.arange(layers, dtype=jnp.int32))[0]
+        return jax.jit(f)
+
+    for form in forms or sorted(C.FETCH_FORMS):
+        compiled = looped(C.FETCH_FORMS[form]).lower(stack).compile()
+        hlo = compiled.as_text()
+        sec = _median_time(lambda c=compiled: c(stack), steps, warmup)
+        out.append(dict(row=f"fetch {form}", seconds=sec, gbps=nbytes / sec / 1e9,
+                        share=put_s / sec, copy_start=hlo.count("copy-start"),
+                        async_slice=hlo.count("dynamic-slice-start"),
+                        dynamic_slice=hlo.count("dynamic-slice")))
+    resident = jax.device_put(stack, on_dev)
+    compiled = looped(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False)
+                      ).lower(resident).compile()
+    sec = _median_time(lambda: compiled(resident), steps, warmup)
+    out.append(dict(row="resident", seconds=sec, gbps=nbytes / sec / 1e9, share=put_s / sec))
+    for r in out:
+        r["bytes"] = nbytes
+    return out
+
+
+def fetch_main(args) -> None:
+    """``--fetch``: :func:`fetch_rows` on the first device (``--dry-run``: a tiny stack
+    on the CPU), then (on a GPU, not ``--dry-run``) the GPT step at stage 3 with
+    ``offload_params`` fetched per layer and whole, each in its own process: step time,
+    device peak and the compiled step's copy counts."""
+    import jax
+
+    if args.dry_run:
+        layers, rows, cols = 4, 64, 64
+    else:
+        layers, rows, cols = args.fetch_layers, args.fetch_rows, args.fetch_rows
+    got = fetch_rows(layers, rows, cols, args.steps, args.warmup)
+    dev = jax.devices()[0]
+    print(f"Stack of {layers} x f32[{rows},{cols}] ({got[0]['bytes'] / GiB:.3f} GiB) in "
+          f"pinned_host on {dev.device_kind} ({dev.platform}); jax {jax.__version__}; "
+          f"median of {args.steps} after {args.warmup}\n")
+    print("| row | ms | GB/s | of device_put's rate | copy-start | dynamic-slice-start "
+          "| dynamic-slice (all) |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for r in got:
+        print(f"| {r['row']} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.2f} | {r['share']:.2f} "
+              f"| {r.get('copy_start', '-')} | {r.get('async_slice', '-')} "
+              f"| {r.get('dynamic_slice', '-')} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(got, f, indent=1)
+    if args.dry_run or dev.platform == "cpu":
+        return
+    rows_ = [run_probe_process(args, 3, c, args.layers, args.probe_timeout)
+             for c in ("optimizer+params", "optimizer+params/whole")]
+    print("\nGPT step, stage 3, offload_optimizer + offload_params "
+          f"({args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}):\n")
+    print("| param_fetch | step (ms) | measured peak (GiB) | copy-start | dynamic-slice-start "
+          "| dynamic-update-slice-start |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for r in rows_:
+        name = "whole" if r["config"].endswith("/whole") else "layer"
+        if not r.get("fits"):
+            print(f"| {name} | (did not run: {r.get('error', '')}) |")
+            continue
+        mp = r.get("measured_peak")
+        print(f"| {name} | {r['step_s'] * 1e3:.1f} | {mp / GiB if mp else 0:.2f} "
+              f"| {r['hlo']['copy-start']} | {r['hlo']['dynamic-slice-start']} "
+              f"| {r['hlo']['dynamic-update-slice-start']} |")
 
 
 def parse_args(argv=None):
@@ -319,7 +448,7 @@ def parse_args(argv=None):
                              "process), with the measured peak and tokens/s")
     parser.add_argument("--find-largest", action="store_true",
                         help="with --gpu: the most layers each configuration trains")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
+    parser.add_argument("--configs", default=",".join(TABLE_CONFIGS),
                         help="with --gpu: the configurations of the table")
     parser.add_argument("--skip-table", action="store_true",
                         help="with --gpu --find-largest: skip the fixed-size table")
@@ -348,12 +477,23 @@ def parse_args(argv=None):
                         help="share of MemTotal the offloaded state may take")
     parser.add_argument("--probe-timeout", type=int, default=400)
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fetch", action="store_true",
+                        help="per-layer param fetch against jax.device_put of the same "
+                             "bytes on the first device (and, on a GPU, the GPT step with "
+                             "param_fetch='layer' and 'whole')")
+    parser.add_argument("--fetch-layers", type=int, default=16,
+                        help="with --fetch: layers of the host-memory stack")
+    parser.add_argument("--fetch-rows", type=int, default=4096,
+                        help="with --fetch: each layer is f32[rows, rows]")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --fetch: a tiny stack on the CPU (checks the script)")
+    parser.add_argument("--json", default=None, help="with --fetch: write the rows here")
     args = parser.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; known: {list(CONFIGS)}")
-    gpu = args.gpu or args.probe is not None
+    gpu = args.gpu or args.probe is not None or (args.fetch and not args.dry_run)
     defaults = dict(vocab=(50304, 256), seq=(1024, 64), layers=(16, 4), hidden=(2048, 256),
                     heads=(16, 4), batch=(8, 16))
     # what a probe process is given: the model and run flags, explicit
@@ -373,6 +513,8 @@ def main(argv=None) -> None:
     if args.probe is not None:
         stage, config, layers = json.loads(args.probe)
         print("RESULT " + json.dumps(probe(args, stage, config, layers, 1)), flush=True)
+    elif args.fetch:
+        fetch_main(args)
     elif args.gpu:
         gpu_main(args)
     else:

@@ -9,6 +9,7 @@ space (``float32<host>[...]``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from jax.extend import core as jcore
 from zerojax.core.compat import scan_counts
 from zerojax.engine.step import TrainStep
 
-__all__ = ["SavedCheckpoint", "saved_checkpoints"]
+__all__ = ["SavedCheckpoint", "saved_checkpoints", "MemoryMove", "memory_moves"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,88 @@ def saved_checkpoints(fn, *args) -> list[SavedCheckpoint]:
             fn, args = fn.jitted, (args[0], fn.place_batch(args[1]))
         closed = jax.make_jaxpr(fn)(*args)
     return list(_walk(closed.jaxpr))
+
+
+# -- where a program lowered for a GPU moves values between memories ---------------------
+
+
+@dataclass(frozen=True)
+class MemoryMove:
+    """One placement XLA's host offloader acts on, read from a program's StableHLO text
+    (an ``annotate_device_placement`` custom call: what ``jax.device_put(x,
+    jax.memory.Space.Device / Host)`` inside ``jit`` lowers to for a GPU).
+
+    ``to``: ``"device"`` or ``"pinned_host"``; ``type``: the moved value's tensor type
+    (``tensor<32x12xf32>``: per device inside a ``shard_map``, global outside it);
+    ``loops``: the ``stablehlo.while`` ops (by their result name, e.g. ``"%648"``) it
+    runs inside, innermost first, through the function calls that reach it: empty for
+    a move outside every loop. A function called from several places (a loop body's
+    checkpoint called from the forward and the backward loop) gives one move per call
+    path."""
+
+    to: str
+    type: str
+    loops: tuple[str, ...]
+
+
+_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
+_WHILE = re.compile(r"(%[\w#.-]+)(?::\d+)? = stablehlo\.while\(")
+_CALL = re.compile(r"(?:func\.)?call @([\w.$-]+)\(")
+_MOVE = re.compile(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = "
+                   r"\"(\w+)\".*?: \((tensor<[^>]*>)\)")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def memory_moves(text: str) -> list[MemoryMove]:
+    """Every memory-space move of a lowered program (``lowered.as_text()``, e.g. a train
+    step lowered for CUDA from the CPU: ``step.jitted.trace(state, batch).lower(
+    lowering_platforms=("cuda",)).as_text()``) with the loops it runs inside; see
+    :class:`MemoryMove`. XLA:CPU drops these moves when it compiles, so where a GPU
+    would move what is read here, from the program XLA's GPU compiler is handed."""
+    funcs: dict[str, list] = {}  # name -> [(kind, payload, enclosing whiles)]
+    name, stack, pending = None, [], None
+    for line in text.splitlines():
+        m = _FUNC.match(line)
+        if m:
+            name, stack, pending = m.group(1), [], None
+            funcs[name] = []
+            line = line[m.end():]
+        if name is None:
+            continue
+        bare = _STRING.sub('""', line)
+        whiles = tuple(w for w in reversed(stack) if w)
+        w = _WHILE.search(bare)
+        mv = _MOVE.search(line)
+        if mv:
+            funcs[name].append(("move", (mv.group(1), mv.group(2)), whiles))
+        for c in _CALL.finditer(bare):
+            funcs[name].append(("call", c.group(1), whiles))
+        if w:
+            pending = w.group(1)
+        stripped = bare.strip()
+        if pending and stripped in ("cond {", "} do {"):
+            if stripped.startswith("}"):
+                stack.pop()
+            stack.append(pending)
+            if stripped == "} do {":
+                pending = None
+            continue
+        for ch in bare:
+            if ch == "{":
+                stack.append(None)
+            elif ch == "}" and stack:
+                stack.pop()
+    moves: list[MemoryMove] = []
+
+    def visit(fn: str, outer: tuple, seen: tuple) -> None:
+        for kind, payload, whiles in funcs.get(fn, []):
+            loops = whiles + outer
+            if kind == "move":
+                moves.append(MemoryMove(payload[0], payload[1], loops))
+            elif payload not in seen:
+                visit(payload, loops, seen + (payload,))
+
+    main = "main" if "main" in funcs else next(iter(funcs), None)
+    if main is not None:
+        visit(main, (), (main,))
+    return moves

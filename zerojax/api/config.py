@@ -150,9 +150,10 @@ class ZeroConfig:
       offload_params: stage 3 only (where each device holds a 1/N shard of the
         parameters): the partitioned params (``TrainState.params``) live in
         ``pinned_host`` memory between steps too. The step brings the shards to the
-        device at its start and writes the new ones back at its end (ZeRO-Infinity's
-        per-layer fetch is not implemented). Combine with ``offload_optimizer=True``
-        to keep the whole model state off the device between steps.
+        device as ``param_fetch`` says (default: a scanned stack's layer by layer,
+        inside the loop) and writes the new ones back from the update. Combine with
+        ``offload_optimizer=True`` to keep the whole model state off the device
+        between steps.
         ``"nvme"`` (stage 3, needs ``offload_optimizer="nvme"``; anything else is
         refused naming the fix): the param shards (the compute copy: ``param_dtype``,
         else the fp32 params themselves) live in files beside the optimizer state's
@@ -164,6 +165,32 @@ class ZeroConfig:
         gradient, and its bucketed update writes the new params to their files; the
         training equals ``offload_optimizer=True, offload_params=True`` bitwise (see
         :mod:`zerojax.nvme` for what was measured).
+      param_fetch: how ``offload_params=True`` (stage 3) brings the param shards to the
+        device during the step. ``"layer"`` (the default, ZeRO-Infinity's per-layer
+        fetch): the shards of a scanned layer stack (``nn.scan``, ``lax.scan`` over
+        stacked params) stay host-memory arguments, and each layer's shard moves to
+        the device inside the loop body just before its all-gather, in the forward
+        pass and again in the rematerialised backward, so the device holds about two
+        layers' shards plus the leaves outside the scan (those move whole at the
+        start of the step). ``"whole"``: every shard moves to the device at the
+        step's start (the params cross PCIe once a step, not twice a micro-batch:
+        faster for a model whose shards fit the device). A model with no scanned
+        stack is fetched whole, with a warning. Only with ``offload_params``; the
+        training is bitwise the same either way. With ``offload_params="nvme"``,
+        ``"layer"`` reads the shards from disk into host memory (``pinned_host``)
+        before the gradient program and fetches them from there layer by layer;
+        ``"whole"`` reads them into device memory.
+      offload_gradients: with ``offload_optimizer=True`` at stage 2 or 3 (ZeRO-Offload's
+        gradient stream): each partitioned leaf's reduced gradient shard moves to host
+        memory inside the backward pass as it is produced (a scanned stack's layer by
+        layer, in the backward loop), so the device never holds the whole gradient,
+        and the offloaded update reads it from host memory bucket by bucket. The
+        global norm (``max_grad_norm``, the loss-scale overflow check, the
+        ``grad_norm`` metric) is then a second pass over the host gradients, leaf by
+        leaf, in the order the step sums them without it: the training is bitwise
+        the same, for one more crossing of each leaf's gradient. ``accum_steps > 1``
+        adds each micro-batch's shard to the host accumulator's layer inside the
+        backward loop. Refused with a weighted loss and ``accum_steps > 1``.
       replica_axis: hierarchical sharding, HSDP / MiCS (stages 1-3): the name of the
         mesh's outer (node) axis, e.g. ``"replica"`` of ``make_mesh(replica=2,
         data=4)``. The model states are then partitioned over ``data_axis`` only
@@ -234,6 +261,8 @@ class ZeroConfig:
     has_aux: bool = False
     offload_optimizer: bool | str = False
     offload_params: bool | str = False
+    param_fetch: str = "layer"
+    offload_gradients: bool = False
     nvme_path: str | None = None
     nvme_buffer_count: int = 4
     nvme_buffer_size: int = 2**28
@@ -377,6 +406,7 @@ def _check_memory_options(c: ZeroConfig) -> None:
             "partitions the parameters, so only there does each device hold a shard it "
             "can keep in host memory and fetch at its use. Use zero(..., stage=3, "
             "offload_params=True), or offload_optimizer=True alone at this stage.")
+    _check_fetch_options(c)
     if c.remat_policy is not None and c.remat_policy not in REMAT_POLICIES:
         raise ValueError(
             f"remat_policy={c.remat_policy!r} is not one of {REMAT_POLICIES} (or None "
@@ -389,6 +419,32 @@ def _check_memory_options(c: ZeroConfig) -> None:
         )
     if not isinstance(c.data_axis, str) or not c.data_axis:
         raise ValueError(f"data_axis={c.data_axis!r} must be a mesh axis name.")
+
+
+PARAM_FETCH = ("layer", "whole")
+
+
+def _check_fetch_options(c: ZeroConfig) -> None:
+    """``param_fetch`` and ``offload_gradients``: their values and what they need."""
+    if not isinstance(c.param_fetch, str) or c.param_fetch not in PARAM_FETCH:
+        raise ValueError(
+            f"param_fetch={c.param_fetch!r} must be one of {PARAM_FETCH}: \"layer\" moves "
+            "each scanned layer's param shard to the device inside the loop, just before "
+            "its all-gather (ZeRO-Infinity); \"whole\" moves every shard at the step's "
+            "start. E.g. zero(tx, mesh, stage=3, offload_params=True, param_fetch=\"whole\").")
+    if c.param_fetch != "layer" and c.offload_params not in (True, "nvme"):
+        raise ValueError(
+            f"param_fetch={c.param_fetch!r} chooses how offload_params=True fetches the "
+            f"param shards, but offload_params={c.offload_params!r}: add "
+            "offload_params=True (stage 3), or drop param_fetch.")
+    if not isinstance(c.offload_gradients, bool):
+        raise ValueError(f"offload_gradients={c.offload_gradients!r} must be True or False.")
+    if c.offload_gradients and (c.offload_optimizer is not True or c.stage not in (2, 3)):
+        raise ValueError(
+            f"offload_gradients=True streams each layer's reduced gradient shard to host "
+            f"memory for the offloaded update, so it needs offload_optimizer=True at stage 2 "
+            f"or 3 (got offload_optimizer={c.offload_optimizer!r}, stage={c.stage}): use "
+            f"zero(tx, mesh, stage=3, offload_optimizer=True, offload_gradients=True).")
 
 
 def _check_hierarchical(c: ZeroConfig) -> None:

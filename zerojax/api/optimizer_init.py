@@ -228,6 +228,9 @@ def init_state(opt, params: Any, model_specs: Any = None) -> TrainState:
     _check_params(params)
     opt._remember(params, model_specs)
     shardings = opt.shardings(params)
+    if _host_offload(opt.config):  # the bytes checked before anything is placed
+        offload.check_host_memory(jax.eval_shape(init_body(opt, params, shardings), params),
+                                  (shardings.params, shardings.opt_state), opt.config)
     lays = opt.layouts(params)
     # Leaves not yet on the mesh are placed whole over data (their model split kept),
     # then padded and split under jit; leaves on the mesh go in as they are.
@@ -320,6 +323,9 @@ def init_sharded(opt, init_fn: Callable, *args: Any, model_specs: Any = None
         return opt.init_state(jitted(*placed_args), model_specs)  # (specs remembered)
     jitted, placed_args, params = sharded_init_jit(opt, init_fn, args, model_specs)
     if _host_offload(opt.config):  # born in host memory, a bounded group at a time
+        shardings = opt.shardings(params)  # (the bytes checked before anything is placed)
+        offload.check_host_memory(jax.eval_shape(jitted, *placed_args),
+                                  (shardings.params, shardings.opt_state), opt.config)
         stored, opt_state = streamed.run_streamed(
             jitted.__wrapped__, list(placed_args), jitted.zerojax_out_shardings,
             _init_capacity(opt))

@@ -19,13 +19,14 @@ how the devices are spread over processes. Same volumes as above.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax.core import quant
+from zerojax.core import compat, quant
 from zerojax.core.partition import LeafLayout, is_layout as _is_layout
 
 
@@ -456,6 +457,45 @@ def reduce_across(shards: list, dims: list[int], axis: str, op: str,
     if op == "reduce_scatter":
         return grad_reduce_scatter(shards, dims, axis, bucket_size, bits)
     raise ValueError(f"reduce_across: op={op!r} is not 'all_reduce' or 'reduce_scatter'.")
+
+
+# -- ZeRO-Infinity's per-layer fetch: a layer's param shard from host memory -----------
+#
+# How one layer of a stack held in host memory reaches the device inside the loop body
+# is this one function (``param_fetch="layer"``; zerojax.schedule calls it where the
+# layer's shard is materialised, before its all-gather). What XLA makes of the form is
+# what matters on a GPU: an asynchronous copy (``copy-start`` / ``copy-done``, the copy
+# engines, ~50 GB/s on PCIe 5) or a ``dynamic-slice`` fusion reading host memory through
+# a kernel (~10 GB/s: what a plain ``device_put(w[i])`` in a scan body compiled to on an
+# H200, jax 0.11.2). ``FETCH_FORMS`` holds the forms tried; ``FETCH_FORM`` (or the
+# environment variable ZEROJAX_FETCH_FORM, read at trace time) picks one, so a GPU
+# benchmark can compare them in one process (benchmarks/offload.py --fetch).
+
+
+def _fetch_slice_then_move(stack, index):
+    """The layer sliced where it lives (a ``dynamic-slice`` of the host stack), then
+    moved to the device."""
+    layer = jax.lax.dynamic_index_in_dim(stack, index, 0, keepdims=False)
+    return compat.to_memory_space(layer, host=False)
+
+
+FETCH_FORMS = {"slice_then_move": _fetch_slice_then_move}
+FETCH_FORM = "slice_then_move"
+
+
+def fetch_layer(stack, index):
+    """Inside ``jit``: layer ``index`` (a traced int) of ``stack``, a stack of per-layer
+    shards in host memory (layers on dimension 0), in device memory, by the form
+    :data:`FETCH_FORM` names."""
+    form = os.environ.get("ZEROJAX_FETCH_FORM", FETCH_FORM)
+    if form not in FETCH_FORMS:
+        raise ValueError(f"ZEROJAX_FETCH_FORM={form!r} is not one of {sorted(FETCH_FORMS)}.")
+    return FETCH_FORMS[form](stack, index)
+
+
+def fetch_whole(x):
+    """Inside ``jit``: ``x`` (a shard in host memory) moved to the device whole."""
+    return compat.to_memory_space(x, host=False)
 
 
 def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,

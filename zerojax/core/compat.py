@@ -22,7 +22,8 @@ finds rather than for a version string, so a new JAX that keeps either form work
 - :func:`memory_kinds` / :func:`to_memory_space`: the memory kinds a device offers
   (``device.addressable_memories()``; ``device``, ``pinned_host`` and
   ``unpinned_host`` on CPU and GPU) and moving a value between them inside ``jit``
-  (``jax.memory.Space``, jax 0.6+; before it, ``TransferToMemoryKind``).
+  (``jax.memory.Space``, jax 0.6+; before it, ``TransferToMemoryKind``);
+  :func:`in_host_memory`: whether a traced value lives in host memory.
 
 ``tests/test_compat.py`` checks each against HLO text captured from jax 0.10.2 and
 jax 0.12.0.1 (``tests/fixtures/hlo/``), so both forms are tested whichever JAX is installed.
@@ -39,7 +40,8 @@ import jax
 import numpy as np
 
 __all__ = ["CALL_PRIMITIVES", "REMAT_PRIMITIVES", "scan_counts", "replica_groups",
-           "replica_groups_attr", "replica_group_size", "memory_kinds", "to_memory_space"]
+           "replica_groups_attr", "replica_group_size", "memory_kinds", "to_memory_space",
+           "in_host_memory"]
 
 # Jaxpr primitives that call a closed sub-jaxpr and are evaluated by inlining it: a
 # nested jax.jit ("pjit" until jax 0.7, "jit" since), and the older call primitives.
@@ -210,6 +212,15 @@ def memory_kinds(device) -> frozenset[str]:
         return frozenset(m.kind for m in device.addressable_memories())
     except (AttributeError, NotImplementedError, RuntimeError):  # a runtime without them
         return frozenset()
+
+
+def in_host_memory(x) -> bool:
+    """Whether ``x`` (an array, or a tracer inside ``jit``) lives in host memory: its
+    abstract value's memory space is ``Host`` (a ``pinned_host`` argument, or a
+    value moved there), read from ``aval.memory_space`` (jax 0.10.2 and 0.12)."""
+    aval = getattr(x, "aval", None)
+    space = getattr(aval, "memory_space", None)
+    return space is not None and getattr(space, "name", str(space)).lower().endswith("host")
 
 
 def to_memory_space(x, host: bool):

@@ -47,8 +47,8 @@ from zerojax.core.activations import (
     layer_input_positions,
     partition_activation,
 )
-from zerojax.core.collectives import after, make_param_use
-from zerojax.core.compat import CALL_PRIMITIVES, REMAT_PRIMITIVES, scan_counts
+from zerojax.core.collectives import after, fetch_layer, fetch_whole, make_param_use
+from zerojax.core.compat import CALL_PRIMITIVES, REMAT_PRIMITIVES, in_host_memory, scan_counts
 from zerojax.core.partition import drop_axes
 
 _INLINE = CALL_PRIMITIVES
@@ -94,6 +94,46 @@ class _Lazy:
         return self.fn is None
 
 
+@jax.tree_util.register_pytree_node_class
+class _Fetch:
+    """One layer of a param stack held in host memory (``offload_params=True`` with
+    ``param_fetch="layer"``): the whole stack (a loop-invariant of the scan, never
+    copied) and the loop's index. :meth:`get` moves that layer's shard to the device
+    (:func:`zerojax.collectives.fetch_layer`) where it is materialised: inside the loop
+    body, inside the layer's checkpoint, so the rematerialised backward fetches it
+    again. A pytree (stack, index), so it passes through ``jax.checkpoint`` and
+    ``custom_vjp`` as the shard it stands for would."""
+
+    def __init__(self, stack, index):
+        self.stack, self.index = stack, index
+
+    def tree_flatten(self):
+        return (self.stack, self.index), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @property
+    def shape(self):
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def get(self):
+        return fetch_layer(self.stack, self.index)
+
+
+def _on_device(param):
+    """A raw param as the collectives take it: a :class:`_Fetch` fetched, a shard left
+    in host memory moved whole (a leaf outside any scan), any other value as it is."""
+    if isinstance(param, _Fetch):
+        return param.get()
+    return fetch_whole(param) if in_host_memory(param) else param
+
+
 @dataclasses.dataclass(frozen=True)
 class _Ctx:
     stage: int
@@ -108,6 +148,7 @@ class _Ctx:
     weight_bits: int | None = None  # ZeRO++ qwZ: quantized stage-3 gathers (None: exact)
     grad_bits: int | None = None  # ZeRO++ qgZ: quantized reduce-scatters (None: exact)
     uses: dict | None = None  # param_uses: materialisations per params leaf
+    pushed: set | None = None  # param_uses: leaves pushed into a scan body (per layer)
     in_remat: bool = False
     in_scan: bool = False  # inside a scan body (the loop orders the recomputation)
     chain: Any = dataclasses.field(default_factory=lambda: _Chain())
@@ -123,6 +164,7 @@ class _Ctx:
                 shape[ref.dim] = (ref.size if ref.size is not None
                                   else shape[ref.dim] * jax.lax.axis_size(self.axis))
             return jnp.zeros(shape, param.dtype)
+        param = _on_device(param)
         # the stored (padded) length: the zero shard's rows times the axis size (hpZ
         # pads for its finer optimizer-state partition, not for this axis alone)
         padded = (None if ref.full_grad or ref.size is None
@@ -410,25 +452,43 @@ def _eval_scan(eqn, ins, scope: _Scope) -> list:
             continue
         if i >= nc + nk and x.pure and x.refs[0].dim != 0:
             pushed.append(i)  # iterate over the shards; gather inside the body
+            if scope.ctx.pushed is not None and x.refs[0].key is not None:
+                scope.ctx.pushed.add(x.refs[0].key)
         else:
             ins[i] = scope.materialize(x)
     consts, carry = ins[:nc], ins[nc:nc + nk]
     xs_pos = list(range(nc + nk, len(ins)))
-    xs = [ins[i].refs[0].raws if i in pushed else ins[i] for i in xs_pos]
+    # a stack in host memory (param_fetch="layer") stays whole, out of the loop's xs:
+    # the body fetches its own layer (_Fetch); a nested stack's layer is fetched first
+    fetched = {i for i in pushed if in_host_memory(ins[i].refs[0].raws[0])}
+    xs: list = []
+    for i in xs_pos:
+        raws = ins[i].refs[0].raws if i in pushed else None
+        if i in fetched:
+            xs.append(raws[1:])
+        elif raws is not None:
+            xs.append((_on_device(raws[0]) if isinstance(raws[0], _Fetch) else raws[0],
+                       *raws[1:]))
+        else:
+            xs.append(ins[i])
+    index = jnp.arange(p["length"], dtype=jnp.int32) if fetched else None
     body = p["jaxpr"]
     body_ctx = dataclasses.replace(scope.ctx, chain=_Chain(), in_scan=True)  # a new trace
 
-    def step(carry_in, xs_in):
+    def step(carry_in, xs_and_index):
+        xs_in, i_layer = xs_and_index
         vals = list(consts) + list(carry_in)
         for i, x in zip(xs_pos, xs_in):
             ref = ins[i].refs[0] if i in pushed else None
+            if i in fetched:
+                x = (_Fetch(ref.raws[0], i_layer), *x)
             vals.append(_Lazy((ref.like(x, ref.dim - 1, ref.model[1:], key=None),), None)
                         if ref is not None else x)
         outs = eval_jaxpr(body.jaxpr, body.consts, vals, body_ctx)
         return outs[:nk], outs[nk:]
 
-    carry_out, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"],
-                                 unroll=p["unroll"])
+    carry_out, ys = jax.lax.scan(step, carry, (xs, index), length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
     return list(carry_out) + list(ys)
 
 
@@ -587,7 +647,7 @@ def _after(raws: list, probe) -> list:
     """
     if probe is None:
         return raws
-    return [[after(rw[0], probe), *rw[1:]] for rw in raws]
+    return [[after(_on_device(rw[0]), probe), *rw[1:]] for rw in raws]
 
 
 def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts: list,
@@ -596,7 +656,8 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                       remat_policy: str | None = None, model_axis: str | None = None,
                       model_size: int = 1, remesh: bool = False,
                       full_grad: frozenset = frozenset(), uses: dict | None = None,
-                      weight_bits: int | None = None, grad_bits: int | None = None) -> list:
+                      weight_bits: int | None = None, grad_bits: int | None = None,
+                      pushed: set | None = None) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -619,7 +680,7 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                           None) if lay.sharded else raws[0])
     args.extend(other_args)
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
-               model_size, remesh, weight_bits, grad_bits, uses)
+               model_size, remesh, weight_bits, grad_bits, uses, pushed)
     outs = eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, ctx)
     if remat_policy in PA_POLICIES and not ctx.split_regions:
         raise ValueError(
@@ -632,20 +693,23 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
 
 
 def param_uses(closed_jaxpr, param_args: list, other_args: list, layouts: list, stage: int,
-               axis: str, **options) -> dict:
+               axis: str, pushed: set | None = None, **options) -> dict:
     """How many times each partitioned params leaf is materialised (gathered, or handed
     to an equation) when the loss is evaluated: ``{leaf position: count}``.
 
     Traced only (``jax.eval_shape``), no collective. A leaf used more than once (a
     tied embedding, a block applied k times) would otherwise reduce-scatter its
     gradient once per use; the step gives it a whole-size gradient that autodiff sums
-    on the device and reduce-scatters once.
+    on the device and reduce-scatters once. ``pushed``: a set to add the leaves to whose
+    use a scan pushes into its body (a stacked layer's shard, gathered per layer); a
+    leaf there and not in the counts is used only per layer (``param_fetch="layer"``
+    fetches it inside the loop).
     """
     uses: dict = {}
 
     def run(param_args, other_args):
         return apply_partitioned(closed_jaxpr, param_args, other_args, layouts, stage, axis,
-                                 uses=uses, **options)
+                                 uses=uses, pushed=pushed, **options)
 
     jax.eval_shape(run, param_args, other_args)
     return uses

@@ -30,6 +30,7 @@ from jax.sharding import AxisType
 from zerojax.core.state import TrainState
 from zerojax.engine import nvme_pipeline, nvme_plan, nvme_update, step as S
 from zerojax.runtime import distributed, hostmem
+from zerojax.tiers import offload
 from zerojax.tiers.nvme import (
     NvmeParams,
     NvmeState,
@@ -93,8 +94,8 @@ class NvmeTrainStep:
         elif stage in (1, 2):
             owned = S._slice_params(params, lay_tree, opt.mesh, opt.zero_axis)
             grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
-        else:
-            owned = params
+        else:  # (the update's operands on the device: params read into host memory moved)
+            owned = offload.to_device(params)
             grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
         scale = None if loss_scale is None else loss_scale.scale
         grads, loss, aux, sum_sq = self._grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng)
@@ -152,7 +153,9 @@ class NvmeTrainStep:
         t0 = time.perf_counter()
         batch = self.place_batch(batch)
         # offload_params="nvme": the param shards read into device memory, read ahead
-        params = read_params(state.params) if on_disk else state.params
+        # (param_fetch="layer": into host memory, fetched layer by layer by the program)
+        params = (read_params(state.params, offload.HOST if cfg.param_fetch == "layer"
+                              else "device") if on_disk else state.params)
         t_params = time.perf_counter() - t0
         master_dtypes = None
         if mixed:

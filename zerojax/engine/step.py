@@ -37,6 +37,7 @@ from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from zerojax.core import collectives as C
+from zerojax.core.compat import in_host_memory
 from zerojax.core.mesh import constrain, sequence_split
 from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
@@ -498,13 +499,15 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
     axes, lays = call.axes, call.lays
     k, sharded, replicated = axes.k, call.sharded, call.replicated
     sd = jax.ShapeDtypeStruct
+    pushed: set = set()
     uses = param_uses(
         call.trace.closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(axes.n_in), x.dtype))
                             if lays[i].sharded else (sd(x.shape, x.dtype),)
                             for i, x in enumerate(param_leaves)],
         [sd(x.shape, x.dtype) for x in jax.tree.leaves(call.trace.local_struct)]
-        + call.trace.key_struct, lays, axes.stage, axes.axis, **call.options)
+        + call.trace.key_struct, lays, axes.stage, axes.axis, pushed=pushed, **call.options)
     full_grad = frozenset(i for i, c in uses.items() if c > 1)
+    param_leaves = fetch_outside_scans(param_leaves, lays, pushed, uses)
     # one micro-batch, one use: a partition holds its reduced gradient as it was
     # reduced (bf16 with mixed precision; cast up in the update), as the paper's 2
     # bytes per gradient; sums (micro-batches, several uses) in fp32
@@ -537,6 +540,27 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
 
     acc_shapes = [zero_shapes[i] if lay.sharded else lay.shape for i, lay in enumerate(lays)]
     return micro_grads, acc_shapes, acc_dtypes, full_grad
+
+
+def fetch_outside_scans(param_leaves, lays, pushed: set, uses: dict) -> list:
+    """``offload_params=True`` with ``param_fetch="layer"``: the param shards that stay in
+    host memory, fetched layer by layer inside the loop body (a stack whose every use a
+    scan pushes into its body, ``pushed``, and used nowhere else, ``uses``), and the
+    others moved to the device whole, here, once a step (outside the micro-batch loop).
+    No such stack: every shard moves whole, with a warning (``param_fetch="whole"``'s
+    step). Shards already on the device are returned as they are."""
+    host = [i for i, x in enumerate(param_leaves) if in_host_memory(x)]
+    per_layer = {i for i in host if i in pushed and i not in uses and lays[i].sharded}
+    if host and not per_layer:
+        warnings.warn(
+            "param_fetch='layer' (offload_params=True): the loss has no scanned layer stack "
+            "(params stacked on a leading layer axis under lax.scan / nn.scan) whose shards "
+            "could be fetched layer by layer inside the loop, so every param shard moves to "
+            "the device whole at the step's start, as with param_fetch='whole'. Scan the "
+            "layers (zerojax.models.GPTConfig(scan=True), flax nn.scan) to fetch them per "
+            "layer, or pass param_fetch='whole' to say so.", stacklevel=2)
+    return [C.fetch_whole(x) if i in host and i not in per_layer else x
+            for i, x in enumerate(param_leaves)]
 
 
 def accumulate_micro_batches(call: GradCall, micro_grads, local_batch, dev_key, acc_shapes,
@@ -1110,8 +1134,10 @@ def update_operands(opt, state: TrainState, lay_tree):
     cfg, stage = opt.config, opt.config.stage
     mixed = cfg.param_dtype is not None
     opt_state = state.opt_state
-    if cfg.offload_params:
+    if cfg.offload_params and cfg.param_fetch == "whole":
         state = state.replace(params=offload.to_device(state.params))
+    # param_fetch="layer": the shards stay host-memory arguments; the gradient pass
+    # fetches a scanned stack's layer by layer (partitioned_micro_grads)
     inner_state = opt_state.inner if mixed else opt_state
     if mixed:
         owned = opt_state.master

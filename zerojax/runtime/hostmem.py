@@ -25,7 +25,7 @@ import os
 import re
 import threading
 
-__all__ = ["rss", "peak_rss", "reset_peak", "release_freed_memory", "RssSampler"]
+__all__ = ["rss", "peak_rss", "reset_peak", "release_freed_memory", "available", "RssSampler"]
 
 try:
     _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -40,6 +40,17 @@ def rss() -> int:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def available() -> int:
+    """Bytes of memory the system can give this process now without swapping (Linux
+    ``MemAvailable`` in ``/proc/meminfo``); 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            m = re.search(r"^MemAvailable:\s+(\d+)\s+kB", f.read(), re.M)
+    except OSError:
+        return 0
+    return int(m.group(1)) * 1024 if m else 0
 
 
 def peak_rss() -> int:

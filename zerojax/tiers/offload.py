@@ -35,12 +35,16 @@ backend XLA ignores memory spaces: the moves compile to nothing, and the compile
 program's temporaries are those of the step without offload; there the offload shows
 in the arguments (``compiled_memory(...).host_argument``), not in the temporaries.
 
-``offload_params``: the stage-3 param shards are host-memory arguments too, brought to
-the device whole at the start of the step (1/N of the params) and the new ones written
-back at its end. ZeRO-Infinity's per-layer fetch (each layer's shard brought just
-before its all-gather) is not implemented: on the H100 above (state in one bucket)
-the step's peak with ``offload_params`` was the one with ``offload_optimizer`` alone,
-2.22 GiB; what it saves is the params' device memory between steps.
+``offload_params``: the stage-3 param shards are host-memory arguments too, and the
+new ones are written back from the update. ``param_fetch="layer"`` (the default,
+ZeRO-Infinity's per-layer fetch): a scanned stack's shards stay in host memory and
+each layer's shard moves to the device inside the loop body, just before its
+all-gather, in the forward loop and again in the rematerialised backward loop
+(:func:`zerojax.collectives.fetch_layer`, called by :mod:`zerojax.schedule`); the
+leaves outside any scan move whole at the step's start. ``param_fetch="whole"``: every
+shard moves at the step's start (on the H100 above, state in one bucket, the step's
+peak was then the one with ``offload_optimizer`` alone, 2.22 GiB: it saves the params'
+device memory between steps only).
 
 This module holds the pieces: the backend check, shardings in a memory kind, the moves
 inside ``jit`` and the bucketed update.
@@ -51,10 +55,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 
 from zerojax.core import compat
+from zerojax.runtime import hostmem
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -83,6 +89,44 @@ def check_backend(mesh: Mesh, option: str) -> None:
                 f"this backend cannot offload. Drop {option}=True on it (the CPU and CUDA "
                 "backends have pinned_host memory), or save device memory with stage=3 and "
                 "remat_policy instead.")
+
+
+def host_bytes(structs: Any, shardings: Any) -> int:
+    """Bytes of host memory this process's devices hold for the leaves of ``structs``
+    (shapes and dtypes) whose sharding (``shardings``, the same tree) is in
+    ``pinned_host``: each addressable device keeps its own shard there."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(structs), jax.tree.leaves(
+            shardings, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))):
+        if getattr(s, "memory_kind", None) != HOST:
+            continue
+        shard = s.shard_shape(tuple(x.shape))
+        n = 1
+        for d in shard:
+            n *= int(d)
+        total += n * np.dtype(x.dtype).itemsize * len(s.addressable_devices)
+    return total
+
+
+def check_host_memory(structs: Any, shardings: Any, config) -> None:
+    """Before a state is placed: raise, naming the bytes needed and free and the fixes,
+    if the ``pinned_host`` part of it (``offload_optimizer`` / ``offload_params``) is
+    more than this host's available memory (:func:`zerojax.hostmem.available`; no
+    check where the system does not say)."""
+    needed = host_bytes(structs, shardings)
+    free = hostmem.available()
+    if not needed or not free or needed <= free:
+        return
+    given = " and ".join(f"{o}=True" for o in ("offload_optimizer", "offload_params")
+                         if getattr(config, o) is True)
+    raise ValueError(
+        f"{given} keeps {needed:,} bytes ({needed / 2**30:.2f} GiB) of model state in this "
+        f"host's memory (pinned_host, the shards of its {jax.local_device_count()} "
+        f"devices), but only {free:,} bytes ({free / 2**30:.2f} GiB) are available "
+        "(MemAvailable): placing it would swap or be killed. Spread the state over more "
+        "hosts (each keeps 1/N of it), keep the optimizer state on disk "
+        "(offload_optimizer='nvme', nvme_path=...), drop offload_params, or free host "
+        "memory.")
 
 
 def with_memory_kind(shardings: Any, kind: str | None) -> Any:

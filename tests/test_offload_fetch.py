@@ -1,0 +1,191 @@
+"""ZeRO-Infinity's per-layer param fetch (``offload_params=True, param_fetch="layer"``):
+a scanned stack's shards stay in host memory and each layer's shard moves to the device
+inside the loop body. XLA:CPU ignores memory spaces, so where the moves sit is read from
+the step lowered for CUDA from this CPU machine (:func:`zerojax.analysis.memory_moves`);
+the training is compared bitwise with the same run without offload and with the
+whole-shard fetch."""
+
+import collections
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import awkward_loss, awkward_params, cached_gpt_params, regression_batches
+
+import zerojax
+from zerojax import offload
+from zerojax.analysis import memory_moves
+from zerojax.models import GPT, GPTConfig, gpt_param_specs, lm_loss
+
+TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4, scan=True)
+BATCH = 16
+
+
+def _batches(n, accum=1):
+    rng = np.random.default_rng(0)
+    out = [rng.integers(0, 64, (BATCH, 17)).astype(np.int32) for _ in range(n)]
+    return [b.reshape(accum, BATCH // accum, 17) for b in out] if accum > 1 else out
+
+
+@functools.cache
+def _model():
+    return GPT(GPTConfig(**TINY))
+
+
+def _run(mesh_shape, steps=2, accum=1, specs=False, **options):
+    """``(opt, state, step)`` after ``steps`` steps of the tiny scanned GPT."""
+    model = _model()
+    mesh = zerojax.make_mesh(**mesh_shape)
+    opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=3, accum_steps=accum, **options)
+    state = opt.init_state(cached_gpt_params(model, 0),
+                           model_specs=gpt_param_specs(model, 0) if specs else None)
+    step = opt.train_step(lm_loss(model))
+    for b in _batches(steps, accum):
+        state, metrics = step(state, b)
+    assert bool(jnp.isfinite(metrics["loss"]))
+    return opt, state, step, metrics
+
+
+def _same_bits(a, b) -> bool:
+    a, b = jax.device_get(a), jax.device_get(b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# one compiled step per configuration, shared by the tests of this module
+@functools.cache
+def _fp32(fetch):
+    off = {} if fetch is None else dict(offload_optimizer=True, offload_params=True,
+                                        param_fetch=fetch)
+    return _run(dict(data=8), **off)
+
+
+ALL = dict(param_dtype=jnp.bfloat16, max_grad_norm=0.05, loss_scale="dynamic")
+
+
+@functools.cache
+def _all_options(fetch):
+    # a model axis, bf16 params over fp32 master weights, micro-batches, clipping and
+    # dynamic loss scaling at once
+    return _run(dict(data=4, model=2), accum=2, specs=True, offload_optimizer=True,
+                offload_params=True, param_fetch=fetch, **ALL)
+
+
+def test_layer_fetch_trains_bitwise_as_without_offload():
+    _, plain, _, m0 = _fp32(None)
+    _, got, _, m1 = _fp32("layer")
+    assert _same_bits(plain.params, got.params)
+    assert _same_bits(plain.opt_state, got.opt_state)
+    assert _same_bits(m0, m1)
+    # the params and the optimizer state stayed in host memory
+    assert offload.memory_kinds((got.params, got.opt_state)) == {offload.HOST}
+
+
+def test_layer_fetch_equals_the_whole_shard_fetch_with_every_option():
+    _, whole, _, m0 = _all_options("whole")
+    _, layer, _, m1 = _all_options("layer")
+    assert int(layer.step) == 2 and not bool(m1["skipped"])
+    assert _same_bits(whole.params, layer.params)
+    assert _same_bits(whole.opt_state, layer.opt_state)
+    assert _same_bits(m0, m1)
+
+
+def _moves(opt, state, step):
+    text = step.jitted.trace(state, step.place_batch(_batches(1)[0])).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return memory_moves(text)
+
+
+def test_each_layer_shard_moves_inside_the_forward_and_backward_loops():
+    """Lowered for a GPU: every scanned, partitioned leaf's per-device layer shard moves
+    to the device inside two loops (the forward one and the rematerialised backward
+    one), and no stacked shard moves anywhere; with param_fetch="whole" no param moves
+    inside a loop."""
+    opt, state, step, _ = _fp32("layer")
+    logical = opt.logical_params(state.params)
+    lays = jax.tree_util.tree_flatten_with_path(opt.layouts(logical))[0]
+    n = opt.data_size
+    stacked = [(jax.tree_util.keystr(p), lay.shard_shape(n)) for p, lay in lays
+               if lay.sharded and "blocks" in jax.tree_util.keystr(p)]
+    assert len(stacked) >= 4, stacked
+    tensor = lambda shape: "tensor<" + "x".join(map(str, shape)) + "xf32>"  # noqa: E731
+    want = collections.Counter(tensor(s[1:]) for _, s in stacked)
+    moves = _moves(opt, state, step)
+    in_loops = [m for m in moves if m.loops and m.to == "device"]
+    # each layer shard in a forward and a backward loop: two loops in all
+    loops = {m.loops[-1] for m in in_loops}
+    assert len(loops) == 2, loops
+    got = collections.Counter(m.type for m in in_loops)
+    assert got == collections.Counter({t: 2 * c for t, c in want.items()}), (got, want)
+    for loop in loops:
+        assert collections.Counter(m.type for m in in_loops if m.loops[-1] == loop) == want
+    # no stacked shard (a whole layer stack of one device) moves, in or out of a loop
+    assert not {tensor(s) for _, s in stacked} & {m.type for m in moves}
+
+    opt_w, state_w, step_w, _ = _fp32("whole")
+    assert not [m for m in _moves(opt_w, state_w, step_w) if m.loops]
+
+
+# -- what is refused or said -----------------------------------------------------------
+@pytest.mark.parametrize("options, match", [
+    (dict(stage=3, offload_params=True, param_fetch="layers"),
+     "param_fetch='layers' must be one of \\('layer', 'whole'\\)"),
+    (dict(stage=3, param_fetch="whole"), "add offload_params=True"),
+    (dict(stage=2, offload_params=True), "needs stage=3"),
+])
+def test_bad_fetch_options_are_refused_naming_the_fix(options, match):
+    with pytest.raises(ValueError, match=match):
+        zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), **options)
+
+
+def test_an_unscanned_model_is_fetched_whole_with_a_warning():
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3,
+                       min_shard_size=16, offload_params=True)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    with pytest.warns(UserWarning, match="no scanned layer stack.*param_fetch='whole'"):
+        step.jitted.trace(state, step.place_batch(regression_batches(1)[0]))
+    whole = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3,
+                         min_shard_size=16, offload_params=True, param_fetch="whole")
+    step = whole.train_step(awkward_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.jitted.trace(state, step.place_batch(regression_batches(1)[0]))
+
+
+def test_host_memory_too_small_is_refused_before_anything_is_placed(monkeypatch):
+    from zerojax.runtime import hostmem
+
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3,
+                       min_shard_size=16, offload_optimizer=True, offload_params=True)
+    params = awkward_params()
+    monkeypatch.setattr(hostmem, "available", lambda: 1000)
+    placed = []
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: placed.append(a))
+    with pytest.raises(ValueError, match=r"keeps [\d,]+ bytes .* only 1,000 bytes "
+                                         r"\(0.00 GiB\) are available.*offload_optimizer='nvme'"):
+        opt.init_state(params)
+    assert not placed
+
+
+def test_the_fetch_benchmark_runs_on_the_cpu(capsys, monkeypatch):
+    """``benchmarks/offload.py --fetch --dry-run``: the rows the lead runs on a GPU
+    (per-layer fetch against ``jax.device_put`` of the same bytes), on a tiny stack."""
+    import importlib.util
+    import os
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    monkeypatch.syspath_prepend(bench)
+    spec = importlib.util.spec_from_file_location("offload_bench",
+                                                  os.path.join(bench, "offload.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--fetch", "--dry-run", "--steps", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["device_put", "fetch slice_then_move", "resident"], out
