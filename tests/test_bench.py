@@ -75,7 +75,9 @@ def test_bad_arguments_exit_2(capsys):
     for argv, message in [(["--batch", "12"], "multiple of --devices"),
                           (["--hidden", "30", "--heads", "4"], "multiple of --heads"),
                           (["--steps", "0"], "argument --steps: '0' must be >= 1"),
-                          (["--stages", "4"], "invalid choice")]:
+                          (["--stages", "4"], "'4' is not a ZeRO stage"),
+                          (["--sttep", "2"], "did you mean --steps?"),
+                          (["--warmup", "-1"], "'-1' is negative")]:
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2

@@ -868,3 +868,150 @@ def test_train_and_plan_with_blockwise_attention(capsys):
         row = next(ln for ln in out.splitlines() if ln.strip().startswith("Ulysses  "))
         longest[attention] = int(row.split()[1].replace(",", ""))
     assert longest["blockwise"] > longest["xla"] > 0, longest
+
+
+# --- issue 51: one convention for the flags the commands share, "did you mean" for a
+# mistyped flag, one default per option, help examples that print what they say; parsed
+# in-process, nothing compiled --------------------------------------------------------------
+
+ISSUE51_CASES = [
+    # (argv, exit status, key words of the last line of stderr; "{dir}": a directory)
+    (["train", "--parms", "1"], 2, ["unrecognized argument --parms",
+                                    "--params is an option of zerojax estimate and plan only",
+                                    "'zerojax train --help'"]),
+    (["finetune", "--modle", "x", "a", "b"], 2, ["unrecognized argument --modle",
+                                                 "--model is an option of zerojax",
+                                                 "'zerojax finetune --help'"]),
+    (["tune", "--sttep", "3"], 2, ["unrecognized argument --sttep; did you mean --steps?",
+                                   "'zerojax tune --help'"]),
+    (["plan", "--memory", "80GB", "--parms", "1B"], 2, ["did you mean --params?"]),
+    (["bench", "--sttep", "3"], 2, ["did you mean --steps?", "'zerojax bench --help'"]),
+    (["estimate", "--params", "1B", "--dev", "8"], 0, []),  # a unique prefix, as argparse
+    (["tune", "--stages", "0", "5"], 2, ["--stages: '5' is not a ZeRO stage", "0 1 or 0,1"]),
+    (["bench", "--stages", "0,7"], 2, ["--stages: '7' is not a ZeRO stage", "0 1 or 0,1"]),
+    (["plan", "--memory", "0"], 2, ["'0': the memory size must be positive", "80GB"]),
+    (["plan", "--memory", "0GB"], 2, ["'0GB': the memory size must be positive", "80GB"]),
+    (["train", "--memory", "0GiB"], 2, ["'0GiB': the memory size must be positive"]),
+    (["tune", "--warmup", "-1"], 2, ["--warmup: '-1' is negative"]),
+    (["launch", "--nproc", "2", "{dir}"], 2, ["is a directory", "a .py file", "s.py"]),
+]
+
+
+@pytest.mark.parametrize("argv, status, words", ISSUE51_CASES,
+                         ids=[" ".join(a)[:50] for a, _, _ in ISSUE51_CASES])
+def test_issue51_each_case(argv, status, words, tmp_path, capsys, monkeypatch):
+    (tmp_path / "s.py").write_text("")
+    argv = [str(tmp_path) if a == "{dir}" else a for a in argv]
+    monkeypatch.setattr(sys, "argv", ["zerojax", *argv])
+    code, out, err = _exit_code(argv, capsys)
+    assert code == status, (code, out[-2000:], err)
+    assert "Traceback" not in err + out
+    if status:
+        message = err.strip().splitlines()[-1]
+        for word in words:
+            assert word in message, (word, message)
+        assert "write 0GB" not in message and "unrecognized arguments" not in message
+
+
+def test_issue51_shared_flags_mean_one_thing(monkeypatch):
+    """--stages 0 1 and 0,1 in bench and tune alike; --warmup 0 in both; --memory the
+    card in tune as in train and plan (x the fraction JAX takes - the runtime reserve)."""
+    from zerojax.cli import bench
+    from zerojax.cli.args import device_memory
+    from zerojax.cli.command import _plan_memory, build_parser
+
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
+    parse = build_parser().parse_args
+    for spelling in (["0", "1"], ["0,1"], ["0,", "1"], ["1", "0,1"]):
+        want = [0, 1] if spelling[0] != "1" else [1, 0]
+        assert bench.parser().parse_args(["--stages", *spelling]).stages == want
+        assert parse(["tune", "--stages", *spelling]).stages == want
+    assert parse(["tune", "--stages", "all"]).stages == [0, 1, 2, 3] == parse(["tune"]).stages
+    assert bench.parser().parse_args(["--warmup", "0"]).warmup == 0
+    assert parse(["tune", "--warmup", "0"]).warmup == 0
+    tune = parse(["tune", "--memory", "40GB"])
+    train = parse(["train", "--memory", "40GB"])
+    plan = _plan_memory(parse(["plan", "--memory", "40GB"])).usable
+    assert device_memory(tune, 8)[0] == device_memory(train, 8)[0] == plan == 29 * 10**9
+    assert device_memory(parse(["tune", "--memory", "40GB", "--mem-fraction", "1",
+                                "--runtime-reserve", "0"]), 8)[0] == 40 * 10**9
+
+
+def _helps():
+    from zerojax.cli import bench, launch
+    from zerojax.cli.command import build_parser
+
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices)
+    parsers = {n: p for n, p in sub.choices.items() if n not in ("bench", "launch")}
+    parsers.update(bench=bench.parser(), launch=launch.build_parser())
+    return {name: p.format_help() for name, p in parsers.items()}
+
+
+def test_issue51_help_shows_one_default_per_option_and_no_markup():
+    """About 30 options printed "(default 64) (default: None)"; --no-progress "(default:
+    True)"; finetune's and bench's help raw reST; --max-shard-size 5368709120."""
+    for name, text in _helps().items():
+        for entry in re.split(r"\n(?=  -)", text):
+            flat = " ".join(entry.split())
+            assert flat.count("(default") <= 1, (name, flat)
+            assert not re.search(r"\(default: (None|True|False|)\)", flat), (name, flat)
+        for markup in ("``", ":func:", ":mod:", ":class:", ":meth:"):
+            assert markup not in text, (name, markup)
+        assert not re.search(r"\d{7,}", text), name  # sizes in units, not 5368709120
+    assert "(default: 5GiB, 5 x 2**30 bytes)" in " ".join(_helps()["export"].split())
+
+
+def test_issue51_every_help_example_parses_and_plans_table2_says_what_it_prints(capsys):
+    """Each example in each --help parses (no run); plan's "Table 2 column" example prints
+    the paper's 2B / 7.64B / 14.4B / 128B (it printed 1.44B ... 92B without the
+    whole-card flags)."""
+    import shlex
+
+    from zerojax.cli import bench, launch
+    from zerojax.cli.command import build_parser
+
+    examples = []
+    for name, text in _helps().items():
+        joined = text.replace("\\\n", " ")
+        for line in joined.splitlines():
+            m = re.search(r"(?:^  |example: )(zerojax \S.*?)(?:\s+#.*|\s+\(also.*)?$", line)
+            if m and not m.group(1).startswith("zerojax COMMAND"):
+                examples.append((name, shlex.split(m.group(1))[1:]))
+    assert len(examples) >= 15, examples
+    for _, argv in examples:
+        if argv[0] == "bench":
+            bench.parser().parse_args(argv[1:])
+        elif argv[0] == "launch":
+            launch.build_parser().parse_args(argv[1:])
+        else:
+            build_parser().parse_args(argv)
+    capsys.readouterr()
+    table2 = next(a for _, a in examples if "--budget" in a and "32GB" in a)
+    code, out, _ = _exit_code(table2, capsys)
+    assert code == 0 and "--mem-fraction" in table2, table2
+    assert re.findall(r"^\s*\d \S+ .* (\S+)$", out, re.M) == ["2B", "7.64B", "14.4B", "128B"]
+
+
+def test_issue51_readme_use_commands_run_as_written():
+    """The README's "Use" block starts by putting .venv's zerojax on the PATH (the
+    first commands, scripts/demo.sh and scripts/test.sh, make .venv); each zerojax line
+    of it parses."""
+    import shlex
+
+    from zerojax.cli.command import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    use = readme.split("\n## Use\n", 1)[1]
+    block = use.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [ln.split("#")[0].strip() for ln in block.replace("\\\n", " ").splitlines()]
+    lines = [ln for ln in lines if ln]
+    assert lines[0] == "source .venv/bin/activate", lines[0]
+    assert "bash scripts/demo.sh" in readme.split("\n## ", 1)[0]
+    commands = [shlex.split(ln)[1:] for ln in lines[1:]]
+    assert all(ln.startswith("zerojax ") for ln in lines[1:]) and len(commands) > 10
+    for argv in commands:
+        if argv[0] == "bench":
+            assert argv[1:] == ["--help"]
+        else:
+            build_parser().parse_args(argv)

@@ -122,5 +122,6 @@ def test_finetune_stops_for_preemption_and_resumes(hf_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"resumed from step {at} of" in printed, printed
     assert f"over steps {at + 1}-{at + 1}" in printed, printed
+    assert "nan" not in printed and "no tokens/s: the one step run" in printed, printed
     assert (out / "model.safetensors.index.json").exists()
     print(f"zerojax finetune: stopped at step {at} ({took:.1f} s), resumed one step")

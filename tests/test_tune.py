@@ -98,14 +98,20 @@ def test_cli_real_clock(capsys):
 
 
 def test_nothing_fits_is_not_measured(capsys):
-    assert main(["tune", *TINY, "--stages", "2,3", "--memory", "1KB"]) == 1
+    assert main(["tune", *TINY, "--stages", "2,3", "--memory", "1KB",
+                 "--runtime-reserve", "0"]) == 1
     out = capsys.readouterr().out
     assert out.count("not measured: stage") == 2 and "recommendation: none" in out
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--stages", "4"], "stage 4"),
-    (["--stages", "x"], "--stages 'x'"),
+    (["--stages", "4"], "argument --stages: '4' is not a ZeRO stage"),
+    (["--stages", "x"], "argument --stages: 'x' is not a ZeRO stage"),
+    (["--stages", "0", "1,9"], "'9' is not a ZeRO stage"),
+    (["--warmup", "-1"], "'-1' is negative"),
+    # --memory is the card (x 0.75 - the 1 GB runtime reserve), as in plan and train
+    (["--memory", "1GB"], "--memory 1.00 GB: JAX gets 0.75 GB of it, less than the 1.00 GB "
+                          "runtime reserve"),
     (["--steps", "0"], "--steps"),
     (["--steps", "-2"], "--steps"),
     (["--devices", "6", "--mp", "4"], "--devices 6"),
@@ -151,3 +157,6 @@ def test_a_winner_within_the_noise_is_said_to_be_one():
     clear = text([0.100, 0.101, 0.099, 0.100], [0.200, 0.201, 0.199, 0.200])
     assert "recommendation: stage 0:" in clear and "within the noise" not in clear, clear
     assert "+/- (ms)" in clear and "measured / predicted step: 2.00-4.00x" in clear, clear
+    rows = [row("stage 0", [0.1, 0.1])]  # one ratio: one figure, not "2.00-2.00x"
+    one = tune_mod.format_result(tune_mod.TuneResult(rows, [], 2**30, "x", rows[0], "p"), args)
+    assert "measured / predicted step: 2.00x." in one, one

@@ -17,9 +17,94 @@ BYTE_SUFFIXES = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 GB = 1e9  # the paper's unit
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                    argparse.RawDescriptionHelpFormatter):
-    """Defaults in the help, descriptions and epilogs kept as written."""
+def plain(text: str) -> str:
+    """``text`` without reST markup: ``:func:`x``` and ``:mod:`~a.b``` as ``x`` and
+    ``a.b``, double backquotes dropped (the docstrings the help reuses)."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """One default per option: ``(default: X)`` appended only where the help does not
+    say its default already, and not for a flag (store_true/false), a None or an empty
+    default; descriptions and epilogs kept as written; no reST markup anywhere."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("default" in text.lower() or action.nargs == 0 or default is None
+                or isinstance(default, bool) or default in ("", argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+    def _expand_help(self, action):
+        return plain(super()._expand_help(action))
+
+    def _fill_text(self, text, width, indent):
+        return super()._fill_text(plain(text), width, indent)
+
+
+def unknown_options(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The ``--options`` in ``argv`` that ``parser`` has not (neither by name nor as the
+    unique prefix argparse would accept), in order; stops at ``--``."""
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    out = []
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("--") or len(token) < 3:
+            continue
+        name = token.split("=", 1)[0]
+        if name in parser._option_string_actions:
+            continue
+        if parser.allow_abbrev and any(o.startswith(name) for o in known):
+            continue  # argparse takes a prefix (or names it as ambiguous)
+        out.append(name)
+    return out
+
+
+class Parser(argparse.ArgumentParser):
+    """A ``zerojax`` command's parser: errors as one line naming the command's help
+    (exit 2), and a mistyped option (``--parms``) named before anything else with the
+    closest option it has ("did you mean --params?")."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._subparsers is None:  # a command's own options (not zerojax's COMMAND)
+            import difflib
+            import sys
+
+            unknown = unknown_options(self, sys.argv[1:] if args is None else list(args))
+            if unknown:
+                known = [o for o in self._option_string_actions if o.startswith("--")]
+                close = difflib.get_close_matches(unknown[0], known, n=1)
+                self.error(f"unrecognized argument {unknown[0]}"
+                           + (f"; did you mean {close[0]}?" if close else "")
+                           + (f" (and {', '.join(unknown[1:])})" if unknown[1:] else "")
+                           + self._elsewhere(unknown[0], close))
+        return super().parse_known_args(args, namespace)
+
+    # {option: [commands]} of the sibling commands (set by zerojax's build_parser)
+    siblings: dict = {}
+
+    def _elsewhere(self, name: str, close: list) -> str:
+        """" --params is an option of zerojax estimate and plan only" where the
+        mistyped option is clearly closer to a sibling command's option than to any of
+        this one's (by difflib's ratio, 0.1 more)."""
+        import difflib
+
+        others = {o: c for o, c in self.siblings.items() if o not in self._option_string_actions}
+        best = difflib.get_close_matches(name, others, n=1)
+        ratio = lambda o: difflib.SequenceMatcher(None, name, o).ratio()  # noqa: E731
+        if not best or (close and ratio(best[0]) < ratio(close[0]) + 0.1):
+            return ""
+        names = others[best[0]]
+        listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        return (("" if close else ";") + f" {best[0]} is an option of "
+                f"{self.prog.split()[0]} {listed} only")
 
 
 # --- argument types: clear messages for argparse -------------------------------------
@@ -69,8 +154,12 @@ def byte_size(text: str, *, allow_zero: bool = False) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text,
                      re.IGNORECASE)
     unit = m.group(2).lower() if m else ""
-    if m and unit in ("", "b") and float(m.group(1)) == 0 and allow_zero:
-        return 0.0
+    if m and float(m.group(1)) == 0 and (unit in ("", "b") or unit in BYTE_SUFFIXES):
+        if allow_zero:
+            return 0.0
+        raise argparse.ArgumentTypeError(  # with a unit or without, zero is no memory
+            f"{text!r}: the memory size must be positive (0 is no memory at all); write "
+            "the size with its unit, e.g. 80GB or 512MiB")
     if m and unit in ("", "b", "k", "m", "g", "t"):
         raise argparse.ArgumentTypeError(
             f"{text!r} has no unambiguous unit; write {m.group(1)}GB (1e9 bytes) or "
@@ -247,6 +336,42 @@ def stage_choice(text: str) -> list[int]:
         "state), 2 (+ gradients), 3 (+ parameters) or all")
 
 
+def stage_items(text: str) -> list[int]:
+    """One token of --stages: a stage (0-3), stages separated by commas, or all."""
+    if text.strip().lower() == "all":
+        return [0, 1, 2, 3]
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in ("0", "1", "2", "3")]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(
+            f"{(bad or [text])[0]!r} is not a ZeRO stage; use 0 (plain data parallel), 1 "
+            "(split optimizer state), 2 (+ gradients), 3 (+ parameters) or all, several "
+            "as 0 1 or 0,1")
+    return [int(t) for t in items]
+
+
+class _Stages(argparse.Action):
+    """--stages' tokens (each :func:`stage_items`) as one list, each stage once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        flat = [s for v in values for s in v]
+        setattr(namespace, self.dest, list(dict.fromkeys(flat)))
+
+
+def stages_argument(group, help: str) -> None:
+    """--stages, one convention in every command (bench, tune): stages separated by
+    spaces or commas (``0 1``, ``0,1``, ``0, 1``) or all; default all."""
+    group.add_argument("--stages", nargs="+", type=stage_items, action=_Stages,
+                       default=[0, 1, 2, 3], metavar="STAGE",
+                       help=f"{help}: 0-3, separated by spaces or commas (0 1 or 0,1), or "
+                            "all (default: all)")
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0 (--warmup: no untimed step is a choice)."""
+    return 0 if text.strip() in ("0", "+0") else positive_int(text)
+
+
 def human_count(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -280,3 +405,87 @@ def run_main(parser, check, run, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     check(args, parser)
     return run(args)
+
+
+# --- the card's memory: --memory, --mem-fraction, --runtime-reserve (plan, train, tune) ---
+
+MEMORY_HELP = ("the card's memory per device, with its unit (80GB, 80GiB), as in every "
+               "command: JAX's allocator takes --mem-fraction of it, less "
+               "--runtime-reserve; the run is planned against what is left, the figure "
+               "zerojax plan prints as 'planned'")
+
+
+def pool_arguments(p, *, whole_card: bool = False) -> None:
+    """--mem-fraction and --runtime-reserve, as plan, train and tune read them
+    (:func:`zerojax.analysis.plan.usable_memory`); ``whole_card``: plan's help says
+    how to get the paper's whole-card figures."""
+    p.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
+                   help="the share of --memory JAX's allocator takes (default: "
+                        "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
+                        "set, else JAX's default 0.75" + ("; 1 on a TPU or for the paper's "
+                                                          "whole-card figures)" if whole_card
+                                                          else ")"))
+    p.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
+                   help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
+                        "workspaces, NCCL buffers, the CUDA context's growth; default "
+                        "1GB, an assumption from those figures, not a measurement)")
+
+
+def pool_error(args: argparse.Namespace, card: float, e: ValueError) -> str:
+    """usable_memory's refusal, blaming the flag the user gave: a tiny --memory (the
+    default reserve left as it is) is --memory's fault, not --runtime-reserve's."""
+    from zerojax.analysis.plan import RUNTIME_RESERVE_BYTES
+
+    if "runtime reserve" in str(e) and getattr(args, "runtime_reserve", None) is None:
+        return (f"--memory {gb(card)}: JAX gets {gb(card * (args.mem_fraction or 0.75))} "
+                f"of it, less than the {gb(RUNTIME_RESERVE_BYTES)} runtime reserve "
+                "(the default, for CUDA/NCCL/cuBLAS); --memory is the card's memory per "
+                "device, e.g. 80GB; for a card this small pass --runtime-reserve too "
+                "(e.g. 0)")
+    return f"--memory {gb(card)}: {e}"
+
+
+def device_memory(args: argparse.Namespace, cpu_devices: int) -> tuple[int, str]:
+    """(bytes a run may fill per device, where the figure comes from), one rule for
+    train and tune, as ``zerojax plan`` counts it: --memory is the card, of which JAX's
+    allocator takes --mem-fraction (else XLA_[PYTHON_]CLIENT_MEM_FRACTION, else 0.75)
+    less --runtime-reserve (default 1GB): ``analysis.plan.usable_memory``. Without
+    --memory: the accelerator's ``bytes_limit`` (JAX's pool, the fraction already
+    taken) less the runtime reserve; on CPU host memory / ``cpu_devices`` (the
+    simulated devices share the host; jax is imported then: simulate them first)."""
+    import os
+
+    from zerojax.analysis.plan import RUNTIME_RESERVE_BYTES, usable_memory
+
+    if args.memory is None and getattr(args, "mem_fraction", None) is not None:
+        args.error(f"--mem-fraction {args.mem_fraction:g} goes with --memory (the card it "
+                   "takes a share of); without --memory the run is planned against JAX's "
+                   "own pool, the fraction already taken: give --memory SIZE too")
+    reserve = (None if getattr(args, "runtime_reserve", None) is None
+               else round(args.runtime_reserve))
+    if args.memory is not None:
+        try:
+            m = usable_memory(round(args.memory), fraction=args.mem_fraction,
+                              runtime_reserve=reserve)
+        except ValueError as e:
+            args.error(pool_error(args, args.memory, e))
+        return m.usable, (f"--memory {gb(m.card)} x {m.fraction:g} ({m.fraction_source}) - "
+                          f"{gb(m.runtime_reserve)} runtime reserve, as zerojax plan")
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            keep = RUNTIME_RESERVE_BYTES if reserve is None else reserve
+            if keep >= int(stats["bytes_limit"]):
+                args.error(f"--runtime-reserve {gb(keep)} is at or above the "
+                           f"{gb(stats['bytes_limit'])} JAX's pool has on this "
+                           f"{device.platform}; lower --runtime-reserve")
+            return (int(stats["bytes_limit"]) - keep,
+                    f"{device.platform} memory: JAX's pool - {gb(keep)} runtime reserve")
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, ""
+    return host // cpu_devices, f"host memory / {cpu_devices} simulated devices"

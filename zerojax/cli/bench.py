@@ -53,7 +53,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zerojax.cli.args import model_arguments, positive_int, run_main
+from zerojax.cli.args import (
+    HelpFormatter,
+    Parser,
+    model_arguments,
+    non_negative_int,
+    positive_int,
+    run_main,
+    stages_argument,
+)
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 RUN_NAMES = ("optax, 1 device", "jit DP", "FSDP (MaxText-style)")
@@ -63,10 +71,10 @@ __all__ = ["main", "parser", "run", "fsdp_spec"]
 
 def parser() -> argparse.ArgumentParser:
     """The ``zerojax bench`` argument parser."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="zerojax bench", description=__doc__.split("\n\n")[0],
         epilog="Step times on simulated CPU devices compare the programs, not hardware.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--devices", type=positive_int, default=8,
                    help=f"simulated CPU devices (unless XLA_FLAGS sets {DEVICE_COUNT_FLAG} "
                         "or jax has already started); all of them form the data axis")
@@ -76,18 +84,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--unrolled", action="store_true",
                    help="written-out layers instead of one scanned block")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
-                   choices=[0, 1, 2, 3], help="zerojax stages to run")
+    stages_argument(p, "zerojax stages to run")
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run first")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="untimed steps per run first, >= 0")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (on stderr)")
     return p
 
 
 def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.batch % args.devices:

@@ -23,18 +23,22 @@ import os
 import sys
 
 from zerojax.cli.args import (
+    MEMORY_HELP,
     STAGE_NAMES,
     HelpFormatter,
+    Parser,
     byte_size,
     bytes_per_param,
     device_count,
+    device_memory,
     disk_bandwidth,
     dtype_bytes,
     gb,
     grad_dtype_bytes,
     human_count,
-    mem_fraction,
     parameter_count,
+    pool_arguments,
+    pool_error,
     positive_int,
     reserve_size,
     split_negative_values,
@@ -254,7 +258,8 @@ examples:
       --optimizer adamw --param-dtype bf16 --largest
   zerojax plan --devices 8 --memory 80GB --seq 2048 --batch-per-device 8 --model llama2-7b
   zerojax plan --devices 64 --memory 80GB --layers 48 --hidden 7168 --heads 56
-  zerojax plan --budget 32GB --devices 64             # the paper's Table 2 column
+  zerojax plan --budget 32GB --devices 64 --mem-fraction 1 --runtime-reserve 0
+      # the paper's Table 2 column (2B, 7.64B, 14.4B, 128B: the whole 32 GB card)
   zerojax plan --budget 80GB --devices 1024 --params 1T
 """
 
@@ -368,26 +373,12 @@ def _plan_memory(args: argparse.Namespace):
                                runtime_reserve=None if args.runtime_reserve is None
                                else round(args.runtime_reserve))
     except ValueError as e:
-        args.error(_pool_error(args, args.budget, e))
+        args.error(pool_error(args, args.budget, e))
     if args.reserve >= memory.usable:
         args.error(f"--reserve {gb(args.reserve)} is at or above the {gb(memory.usable)} "
                    f"a JAX process gets of --memory {gb(args.budget)}; write a smaller "
                    "--reserve (or more --memory)")
     return memory
-
-
-def _pool_error(args: argparse.Namespace, card: float, e: ValueError) -> str:
-    """usable_memory's refusal, blaming the flag the user gave: a tiny --memory (the
-    default reserve left as it is) is --memory's fault, not --runtime-reserve's."""
-    from zerojax.analysis.plan import RUNTIME_RESERVE_BYTES
-
-    if "runtime reserve" in str(e) and getattr(args, "runtime_reserve", None) is None:
-        return (f"--memory {gb(card)}: JAX gets {gb(card * (args.mem_fraction or 0.75))} "
-                f"of it, less than the {gb(RUNTIME_RESERVE_BYTES)} runtime reserve "
-                "(the default, for CUDA/NCCL/cuBLAS); --memory is the card's memory per "
-                "device, e.g. 80GB; for a card this small pass --runtime-reserve too "
-                "(e.g. 0)")
-    return f"--memory {gb(card)}: {e}"
 
 
 HOST_MEMORY_DEFAULT = 1e12  # per node: a DGX A100's 1 TB (a DGX H100 has 2 TB)
@@ -571,49 +562,16 @@ def _train(args: argparse.Namespace) -> int:
 
 def _device_memory(args: argparse.Namespace) -> tuple[int, str]:
     """(bytes the run may fill per device, where the figure comes from), as ``zerojax
-    plan`` counts it: --memory is the card, of which JAX's allocator takes --mem-fraction
-    (else XLA_[PYTHON_]CLIENT_MEM_FRACTION, else 0.75) less --runtime-reserve (default
-    1GB): ``analysis.plan.usable_memory``. Without --memory: the accelerator's
-    ``bytes_limit`` (JAX's pool, the fraction already taken) less the runtime reserve;
-    on CPU (the simulated devices share the host) host memory / devices."""
-    from zerojax.analysis.plan import RUNTIME_RESERVE_BYTES, usable_memory
-
-    if args.memory is None and getattr(args, "mem_fraction", None) is not None:
-        args.error(f"--mem-fraction {args.mem_fraction:g} goes with --memory (the card it "
-                   "takes a share of); without --memory the run is planned against JAX's "
-                   "own pool, the fraction already taken: give --memory SIZE too")
-    reserve = (None if getattr(args, "runtime_reserve", None) is None
-               else round(args.runtime_reserve))
-    if args.memory is not None:
-        try:
-            m = usable_memory(round(args.memory), fraction=args.mem_fraction,
-                              runtime_reserve=reserve)
-        except ValueError as e:
-            args.error(_pool_error(args, args.memory, e))
-        return m.usable, (f"--memory {gb(m.card)} x {m.fraction:g} ({m.fraction_source}) - "
-                          f"{gb(m.runtime_reserve)} runtime reserve, as zerojax plan")
+    plan`` counts it (:func:`zerojax.cli.args.device_memory`: --memory is the card, of
+    which JAX's allocator takes --mem-fraction less --runtime-reserve; without it JAX's
+    pool on an accelerator); on CPU (the simulated devices share the host) host memory
+    / devices."""
     from zerojax.cli import demo
 
+    if args.memory is not None:  # the card: no device count needed
+        return device_memory(args, 1)
     demo.simulate_devices(args.devices)
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if stats.get("bytes_limit"):
-            keep = RUNTIME_RESERVE_BYTES if reserve is None else reserve
-            if keep >= int(stats["bytes_limit"]):
-                args.error(f"--runtime-reserve {gb(keep)} is at or above the "
-                           f"{gb(stats['bytes_limit'])} JAX's pool has on this "
-                           f"{device.platform}; lower --runtime-reserve")
-            return (int(stats["bytes_limit"]) - keep,
-                    f"{device.platform} memory: JAX's pool - {gb(keep)} runtime reserve")
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0, ""
-    n = args.data * args.model * getattr(args, "seq_parallel", 1)
-    return host // n, f"host memory / {n} simulated devices"
+    return device_memory(args, args.data * args.model * getattr(args, "seq_parallel", 1))
 
 
 def _check_train_plan(args: argparse.Namespace) -> None:
@@ -746,7 +704,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     try:
         out = export_params(args.ckpt_dir, args.out, step=step, format=args.format,
                             mapping=mapping, dtype=args.dtype,
-                            max_shard_size=args.max_shard_size)
+                            max_shard_size=round(args.max_shard_size))
         if args.hf_config is not None and args.format == "hf":
             from zerojax.io.formats import write_hf_config
 
@@ -901,22 +859,6 @@ def _bytes_arguments(p: argparse.ArgumentParser) -> None:
                         "wins over --optimizer's own state (default: 12)")
 
 
-def _pool_arguments(p: argparse.ArgumentParser, *, whole_card: bool = False) -> None:
-    """--mem-fraction and --runtime-reserve, as plan and train both read them
-    (:func:`zerojax.analysis.plan.usable_memory`); ``whole_card``: plan's help says
-    how to get the paper's whole-card figures."""
-    p.add_argument("--mem-fraction", type=mem_fraction, default=None, metavar="F",
-                   help="the share of --memory JAX's allocator takes (default: "
-                        "XLA_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_MEM_FRACTION if "
-                        "set, else JAX's default 0.75" + ("; 1 on a TPU or for the paper's "
-                                                          "whole-card figures)" if whole_card
-                                                          else ")"))
-    p.add_argument("--runtime-reserve", type=reserve_size, default=None, metavar="SIZE",
-                   help="kept back from JAX's share for the runtime (cuBLAS/cuDNN "
-                        "workspaces, NCCL buffers, the CUDA context's growth; default "
-                        "1GB, an assumption from those figures, not a measurement)")
-
-
 class _DeprecatedBatch(_Store):
     """``zerojax plan/estimate --batch B``: the old name of --batch-per-device, kept
     with a one-line notice (--batch is the global batch in train, tune and bench)."""
@@ -937,11 +879,7 @@ def _batch_per_device_arguments(g, default: int) -> None:
                    help=argparse.SUPPRESS)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line (the value and the fix), exit status 2; --help has the usage."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+_Parser = Parser  # one-line errors, "did you mean" for a mistyped option
 
 
 def version_text() -> str:
@@ -1016,7 +954,7 @@ def _plan_command(command) -> None:
     plan.add_argument("--memory", "--budget", "--gpu-mem", "-b", dest="budget",
                       type=byte_size,
                       required=True, metavar="SIZE",
-                      help="memory per device, with its unit: 80GB, 80GiB, 512MB")
+                      help=MEMORY_HELP)
     from zerojax.analysis.cost import ACCELERATORS
 
     plan.add_argument("--accelerator", choices=list(ACCELERATORS), default="h100",
@@ -1062,7 +1000,7 @@ def _plan_memory_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--reserve", type=reserve_size, default="0", metavar="SIZE",
                       help="memory kept back for anything else (fragmentation, another "
                            "program), below what JAX gets")
-    _pool_arguments(plan, whole_card=True)
+    pool_arguments(plan, whole_card=True)
     plan.add_argument("--host-memory", type=byte_size, default=None, metavar="SIZE",
                       help="host memory per node for offloaded state (pinned); offload "
                            "rows that need more do not fit (default 1TB: a DGX A100's)")
@@ -1130,13 +1068,10 @@ def _train_command(command) -> None:
         demo.DESCRIPTION, demo.DEMO_EPILOG)
     demo.add_arguments(train)
     train.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
-                       help="the card's memory per device, as in zerojax plan: before it "
-                            "starts, the run is planned against what JAX gets of it, "
-                            "--memory x --mem-fraction - --runtime-reserve, the figure "
-                            "zerojax plan prints as 'planned' (default: JAX's pool on the "
-                            "accelerator - --runtime-reserve; on CPU, host memory / "
-                            "devices)")
-    _pool_arguments(train)
+                       help=MEMORY_HELP + ", checked before the run starts (default: "
+                            "JAX's pool on an accelerator less --runtime-reserve; on CPU, "
+                            "host memory / devices)")
+    pool_arguments(train)
     train.set_defaults(func=_train)
 
 
@@ -1177,8 +1112,9 @@ def _export_command(command) -> None:
                              "its torch_dtype / dtype set to the files' --dtype)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="the tensors' dtype in the file (default float32)")
-    export.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
-                        help="largest file of --format hf (default 5GB)")
+    export.add_argument("--max-shard-size", type=byte_size, default="5GiB", metavar="SIZE",
+                        help="largest file of --format hf, e.g. 2GB (default: 5GiB, 5 x "
+                             "2**30 bytes)")
     export.set_defaults(func=_export)
 
 
@@ -1235,6 +1171,13 @@ def build_parser() -> argparse.ArgumentParser:
         "arguments; 'zerojax launch --help')", "Runs zerojax.cli.launch (also 'python -m "
         "zerojax.launch') with the arguments that follow.", "launch_args",
         "the launcher's arguments, the script, the script's arguments", _launch)
+    siblings: dict = {}
+    for name, p in sub.choices.items():
+        for option in p._option_string_actions:
+            if option.startswith("--") and option != "--help":
+                siblings.setdefault(option, []).append(name)
+    for p in sub.choices.values():
+        p.siblings = siblings
     return parser
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerojax.cli.args import run_main
+from zerojax.cli.args import HelpFormatter, Parser, run_main
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
@@ -247,15 +247,10 @@ class DeprecatedModel(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="zerojax train", description=DESCRIPTION, epilog=DEMO_EPILOG,
         formatter_class=HelpFormatter)
     return add_arguments(parser)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                    argparse.RawDescriptionHelpFormatter):
-    """Defaults in the help, epilogs kept as written."""
 
 
 DESCRIPTION = """\

@@ -80,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the loss curve ('' to skip)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the exported files' dtype (default: the checkpoint's files')")
-    g.add_argument("--max-shard-size", type=byte_size, default=5 << 30, metavar="SIZE",
-                   help="largest exported file (e.g. 2GB)")
+    g.add_argument("--max-shard-size", type=byte_size, default="5GiB", metavar="SIZE",
+                   help="largest exported file, e.g. 2GB (default: 5GiB, 5 x 2**30 bytes)")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (print a few loss lines instead)")
 
@@ -248,9 +248,11 @@ def run(args: argparse.Namespace) -> int:
     tokens_per_step = args.batch * args.seq
     measured = times[1:]
     if losses:
-        tps = tokens_per_step * len(measured) / sum(measured) if measured else float("nan")
+        speed = (f"{tokens_per_step * len(measured) / sum(measured):,.0f} tokens/s (after "
+                 "the first step's compilation)" if measured else
+                 "no tokens/s: the one step run includes its compilation")
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {first + 1}-{args.steps}; "
-              f"{tps:,.0f} tokens/s (after the first step's compilation)")
+              + speed)
         if args.png:
             save_plot(args.png, losses, first, args)
             print(f"wrote {args.png}")

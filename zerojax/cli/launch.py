@@ -90,8 +90,10 @@ def _port(text: str) -> int:
 
 def build_parser(prog: str = "zerojax launch") -> argparse.ArgumentParser:
     """The launcher's arguments; ``prog``: the name it was started by, for messages."""
+    from zerojax.cli.args import HelpFormatter
+
     p = argparse.ArgumentParser(
-        prog=prog,
+        prog=prog, formatter_class=HelpFormatter,
         description="Run SCRIPT in NPROC processes on this machine as one zerojax/JAX "
                     "multi-process job (process 0 hosts the coordinator on 127.0.0.1). "
                     "Output lines are prefixed with the rank; the exit status is non-zero "
@@ -230,6 +232,12 @@ def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | N
 
 def _refusal(args: argparse.Namespace, prog: str) -> str | None:
     """Why the job cannot start (its script is missing, --port is taken), or None."""
+    if os.path.isdir(args.script):
+        scripts = sorted(f for f in os.listdir(args.script) if f.endswith(".py"))[:3]
+        return (f"{prog}: {args.script!r} is a directory; pass the Python script each "
+                "process runs (a .py file), e.g. " + (", ".join(
+                    os.path.join(args.script, f) for f in scripts) if scripts else
+                    os.path.join(args.script, "train.py")) + ".")
     if not os.path.isfile(args.script):
         return f"{prog}: script {args.script!r} not found."
     if args.port:

@@ -102,7 +102,15 @@ def _ints(text: str, name: str, minimum: int = 1) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from zerojax.cli.args import byte_size, model_arguments, positive_int
+    from zerojax.cli.args import (
+        MEMORY_HELP,
+        byte_size,
+        model_arguments,
+        non_negative_int,
+        pool_arguments,
+        positive_int,
+        stages_argument,
+    )
     from zerojax.core.activations import REMAT_POLICIES
 
     g = p.add_argument_group("devices")
@@ -115,8 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a 'replica' axis of this size (nodes): adds HSDP, hpZ and hpZ + "
                         "qwZ int8 at stage 3")
     g.add_argument("--memory", type=byte_size, default=None, metavar="SIZE",
-                   help="memory per device the planner checks against (default: the "
-                        "accelerator's; CPU: host memory / devices)")
+                   help=MEMORY_HELP + " (default: JAX's pool on an accelerator less "
+                        "--runtime-reserve; on CPU, host memory / devices)")
+    pool_arguments(g)
     g.add_argument("--accelerator", default="auto", metavar="NAME",
                    help="the planner's time model for the predicted step: a preset "
                         "(h100, h200, a100, v100, tpu-v5e), 'measure' (this machine's "
@@ -128,8 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="global batch in sequences (a multiple of the data-parallel "
                         "devices x the largest --accum)")
     g = p.add_argument_group("the search")
-    g.add_argument("--stages", default="0,1,2,3", metavar="LIST",
-                   type=lambda s: _ints(s, "--stages", 0), help="ZeRO stages to try")
+    stages_argument(g, "ZeRO stages to try")
     g.add_argument("--remat-policies", default="", metavar="LIST",
                    help="comma-separated remat policies to try (" + ", ".join(REMAT_POLICIES)
                         + "; default: the model's own)")
@@ -145,8 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=positive_int, default=5,
                    help="timed steps per config: their spread (standard deviation) is "
                         "printed, and a winner within it is said to be one")
-    g.add_argument("--warmup", type=positive_int, default=1,
-                   help="untimed steps first (the first call's dispatch and caches)")
+    g.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="untimed steps first (the first call's dispatch and caches), >= 0")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
     return p
@@ -192,9 +200,6 @@ def check_arguments(args: argparse.Namespace) -> None:
     """``args.error`` (one line, exit 2) on a value tune cannot run."""
     from zerojax.core.activations import REMAT_POLICIES
 
-    for s in args.stages:
-        if s > 3:
-            args.error(f"--stages: stage {s} is not one of 0, 1, 2, 3")
     for p in (p.strip() for p in args.remat_policies.split(",") if p.strip()):
         if p not in REMAT_POLICIES:
             args.error(f"--remat-policies: {p!r} is not one of {', '.join(REMAT_POLICIES)}")
@@ -223,17 +228,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _device_budget(args, jax) -> tuple[int, str]:
-    import os
+    """--memory as the card (plan's and train's rule: x --mem-fraction - --runtime-
+    reserve), else JAX's pool less the reserve, else host memory / devices."""
+    from zerojax.cli.args import device_memory
 
-    if args.memory is not None:
-        return round(args.memory), "--memory"
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if stats.get("bytes_limit"):
-            return int(stats["bytes_limit"]), f"{device.platform} memory (bytes_limit)"
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host // args.devices, f"host memory / {args.devices} devices"
+    return device_memory(args, args.devices)
 
 
 KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("v100", "v100"),
@@ -466,8 +465,9 @@ def format_result(res: TuneResult, args: argparse.Namespace) -> str:
         ratios = [r.step_time / r.predicted_step_time for r in res.rows
                   if r.predicted_step_time]
         if ratios:
+            lo, hi = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
             lines.append(
-                f"measured / predicted step: {min(ratios):.2f}-{max(ratios):.2f}x. The time "
+                f"measured / predicted step: {lo if lo == hi else f'{lo}-{hi}'}x. The time "
                 "model counts the matmul FLOPs (6 Psi + attention per token) at the matmul "
                 "rate and the collectives at the bandwidth measured here; it leaves out "
                 "what a small model's step is mostly made of on simulated CPU devices: the "
