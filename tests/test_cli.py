@@ -111,7 +111,7 @@ def test_plan_largest_models_match_the_paper(capsys):
     (["plan", "--budget", "lots"], "not a memory size"),
     (["plan", "--budget", "1GB", "--reserve=-1GB"], "is negative"),
     (["train", "--stage", "5"], "invalid choice"),
-    (["train", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--steps", "0"], "argument --steps: '0' must be >= 1"),
     (["train", "--batch", "12"], "--batch 12 must be a multiple of the data degree 8"),
     (["train", "--hidden", "100", "--heads", "3"], "multiple of --heads"),
     (["train", "--mp", "3"], "not a multiple of --mp"),
@@ -264,8 +264,7 @@ def test_train_with_seq_parallel(capsys):
                       (["--mlp-tiles", "3"], "--mlp-tiles 3 does not divide the 32 tokens of "
                                              "a sequence each device holds (--seq 64 / "
                                              "--seq-parallel 2)"),
-                      (["--mlp-tiles", "0"],
-                       "--mlp-tiles must be >= 1 (the tiles of the MLP), got 0"),
+                      (["--mlp-tiles", "0"], "argument --mlp-tiles: '0' must be >= 1"),
                       (["--heads", "1", "--hidden", "32"],
                        "--heads 1 / --mp 1 is not a multiple of --seq-parallel 2"),
                       (["--data", "8"], "--data 8 x --mp 1 x --seq-parallel 2 = 16 devices")):
@@ -693,7 +692,7 @@ ISSUE42_ERRORS = [
     (["bench", "--lr", "inf"], ["--lr", "inf"]),
     (["train", "--model", "llama2-7b"], ["--model llama2-7b", "--mp",
                                          "zerojax plan --model llama2-7b"]),
-    (["train", "--devices", "2000000"], ["--devices 2000000", "2**20"]),
+    (["train", "--devices", "2000000"], ["--devices", "'2000000'", "2**20"]),
     (["plan", "--memory", "80GB", "--model", "llama2-7b", "--attention", "cudnn",
       "--param-dtype", "fp32"], ["--attention cudnn", "--param-dtype fp32", "bf16"]),
     (["plan", "--memory", "80GB", "--model", "llama2-7b", "--vocab", "1000"],
@@ -894,6 +893,12 @@ ISSUE51_CASES = [
     (["train", "--memory", "0GiB"], 2, ["'0GiB': the memory size must be positive"]),
     (["tune", "--warmup", "-1"], 2, ["--warmup: '-1' is negative"]),
     (["launch", "--nproc", "2", "{dir}"], 2, ["is a directory", "a .py file", "s.py"]),
+    # --lr: one type in train, finetune and bench (finite, > 0); counts one type too
+    (["train", "--lr", "0"], 2, ["--lr: '0' must be > 0", "1e-3"]),
+    (["bench", "--lr", "0"], 2, ["--lr: '0' must be > 0", "1e-3"]),
+    (["finetune", "a", "b", "--out", "o", "--lr", "0"], 2, ["--lr: '0' must be > 0"]),
+    (["train", "--steps", "x"], 2, ["--steps: 'x' is not a whole number"]),
+    (["train", "--sample", "-1"], 2, ["--sample: '-1' is negative"]),
 ]
 
 

@@ -367,6 +367,16 @@ def stages_argument(group, help: str) -> None:
                             "all (default: all)")
 
 
+def learning_rate(text: str) -> float:
+    """--lr in every command: a finite number > 0 (inf or nan would end a run at nan)."""
+    value = _real(text, "a learning rate", "1e-3", "a learning rate", "1e-3 or 5e-4")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not finite; write e.g. 1e-3")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0; write e.g. 1e-3")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """A whole number >= 0 (--warmup: no untimed step is a choice)."""
     return 0 if text.strip() in ("0", "+0") else positive_int(text)

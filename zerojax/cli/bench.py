@@ -56,6 +56,7 @@ from typing import Any
 from zerojax.cli.args import (
     HelpFormatter,
     Parser,
+    learning_rate,
     model_arguments,
     non_negative_int,
     positive_int,
@@ -83,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
                    help="global batch (sequences); a multiple of --devices")
     p.add_argument("--unrolled", action="store_true",
                    help="written-out layers instead of one scanned block")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    p.add_argument("--lr", type=learning_rate, default=1e-3, help="Adam's learning rate")
     stages_argument(p, "zerojax stages to run")
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=non_negative_int, default=2,

@@ -33,7 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-from zerojax.cli.args import HelpFormatter, Parser, run_main
+from zerojax.cli.args import (
+    HelpFormatter,
+    Parser,
+    device_count,
+    learning_rate,
+    non_negative_int,
+    positive_int,
+    run_main,
+)
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
@@ -53,32 +61,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="ZeRO stage: 0 plain data parallel, 1 + split optimizer state, "
                         "2 + split gradients, 3 + split parameters; 'all' trains each "
                         "in turn and checks they agree")
-    g.add_argument("--devices", type=int, default=8,
+    g.add_argument("--devices", type=device_count, default=8,
                    help="simulated CPU devices (ignored once jax has started, or if "
                         f"XLA_FLAGS sets {DEVICE_COUNT_FLAG})")
-    g.add_argument("--data", type=int, default=None,
+    g.add_argument("--data", type=positive_int, default=None,
                    help="data-parallel degree N, the devices ZeRO partitions over "
                         "(default: devices / model)")
-    g.add_argument("--mp", dest="model", type=int, default=1,
+    g.add_argument("--mp", dest="model", type=positive_int, default=1,
                    help="tensor-parallel (Megatron) degree M, as in zerojax plan and "
                         "estimate; data x mp devices are used")
     g.add_argument("--model", dest="model", action=DeprecatedModel, default=1,
                    help=argparse.SUPPRESS)
-    g.add_argument("--seq-parallel", dest="seq_parallel", type=int, default=1, metavar="P",
+    g.add_argument("--seq-parallel", dest="seq_parallel", type=positive_int, default=1, metavar="P",
                    help="sequence-parallel (Ulysses) degree P: each sequence split over P "
                         "devices (a 'seq' mesh axis), attention by all-to-all over heads; "
                         "ZeRO partitions over data x P; data x P x mp devices are used")
-    g.add_argument("--mlp-tiles", dest="mlp_tiles", type=int, default=None, metavar="T",
+    g.add_argument("--mlp-tiles", dest="mlp_tiles", type=positive_int, default=None, metavar="T",
                    help="ALST's tiled MLP: each block's MLP computed in T tiles of the "
                         "seq / P tokens a device holds, each recomputed in the backward "
                         "(GPTConfig(mlp_tiles=T)); T must divide seq / --seq-parallel")
     g = parser.add_argument_group("model and training")
-    g.add_argument("--steps", type=int, default=600, help="training steps")
-    g.add_argument("--layers", type=int, default=2, help="decoder blocks")
-    g.add_argument("--hidden", type=int, default=128, help="model width")
-    g.add_argument("--heads", type=int, default=4,
-                   help="attention heads (divide --hidden; a multiple of --model)")
-    g.add_argument("--seq", type=int, default=64, help="characters the model reads at once")
+    g.add_argument("--steps", type=positive_int, default=600, help="training steps")
+    g.add_argument("--layers", type=positive_int, default=2, help="decoder blocks")
+    g.add_argument("--hidden", type=positive_int, default=128, help="model width")
+    g.add_argument("--heads", type=positive_int, default=4,
+                   help="attention heads (divide --hidden; a multiple of --mp)")
+    g.add_argument("--seq", type=positive_int, default=64,
+                   help="characters the model reads at once")
     g.add_argument("--attention", default="auto",
                    choices=["auto", "xla", "dot_product", "blockwise"],
                    help="GPTConfig.attention: xla is the explicit softmax(QK^T) attention, "
@@ -87,12 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "keys, an online softmax: no seq x seq scores held, any backend); "
                         "auto is dot_product on a GPU, xla on the CPU (the demo computes "
                         "in float32, which cuDNN's flash attention does not take)")
-    g.add_argument("--attn-block", dest="attn_block", type=int, default=128, metavar="B",
+    g.add_argument("--attn-block", dest="attn_block", type=positive_int, default=128, metavar="B",
                    help="--attention blockwise: the block (GPTConfig.attn_block; default "
                         "128, at most --seq), which must divide --seq")
-    g.add_argument("--batch", type=int, default=32,
+    g.add_argument("--batch", type=positive_int, default=32,
                    help="global batch in sequences (a multiple of the data degree)")
-    g.add_argument("--lr", type=finite_float, default=5e-3,
+    g.add_argument("--lr", type=learning_rate, default=5e-3,
                    help="peak adamw learning rate (warm-up, then cosine decay)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init, batches and sample")
     g.add_argument("--corpus-mb", type=float, default=2.0,
@@ -103,13 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the run gets SIGTERM (a scheduler's preemption notice: it then "
                         "saves that step and exits 0); a run with the same directory "
                         "resumes from its latest step (one --stage, not 'all')")
-    g.add_argument("--save-every", type=int, default=0,
+    g.add_argument("--save-every", type=non_negative_int, default=0,
                    help="with --ckpt-dir: also save every this many steps (0: only at the "
                         "end and on SIGTERM)")
     g = parser.add_argument_group("output")
     g.add_argument("--png", default="zerojax-demo-loss.png",
                    help="where to write the loss curve ('' to skip)")
-    g.add_argument("--sample", type=int, default=300,
+    g.add_argument("--sample", type=non_negative_int, default=300,
                    help="characters of text to sample at the end (0 to skip)")
     g.add_argument("--temperature", type=finite_float, default=0.7,
                    help="sampling temperature (0: always the likeliest character)")

@@ -41,8 +41,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from zerojax.cli.args import byte_size, device_count, positive_int
-    from zerojax.cli.demo import finite_float
+    from zerojax.cli.args import (
+        byte_size,
+        device_count,
+        learning_rate,
+        non_negative_int,
+        positive_int,
+    )
 
     p.add_argument("checkpoint", help="the Hugging Face checkpoint directory (config.json, "
                    "safetensors files, tokenizer.json)")
@@ -63,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=positive_int, default=8,
                    help="global batch in sequences (a multiple of the data degree)")
     g.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
-    g.add_argument("--lr", type=finite_float, default=1e-4,
+    g.add_argument("--lr", type=learning_rate, default=1e-4,
                    help="peak AdamW learning rate (10%% warm-up, then cosine to a tenth)")
     g.add_argument("--seed", type=int, default=0, help="seed of the batches")
     g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -74,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when the run gets SIGTERM (a scheduler's preemption notice: it then "
                         "saves that step and exits 0, the export left for the resumed run); "
                         "a run with the same directory resumes from its latest step")
-    g.add_argument("--save-every", type=int, default=0,
+    g.add_argument("--save-every", type=non_negative_int, default=0,
                    help="with --ckpt-dir: also save every this many steps")
     g.add_argument("--png", default="zerojax-finetune-loss.png",
                    help="where to write the loss curve ('' to skip)")
