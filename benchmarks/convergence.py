@@ -21,6 +21,12 @@ for int4 gradients (``--variants``, run on the ``rtn b2048`` modes) patch
 (int4 block size), ``sr`` (stochastic rounding), ``small=T`` (leaves under T elements
 reduced exactly) and ``ef`` (error feedback, see :func:`run`).
 
+Issue 50's modes: ``offload stage 3`` (``offload_optimizer=True``) and ``offload stage 3 +
+delayed_update`` (DeepSpeed's delayed parameter update: every update applies the
+previous step's gradients; the first of the ``--steps`` calls only computes gradients,
+so it makes one update fewer); a second table gives every mode's held-out and training
+losses at the evaluation points side by side.
+
 ``nice -n 15 python benchmarks/convergence.py`` (the figures in benchmarks/README.md,
 "ZeRO++ convergence"); ``--quick`` for a short check.
 """
@@ -65,6 +71,13 @@ for _q, _opts in QG4.items():
         f"qwZ int8 + qgZ int4 {_q}": ("8", dict(stage=3, quantize_weights="int8", **_opts)),
         f"hpZ + qgZ int4 {_q}": ("2x4", dict(stage=3, hpz=True, **_opts)),
     })
+# issue 50: DeepSpeed's delayed parameter update (each update applies the gradients of
+# the step before), its accuracy cost against the same offloaded run without it
+MODES.update({
+    "offload stage 3": ("8", dict(stage=3, offload_optimizer=True)),
+    "offload stage 3 + delayed_update": ("8", dict(stage=3, offload_optimizer=True,
+                                                   delayed_update=True)),
+})
 DEFAULT_MODES = list(MODES)
 REFERENCE, FLOOR = "exact stage 3", "exact stage 0 (floor)"
 MIN_SHARD = 128  # ZeroConfig.min_shard_size: smaller leaves stay replicated
@@ -365,6 +378,32 @@ def print_table(summary: dict, wires: dict, args) -> None:
               + " |", flush=True)
 
 
+def print_curves(results: list[dict], args) -> None:
+    """The held-out loss of each mode (mean over its seeds) at each evaluation point, and
+    the training loss's mean over the steps before it, side by side."""
+    import numpy as np
+
+    modes = list(dict.fromkeys(r["mode"] + (f" [{r['variant']}]" if r["variant"] else "")
+                               for r in results))
+    points = sorted({int(k) for r in results for k in r["evals"]})
+    if not points:
+        return
+    print("\nloss curves, mean over seeds: held-out at the step / training loss over the "
+          "steps since the previous point\n")
+    print("| step | " + " | ".join(modes) + " |")
+    print("|--:|" + "--:|" * len(modes))
+    for i, k in enumerate(points):
+        lo = points[i - 1] if i else 0
+        cells = []
+        for m in modes:
+            rs = [r for r in results if r["mode"] + (f" [{r['variant']}]" if r["variant"]
+                                                     else "") == m and k in r["evals"]]
+            held = np.mean([r["evals"][k] for r in rs]) if rs else np.nan
+            train = np.mean([np.mean(r["losses"][lo:k]) for r in rs]) if rs else np.nan
+            cells.append(f"{held:.4f} / {train:.4f}")
+        print(f"| {k} | " + " | ".join(cells) + " |", flush=True)
+
+
 def save_plot(path: str, results: list[dict], args) -> None:
     """Each mode's training loss minus exact stage 3's (moving average) on the first
     seed, and its held-out gap to exact stage 3 over training (mean over seeds)."""
@@ -511,6 +550,7 @@ def main(argv=None) -> int:
                   f"train (last 50) {sum(r['losses'][-50:]) / len(r['losses'][-50:]):.4f}  "
                   f"{r['seconds']:.0f} s", flush=True)
     print_table(summarize(results), wires, args)
+    print_curves(results, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f)

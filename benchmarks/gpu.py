@@ -10,7 +10,16 @@ Rows (each in its own process on a GPU, so the allocator's peak is its own):
 - ``zerojax stage 3, Pa+cpu``: ``remat_policy="partitioned_host"`` (each block's input
   kept in host memory for the backward pass; with no model axis it moves whole);
 - ``zerojax stage S, offload_optimizer`` (bf16 params; fp32 master and Adam moments
-  in host memory) and ``stage 3, offload_optimizer+params``.
+  in host memory) and ``stage 3, offload_optimizer+params``;
+- ``zerojax stage 3, offload_optimizer, delayed_update``: the same with the delayed
+  parameter update (step t's update, with step t-1's gradients, in the program of step
+  t's gradient pass, independent of it; its first step, a program of its own, runs
+  before the compile of the row's step);
+- ``..., accum 8``: ``accum_steps=8``, eight micro-batches of ``batch x seq`` tokens a
+  step (the same rows in each), for stage 3 bf16 without offload, with
+  ``offload_optimizer`` and with ``delayed_update`` (issue 50's 64K-token rows; the
+  rows without it are the 8K ones). The lines after the table give each offload row's
+  speed as a ratio of the row without offload at the same tokens a step.
 
 The model computes in bf16 (``GPTConfig(dtype=bfloat16)``) with fp32 LayerNorm,
 softmax and loss; ``--attention auto`` (default) is cuDNN's flash attention on a CUDA
@@ -84,6 +93,17 @@ ROWS = {
     "zerojax stage 3, offload_optimizer+params": (
         "zero", {"stage": 3, "param_dtype": "bf16", "offload_optimizer": True,
                  "offload_params": True}),
+    # issue 50's speed rows: no offload, offload and offload with the delayed update at
+    # batch x seq tokens a step (above) and at 8 micro-batches of them (accum 8)
+    "zerojax stage 3, offload_optimizer, delayed_update": (
+        "zero", {"stage": 3, "param_dtype": "bf16", "offload_optimizer": True,
+                 "delayed_update": True}),
+    **{f"{name}, accum 8": ("zero", {**opts, "stage": 3, "param_dtype": "bf16",
+                                     "accum_steps": 8})
+       for name, opts in (("zerojax stage 3, param_dtype=bf16", {}),
+                          ("zerojax stage 3, offload_optimizer", {"offload_optimizer": True}),
+                          ("zerojax stage 3, offload_optimizer, delayed_update",
+                           {"offload_optimizer": True, "delayed_update": True}))},
 }
 
 PRESETS = {  # --preset: the model and batch
@@ -155,8 +175,12 @@ def run_row(args, name: str) -> dict:
         params = gpt_params(model, args.seed)
     psi = sum(x.size for x in jax.tree.leaves(params))
     out["psi"] = psi
+    accum = options.get("accum_steps", 1)
+    out["accum_steps"] = accum
     tokens = np.random.default_rng(args.seed).integers(
         0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
+    if accum > 1:  # the same rows in every micro-batch: the loss stays comparable
+        tokens = np.broadcast_to(tokens, (accum, *tokens.shape)).copy()
     t0 = time.perf_counter()
     if kind == "jit":
         params = jax.device_put(params, device)
@@ -180,8 +204,12 @@ def run_row(args, name: str) -> dict:
         del params
         train_step = opt.train_step(loss_fn)
         batch = train_step.place_batch(tokens)
+        if options.get("delayed_update"):  # the first step (gradients only) is a
+            state, _ = train_step(state, batch)  # program of its own
         compiled = train_step.lower(state, batch).compile()
-        step = train_step
+
+        def step(state, batch):  # the compiled program itself: compiled once, not twice
+            return compiled(state, batch, None)
     out["compile_s"] = time.perf_counter() - t0
     mem = compiled_memory(compiled)
     out.update(compiled_peak=mem.peak, temp=mem.temp, argument=mem.argument,
@@ -194,7 +222,7 @@ def run_row(args, name: str) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     out["step_s"] = statistics.median(times)
-    out["tokens_s"] = args.batch * args.seq / out["step_s"]
+    out["tokens_s"] = accum * args.batch * args.seq / out["step_s"]
     out["loss"] = loss
     stats = device.memory_stats() or {}
     out["allocator_peak"] = stats.get("peak_bytes_in_use")
@@ -245,6 +273,22 @@ def table(results: list[dict], unit=GiB) -> str:
                      f"{mfu} | {_size(r['compiled_peak'], unit)} | "
                      f"{_size(r['allocator_peak'], unit)} | {r['loss']:.4f} |")
     return "\n".join(lines)
+
+
+def ratio_lines(results: list[dict]) -> list[str]:
+    """``row: R x of base`` for each offload row whose stage-3 bf16 row without offload
+    at the same tokens a step (``accum 8`` or not) ran: no-offload step time over its."""
+    done = {r["row"]: r for r in results if r.get("fits")}
+    lines = []
+    for name, r in done.items():
+        if "offload_optimizer" not in name:
+            continue
+        base = "zerojax stage 3, param_dtype=bf16" + (", accum 8" if name.endswith(
+            ", accum 8") else "")
+        if base in done:
+            lines.append(f"{name}: {done[base]['step_s'] / r['step_s']:.2f}x of {base} "
+                         f"({1e3 * r['step_s']:.0f} vs {1e3 * done[base]['step_s']:.0f} ms)")
+    return lines
 
 
 def parse_args(argv=None):
@@ -357,6 +401,8 @@ def main(argv=None) -> int:
           if psi is not None else "no row ran")
     print()
     print(table(results, MiB if small else GiB))
+    for line in ratio_lines(results):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device.device_kind, "jax": jax.__version__,

@@ -3,11 +3,23 @@
 # within a time budget: each row's result is appended to $OUT/rows.jsonl as it ends, so
 # a lease that runs out still returns the rows done; the table is printed at the end.
 #   OUT=/tmp/gpu BUDGET=440 STEPS=5 WARMUP=2 bash benchmarks/gpu_lease.sh
-# Rows in priority order (the lines of ROWS below); zerojax from this checkout.
+#   OUT=/tmp/gpu BUDGET=330 STEPS=3 WARMUP=1 SET=offload bash benchmarks/gpu_lease.sh
+# Rows in priority order (the lines of ROWS below; SET=offload: issue 50's six speed
+# rows, stage 3 bf16 with and without offload_optimizer and delayed_update at 8K and
+# 64K tokens a step, ratios printed after the table); zerojax from this checkout.
 set -u
 : "${OUT:?set OUT to a folder for the results}"
 cd "$(dirname "$0")/.."
-ROWS=$(cat <<'ROWS_END'
+if [ "${SET:-}" = offload ]; then ROWS=$(cat <<'ROWS_END'
+zerojax stage 3, offload_optimizer, delayed_update, accum 8
+zerojax stage 3, offload_optimizer, delayed_update
+zerojax stage 3, param_dtype=bf16, accum 8
+zerojax stage 3, offload_optimizer, accum 8
+zerojax stage 3, param_dtype=bf16
+zerojax stage 3, offload_optimizer
+ROWS_END
+)
+else ROWS=$(cat <<'ROWS_END'
 jax.jit + optax
 zerojax stage 3, param_dtype=bf16
 zerojax stage 0
@@ -24,6 +36,7 @@ zerojax stage 1, offload_optimizer
 zerojax stage 2, offload_optimizer
 ROWS_END
 )
+fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 budget=${BUDGET:-480}; start=$(date +%s); : > "$OUT/rows.jsonl"
 { date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
@@ -48,4 +61,5 @@ sys.path.insert(0, "benchmarks")
 import gpu
 rows = [json.loads(l) for l in open(os.environ["OUT"] + "/rows.jsonl")]
 print(gpu.table(rows))
+print("\n".join(gpu.ratio_lines(rows)))
 PY

@@ -133,6 +133,28 @@ class ZeroConfig:
         each bucket; the training equals ``offload_optimizer=True`` bitwise. See
         :mod:`zerojax.nvme` for the file layout, what was measured and the limits
         (Auto-axes meshes; an update reading a norm of the whole update is refused).
+      delayed_update: DeepSpeed's delayed parameter update (DPU), with
+        ``offload_optimizer=True``: step t's optimizer update applies step t-1's
+        gradients, and runs in the same compiled program as step t's forward and
+        backward passes, independent of them (both read the params at the start of
+        the step), so the offloaded state's transfers to the device and back can run
+        under the gradient computation instead of after it. The first step only
+        computes gradients (``state.step`` stays 0); each later step applies the
+        previous one's. The cost: every update uses gradients one step stale (the
+        params they were computed at are one update behind); measured on
+        ``benchmarks/convergence.py`` (benchmarks/README.md, "Delayed parameter
+        update"). The pending gradient is ``TrainState.pending`` (a
+        :class:`zerojax.state.PendingGrads`, kept in host memory beside the optimizer
+        state and brought to the device bucket by bucket with it); its clipping
+        (``max_grad_norm``) uses its own global norm, and with loss scaling a pending
+        gradient that overflowed is dropped: the step that would apply it skips its
+        update (``metrics["skipped"]``, also True at the first step) and the scale
+        backs off when the overflow is computed, a step earlier. Accumulation makes
+        the pending gradient of all ``accum_steps`` micro-batches, as without the
+        option. ``CheckpointManager.save`` refuses a state holding a pending gradient
+        (it would be lost on restore). Off by default; refused without
+        ``offload_optimizer=True`` (on the device the update is short: nothing to
+        hide) and with ``"nvme"`` (the NVMe tier's update runs outside the step).
       nvme_path: with ``offload_optimizer="nvme"``: an existing, writable directory on a
         local disk; process ``i`` keeps its files in ``<nvme_path>/zerojax-nvme-p<i>/``
         (checked, and locked against a second optimizer or process, when ``zero()``
@@ -263,6 +285,7 @@ class ZeroConfig:
     offload_params: bool | str = False
     param_fetch: str = "layer"
     offload_gradients: bool = False
+    delayed_update: bool = False
     nvme_path: str | None = None
     nvme_buffer_count: int = 4
     nvme_buffer_size: int = 2**28
@@ -400,6 +423,7 @@ def _check_memory_options(c: ZeroConfig) -> None:
             "is replicated, so each device's host copy would be the whole state (N "
             "copies in one host's memory, N times the transfers). Use stage=1: the same "
             "step traffic, and each device offloads only its 1/N of the state.")
+    _check_delayed_update(c)
     if c.offload_params and c.stage != 3:
         raise ValueError(
             f"offload_params=True needs stage=3 (got stage={c.stage}): only stage 3 "
@@ -445,6 +469,27 @@ def _check_fetch_options(c: ZeroConfig) -> None:
             f"memory for the offloaded update, so it needs offload_optimizer=True at stage 2 "
             f"or 3 (got offload_optimizer={c.offload_optimizer!r}, stage={c.stage}): use "
             f"zero(tx, mesh, stage=3, offload_optimizer=True, offload_gradients=True).")
+
+
+def _check_delayed_update(c: ZeroConfig) -> None:
+    """``delayed_update``: a bool, only with the host tier (``offload_optimizer=True``)."""
+    if not isinstance(c.delayed_update, bool):
+        raise ValueError(f"delayed_update={c.delayed_update!r} must be True or False.")
+    if not c.delayed_update or c.offload_optimizer is True:
+        return
+    if c.offload_optimizer == "nvme":
+        raise ValueError(
+            "delayed_update=True with offload_optimizer='nvme' is not implemented: the "
+            "NVMe tier's update streams the state from its files after the gradient pass, "
+            "outside the compiled step. Use offload_optimizer=True (host memory) with "
+            "delayed_update=True, or drop delayed_update.")
+    raise ValueError(
+        "delayed_update=True needs offload_optimizer=True: it runs step t's update (with "
+        "step t-1's gradients) under step t's gradient computation to hide the offloaded "
+        "state's transfers; with the state on the device there is nothing to hide (Adam "
+        "over 1.07B params took 11 ms on an H100) and the gradients would only be stale. "
+        "Use zero(..., offload_optimizer=True, delayed_update=True), or drop "
+        "delayed_update.")
 
 
 def _check_hierarchical(c: ZeroConfig) -> None:

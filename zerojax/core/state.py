@@ -26,6 +26,21 @@ class LossScaleState(NamedTuple):
     hysteresis: jax.Array
 
 
+class PendingGrads(NamedTuple):
+    """``delayed_update``: the gradient a step computed and the next step applies.
+
+    ``grads``: the reduced gradient shards as the update takes them before it finishes
+    them (laid out like the optimizer's owned values; in host memory with
+    ``offload_optimizer=True``); ``scale``: the loss scale they were computed with
+    (None without loss scaling); ``sum_sq``: the squared global norm of the finished
+    (unscaled) gradients (the clipping and the overflow check of the update that
+    applies them read it)."""
+
+    grads: Any
+    scale: Any
+    sum_sq: jax.Array
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -40,12 +55,16 @@ class TrainState:
         the master weights too when ``param_dtype`` is set); stages 1-3 partition it
         over the ``data`` axis.
       loss_scale: a :class:`LossScaleState`, or None without loss scaling.
+      pending: with ``delayed_update``: the :class:`PendingGrads` of the last step,
+        which the next step applies; None before the first step (that step only
+        computes gradients) and always without ``delayed_update``.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
     loss_scale: LossScaleState | None = None
+    pending: PendingGrads | None = None
 
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)

@@ -41,7 +41,7 @@ from zerojax.core.compat import in_host_memory
 from zerojax.core.mesh import constrain, sequence_split
 from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
-from zerojax.core.state import LossScaleState, MasterState, TrainState
+from zerojax.core.state import LossScaleState, MasterState, PendingGrads, TrainState
 from zerojax.runtime import distributed
 from zerojax.tiers import nvme, offload
 
@@ -1078,7 +1078,13 @@ def step_function(opt, grad_fn, has_aux: bool):
     :func:`build_train_step` compiles: the update's operands
     (:func:`update_operands`), the gradient pass (``grad_fn``), the update
     (:func:`make_update`; in place, :func:`device_update`, or bucket by bucket from
-    host memory, :func:`_offloaded_update`), then the loss scale and the metrics."""
+    host memory, :func:`_offloaded_update`), then the loss scale and the metrics.
+
+    ``delayed_update``: the update applies ``state.pending`` (the last step's
+    gradients, :func:`_pending_update`), not this step's, and does not depend on the
+    gradient pass: the two are independent computations of one program; this step's
+    gradients become the new ``pending``. A state without one (the first step) only
+    computes gradients."""
     cfg = opt.config
     mixed = cfg.param_dtype is not None
     offloading = cfg.offload_optimizer or cfg.offload_params
@@ -1088,6 +1094,7 @@ def step_function(opt, grad_fn, has_aux: bool):
         # layouts of the params' own (unpadded) shapes; stage 3 stores padded shards
         logical = opt.logical_params(state.params)
         lay_tree = opt.layouts(logical)
+        given = state
         state, owned, inner_state = update_operands(opt, state, lay_tree)
         grad_dtypes = [x.dtype for x in jax.tree.leaves(owned)]
         scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -1098,30 +1105,51 @@ def step_function(opt, grad_fn, has_aux: bool):
         metrics = {"loss": loss, "grad_norm": grad_norm}
         if cfg.max_grad_norm is not None:
             metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, cfg.max_grad_norm)
-        finish = functools.partial(_finish_for_update, dtypes=grad_dtypes, scale=scale,
-                                   norm=grad_norm, max_norm=cfg.max_grad_norm)
-        update = make_update(opt, tx, logical, lay_tree, finish)
         finite = (jnp.asarray(True) if state.loss_scale is None else jnp.isfinite(sum_sq))
+        new_pending, applied = None, finite
+        if cfg.delayed_update:
+            new_pending = PendingGrads(offload.to_host(grads), scale, sum_sq)
+            if given.pending is None:  # the first step: gradients only
+                new_ls = (None if state.loss_scale is None
+                          else next_loss_scale(state.loss_scale, finite, cfg))
+                metrics.update(_scale_metrics(state.loss_scale, jnp.asarray(False)))
+                if has_aux:
+                    metrics["aux"] = aux
+                return given.replace(loss_scale=new_ls, pending=new_pending), metrics
+            grads, upd_scale, upd_sum_sq = given.pending
+            applied = jnp.isfinite(upd_sum_sq) if state.loss_scale is not None else finite
+        else:
+            upd_scale, upd_sum_sq = scale, sum_sq
+        finish = functools.partial(_finish_for_update, dtypes=grad_dtypes, scale=upd_scale,
+                                   norm=jnp.sqrt(upd_sum_sq), max_norm=cfg.max_grad_norm)
+        update = make_update(opt, tx, logical, lay_tree, finish)
         if offloading:
             new_owned, new_inner, new_params = _offloaded_update(
-                update, finite, owned, inner_state, grads, opt, logical, lay_tree)
+                update, applied, owned, inner_state, grads, opt, logical, lay_tree,
+                grads_host=cfg.delayed_update)
         else:
             new_owned, new_inner, new_params = device_update(
-                opt, update, finish, finite, (owned, inner_state, grads), logical, lay_tree,
+                opt, update, finish, applied, (owned, inner_state, grads), logical, lay_tree,
                 scaled=state.loss_scale is not None)
         new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
         if state.loss_scale is not None:
             new_ls = next_loss_scale(state.loss_scale, finite, cfg)
-            metrics["loss_scale"] = state.loss_scale.scale
-            metrics["skipped"] = ~finite
+            metrics.update(_scale_metrics(state.loss_scale, applied))
         if has_aux:
             metrics["aux"] = aux
-        new_state = TrainState(state.step + finite.astype(jnp.int32), new_params,
-                               new_opt_state, new_ls)
+        new_state = TrainState(state.step + applied.astype(jnp.int32), new_params,
+                               new_opt_state, new_ls, new_pending)
         return new_state, metrics
 
     return step_fn
+
+
+def _scale_metrics(loss_scale, applied) -> dict:
+    """``loss_scale`` and ``skipped`` (no update applied) with loss scaling, else {}."""
+    if loss_scale is None:
+        return {}
+    return {"loss_scale": loss_scale.scale, "skipped": ~applied}
 
 
 def update_operands(opt, state: TrainState, lay_tree):
@@ -1250,7 +1278,8 @@ def update_tail(new, old, finite, laid, param_dtype) -> list:
             *jax.tree.leaves(compute)]
 
 
-def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree):
+def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree,
+                      grads_host: bool = False):
     """The update of a step with offloaded state: ``(new_owned, new_inner,
     new_params)``, the offloaded ones in host memory.
 
@@ -1260,7 +1289,8 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     values are laid out, cast to the compute dtype where needed and written back to
     host memory there. A step with a non-finite gradient (loss scaling) keeps the old
     values, selected per leaf on the device (``lax.cond`` would take host-memory
-    operands)."""
+    operands). ``grads_host``: the gradients are host-memory operands too
+    (``delayed_update``'s pending gradient), brought in with their bucket."""
     cfg, mesh, stage = opt.config, opt.mesh, opt.config.stage
     mixed = cfg.param_dtype is not None
     specs = opt.specs(logical)
@@ -1282,8 +1312,9 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
         ops = jax.tree.unflatten(treedef, leaves)
         return update_tail(update(ops), ops[:2], finite, laid, cfg.param_dtype)
 
+    n_grads = len(flat) - n_own - n_inner
     on_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
-               + [False] * (len(flat) - n_own - n_inner + 1))
+               + [grads_host] * n_grads + [False])
     out_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
                 + [params_host] * (n_own if mixed else 0))
 

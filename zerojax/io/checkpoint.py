@@ -254,6 +254,13 @@ class CheckpointManager(CheckpointReader):
         # checkpoint is the durable copy; it holds the state whole while it is written;
         # every leaf's checksum checked as it is read: a corrupt state is refused here,
         # before anything is written)
+        if state.pending is not None:
+            raise ValueError(
+                "this TrainState holds a pending gradient (TrainState.pending: "
+                "zero(..., delayed_update=True) applies each step's gradient at the next "
+                "step), which a checkpoint does not store: restoring it would silently drop "
+                "one step's gradient. Save from an optimizer without delayed_update, or "
+                "train with delayed_update=False where checkpoints are needed.")
         store = getattr(state.opt_state, "store", None)  # the NVMe tier's files
         state = nvme.materialized(state)
         step = _check_step(step)
