@@ -18,8 +18,13 @@ Rows (each in its own process on a GPU, so the allocator's peak is its own):
 - ``..., accum 8``: ``accum_steps=8``, eight micro-batches of ``batch x seq`` tokens a
   step (the same rows in each), for stage 3 bf16 without offload, with
   ``offload_optimizer`` and with ``delayed_update`` (issue 50's 64K-token rows; the
-  rows without it are the 8K ones). The lines after the table give each offload row's
-  speed as a ratio of the row without offload at the same tokens a step.
+  rows without it are the 8K ones); ``..., delayed_update, one bucket``:
+  ``bucket_size=2**31``, the offloaded update in one bucket (no bucket waits for an
+  earlier one's transfer: the whole state on the device at once). The lines after the
+  table give each offload row's speed as a ratio of the row without offload at the
+  same tokens a step, and its compiled program's asynchronous copies: how many are in
+  flight across a ``while`` loop (the scanned layers), i.e. under the gradient pass
+  (:func:`async_copies`).
 
 The model computes in bf16 (``GPTConfig(dtype=bfloat16)``) with fp32 LayerNorm,
 softmax and loss; ``--attention auto`` (default) is cuDNN's flash attention on a CUDA
@@ -53,6 +58,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -98,6 +104,10 @@ ROWS = {
     "zerojax stage 3, offload_optimizer, delayed_update": (
         "zero", {"stage": 3, "param_dtype": "bf16", "offload_optimizer": True,
                  "delayed_update": True}),
+    # the update in one bucket (nothing chained: every transfer free to start at once)
+    "zerojax stage 3, offload_optimizer, delayed_update, one bucket": (
+        "zero", {"stage": 3, "param_dtype": "bf16", "offload_optimizer": True,
+                 "delayed_update": True, "bucket_size": 2**31}),
     **{f"{name}, accum 8": ("zero", {**opts, "stage": 3, "param_dtype": "bf16",
                                      "accum_steps": 8})
        for name, opts in (("zerojax stage 3, param_dtype=bf16", {}),
@@ -212,6 +222,8 @@ def run_row(args, name: str) -> dict:
             return compiled(state, batch, None)
     out["compile_s"] = time.perf_counter() - t0
     mem = compiled_memory(compiled)
+    if kind != "jit" and options.get("offload_optimizer"):
+        out.update(async_copies(compiled.as_text()))
     out.update(compiled_peak=mem.peak, temp=mem.temp, argument=mem.argument,
                host_argument=mem.host_argument)
     times, loss = [], float("nan")
@@ -275,6 +287,33 @@ def table(results: list[dict], unit=GiB) -> str:
     return "\n".join(lines)
 
 
+def async_copies(hlo: str) -> dict:
+    """What the compiled program's entry computation (in schedule order, as XLA prints
+    a scheduled module) does with its asynchronous copies (``copy-start`` /
+    ``copy-done``: the host-memory moves of the offloaded update): how many there are,
+    how many ``while`` loops (the scanned layers' forward and backward) it runs, and
+    how many copies are in flight across a loop (started before it, done after it:
+    transfers under the gradient computation)."""
+    entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)^\}", hlo, re.S | re.M)
+    lines = entry.group(1).splitlines() if entry else []
+    starts, dones, loops = {}, {}, []
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? (copy-start|copy-done|while)\(", line)
+        if not m:
+            continue
+        if m.group(2) == "copy-start":
+            starts[m.group(1)] = i
+        elif m.group(2) == "copy-done":
+            src = re.search(r"copy-done\((.*?)\)(?:,|\s*$)", line)
+            if src:
+                dones[src.group(1).split()[-1].lstrip("%")] = i
+        else:
+            loops.append(i)
+    spans = [(a, dones[n]) for n, a in starts.items() if n in dones]
+    across = sum(1 for a, b in spans if any(a < w < b for w in loops))
+    return {"copy_starts": len(starts), "while_loops": len(loops), "copies_across_loops": across}
+
+
 def ratio_lines(results: list[dict]) -> list[str]:
     """``row: R x of base`` for each offload row whose stage-3 bf16 row without offload
     at the same tokens a step (``accum 8`` or not) ran: no-offload step time over its."""
@@ -285,6 +324,10 @@ def ratio_lines(results: list[dict]) -> list[str]:
             continue
         base = "zerojax stage 3, param_dtype=bf16" + (", accum 8" if name.endswith(
             ", accum 8") else "")
+        if "copy_starts" in r:
+            lines.append(f"{name}: {r['copy_starts']} async copies in the step's entry "
+                         f"computation, {r['copies_across_loops']} in flight across one of "
+                         f"its {r['while_loops']} while loops")
         if base in done:
             lines.append(f"{name}: {done[base]['step_s'] / r['step_s']:.2f}x of {base} "
                          f"({1e3 * r['step_s']:.0f} vs {1e3 * done[base]['step_s']:.0f} ms)")

@@ -4,7 +4,7 @@
 # a lease that runs out still returns the rows done; the table is printed at the end.
 #   OUT=/tmp/gpu BUDGET=440 STEPS=5 WARMUP=2 bash benchmarks/gpu_lease.sh
 #   OUT=/tmp/gpu BUDGET=330 STEPS=3 WARMUP=1 SET=offload bash benchmarks/gpu_lease.sh
-# Rows in priority order (the lines of ROWS below; SET=offload: issue 50's six speed
+# Rows in priority order (the lines of ROWS below; SET=offload: issue 50's speed
 # rows, stage 3 bf16 with and without offload_optimizer and delayed_update at 8K and
 # 64K tokens a step, ratios printed after the table); zerojax from this checkout.
 set -u
@@ -15,6 +15,7 @@ zerojax stage 3, offload_optimizer, delayed_update, accum 8
 zerojax stage 3, offload_optimizer, delayed_update
 zerojax stage 3, param_dtype=bf16, accum 8
 zerojax stage 3, offload_optimizer, accum 8
+zerojax stage 3, offload_optimizer, delayed_update, one bucket
 zerojax stage 3, param_dtype=bf16
 zerojax stage 3, offload_optimizer
 ROWS_END

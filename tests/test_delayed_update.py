@@ -113,8 +113,8 @@ def test_first_step_computes_gradients_only_and_an_overflow_drops_its_update(one
     good = regression_batches(3)
     bad = (good[1][0], good[1][1].copy())
     bad[1][3, 0] = np.inf
-    opt = zerojax.zero(optax.adam(1e-2), one_device, stage=1, min_shard_size=16,
-                       loss_scale="dynamic", loss_scale_hysteresis=1,
+    opt = zerojax.zero(optax.adam(1e-2), one_device, stage=3, min_shard_size=16,
+                       loss_scale="dynamic", loss_scale_hysteresis=1, offload_params=True,
                        offload_optimizer=True, delayed_update=True, donate=False)
     step = opt.train_step(awkward_loss)
     s0 = opt.init_state(awkward_params())
@@ -122,6 +122,7 @@ def test_first_step_computes_gradients_only_and_an_overflow_drops_its_update(one
     s1, m1 = step(s0, good[0])
     assert bool(m1["skipped"]) and int(s1.step) == 0  # no update at the first step
     assert _same(s0.params, s1.params) and _same(s0.opt_state, s1.opt_state)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(s1.params)} == {offload.HOST}
     s2, m2 = step(s1, bad)  # applies good[0]'s gradient; its own overflows
     assert not bool(m2["skipped"]) and int(s2.step) == 1
     assert not _same(s1.params, s2.params)

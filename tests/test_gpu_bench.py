@@ -92,3 +92,18 @@ def test_dry_run_memory_falls_with_the_stage_and_offload(dry_run):
     assert peak["zerojax stage 3"] <= peak["zerojax stage 0"]
     assert peak["zerojax stage 3, offload_optimizer"] < peak[
         "zerojax stage 3, param_dtype=bf16"]
+
+
+def test_async_copies_counts_the_copies_in_flight_across_a_loop():
+    gpu = _module()
+    hlo = "\n".join([
+        "ENTRY %main (x: f32[8]) -> f32[8] {",
+        "  %a = (f32[8]{0}, f32[8]{0:S(5)}, u32[]) copy-start(f32[8]{0:S(5)} %x)",
+        "  %b = (f32[8]{0}, f32[8]{0:S(5)}, u32[]) copy-start(f32[8]{0:S(5)} %x)",
+        "  %b.done = f32[8]{0} copy-done((f32[8]{0}, f32[8]{0:S(5)}, u32[]) %b)",
+        "  %w = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %t), condition=%c, body=%d",
+        "  ROOT %a.done = f32[8]{0} copy-done((f32[8]{0}, f32[8]{0:S(5)}, u32[]) %a)",
+        "}", ""])
+    want = {"copy_starts": 2, "while_loops": 1, "copies_across_loops": 1}
+    assert gpu.async_copies(hlo) == want
+    assert gpu.async_copies(hlo.replace("%", "")) == want  # names printed without %
