@@ -133,28 +133,16 @@ class ZeroConfig:
         each bucket; the training equals ``offload_optimizer=True`` bitwise. See
         :mod:`zerojax.nvme` for the file layout, what was measured and the limits
         (Auto-axes meshes; an update reading a norm of the whole update is refused).
-      delayed_update: DeepSpeed's delayed parameter update (DPU), with
-        ``offload_optimizer=True``: step t's optimizer update applies step t-1's
-        gradients, and runs in the same compiled program as step t's forward and
-        backward passes, independent of them (both read the params at the start of
-        the step), so the offloaded state's transfers to the device and back can run
-        under the gradient computation instead of after it. The first step only
-        computes gradients (``state.step`` stays 0); each later step applies the
-        previous one's. The cost: every update uses gradients one step stale (the
-        params they were computed at are one update behind); measured on
-        ``benchmarks/convergence.py`` (benchmarks/README.md, "Delayed parameter
-        update"). The pending gradient is ``TrainState.pending`` (a
-        :class:`zerojax.state.PendingGrads`, kept in host memory beside the optimizer
-        state and brought to the device bucket by bucket with it); its clipping
-        (``max_grad_norm``) uses its own global norm, and with loss scaling a pending
-        gradient that overflowed is dropped: the step that would apply it skips its
-        update (``metrics["skipped"]``, also True at the first step) and the scale
-        backs off when the overflow is computed, a step earlier. Accumulation makes
-        the pending gradient of all ``accum_steps`` micro-batches, as without the
-        option. ``CheckpointManager.save`` refuses a state holding a pending gradient
-        (it would be lost on restore). Off by default; refused without
-        ``offload_optimizer=True`` (on the device the update is short: nothing to
-        hide) and with ``"nvme"`` (the NVMe tier's update runs outside the step).
+      delayed_update: DeepSpeed's delayed parameter update, with
+        ``offload_optimizer=True``: step t's update applies step t-1's gradients
+        (``TrainState.pending``, in host memory) in the program of step t's forward and
+        backward passes, independent of them, so the offloaded state's transfers can run
+        under the gradient computation. The first step only computes gradients; the
+        cost: gradients one step stale (benchmarks/README.md, "Delayed parameter
+        update"). Clipping uses the pending gradient's norm; an overflowed pending
+        gradient's update is skipped (``metrics["skipped"]``). Checkpoints refuse a
+        state with a pending gradient. Refused without ``offload_optimizer=True`` and
+        with ``"nvme"`` (docs/architecture.md, "Offload: the CPU tier").
       nvme_path: with ``offload_optimizer="nvme"``: an existing, writable directory on a
         local disk; process ``i`` keeps its files in ``<nvme_path>/zerojax-nvme-p<i>/``
         (checked, and locked against a second optimizer or process, when ``zero()``
