@@ -125,3 +125,101 @@ def test_finetune_stops_for_preemption_and_resumes(hf_dir, tmp_path, capsys):
     assert "nan" not in printed and "no tokens/s: the one step run" in printed, printed
     assert (out / "model.safetensors.index.json").exists()
     print(f"zerojax finetune: stopped at step {at} ({took:.1f} s), resumed one step")
+
+
+# --- issue 51: the loader's refusals through the command: one line naming the file, exit 2
+
+def _edit_config(**changes):
+    def edit(d):
+        hf = json.loads((d / "config.json").read_text())
+        hf.update(changes)
+        (d / "config.json").write_text(json.dumps(hf))
+    return edit
+
+
+def _shards_one_missing(d):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    files = {n: f"model-0000{1 + (i >= len(names) // 2)}-of-00002.safetensors"
+             for i, n in enumerate(names)}
+    save_file({n: tensors[n] for n in names if files[n].startswith("model-00001")},
+              str(d / "model-00001-of-00002.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
+
+
+def _pickle_only(d):
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80")
+
+
+def _truncated(d):
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(4000)
+
+
+LOADER_CASES = {  # name: (change to the checkpoint folder, extra flags, key words)
+    "gemma": (_edit_config(model_type="gemma"), [],
+              ["config.json", "model_type='gemma'", "llama, mistral, qwen2, qwen3"]),
+    "phi3": (_edit_config(model_type="phi3"), [], ["config.json", "model_type='phi3'"]),
+    "unknown key": (_edit_config(frobnicate=3), [],
+                    ["config.json", "frobnicate=3", "--ignore-key frobnicate"]),
+    "bad json": (lambda d: (d / "config.json").write_text('{"vocab_size": 64,,}'), [],
+                 ["config.json is not JSON", "line 1 column 19"]),
+    "pickle only": (_pickle_only, [], ["pytorch_model.bin", "a .bin is not read",
+                                       "save_pretrained(OUT, safe_serialization=True)"]),
+    "missing shard": (_shards_one_missing, [], [
+        "model.safetensors.index.json", "model-00002-of-00002.safetensors", "holding e.g."]),
+    "truncated": (_truncated, [], ["model.safetensors is truncated", "its tensor"]),
+    "vocab over --mp": (_edit_config(vocab_size=66), ["--mp", "4"],
+                        ["vocab_size=66", "--mp 4", "the nearest is 2", "--mp 2"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOADER_CASES))
+def test_finetune_loader_errors_are_one_line_naming_the_file(case, hf_dir, tmp_path, capsys):
+    import shutil
+
+    root, ckpt, _ = hf_dir
+    change, flags, words = LOADER_CASES[case]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(ckpt, folder)
+    change(folder)
+    if case == "vocab over --mp":  # the files agree with the config: two rows more
+        from safetensors.numpy import load_file, save_file
+
+        t = load_file(folder / "model.safetensors")
+        for k in ("model.embed_tokens.weight", "lm_head.weight"):
+            t[k] = np.concatenate([t[k], t[k][:2]])
+        save_file(t, str(folder / "model.safetensors"))
+    with pytest.raises(SystemExit) as e:
+        main(["finetune", str(folder), str(root / "data.txt"), "--out", str(tmp_path / "o"),
+              "--steps", "1", "--png", "", "--no-progress", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert str(folder) in lines[0], err
+    for word in words:
+        assert word in lines[0], (word, err)
+
+
+def test_finetune_prints_the_loaders_notices(hf_dir, tmp_path, capsys):
+    """Keys transformers ignores: a notice line each, no refusal (the run's own
+    loading of the files is tests/test_hf_load.py's)."""
+    import argparse
+    import shutil
+
+    from zerojax.cli import finetune
+
+    _, ckpt, _ = hf_dir
+    shutil.copytree(ckpt, tmp_path / "c")
+    _edit_config(is_llama_config=True, rope_interleaved=False)(tmp_path / "c")
+    args = argparse.Namespace(checkpoint=str(tmp_path / "c"), ignore_key=[],
+                              error=pytest.fail)
+    hf = finetune.read_config(args)
+    out = capsys.readouterr().out
+    assert hf["rope_interleaved"] is False
+    assert "notice:" in out and "is_llama_config=True" in out and "rope_interleaved" in out

@@ -139,3 +139,99 @@ def test_hf_config_says_the_files_dtype_in_the_keys_transformers_writes(tmp_path
     llama.save_hf_checkpoint(params, CFG, tmp_path / "bf16", dtype=ml_dtypes.bfloat16)
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
+
+
+# --- issue 51: checkpoints as the Hub ships them -----------------------------------------
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "hf"
+
+
+def _hub_copy(tmp_path, head=None, config=None, inv_freq=True):
+    """The qwen2 fixture (tied embeddings, transformers' save_pretrained) as one file
+    plus what Hub checkpoints carry: an lm_head.weight (``head(embedding)``), old
+    per-layer rotary_emb.inv_freq buffers, nanotron's config keys."""
+    from safetensors.numpy import save_file
+
+    src = FIXTURES / "qwen2" / "fp32"
+    tensors = llama.read_hf_checkpoint(src)
+    if head is not None:
+        tensors["lm_head.weight"] = head(tensors["model.embed_tokens.weight"])
+    for i in range(2 if inv_freq else 0):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf = json.loads((src / "config.json").read_text())
+    hf.update(config or {})
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return tmp_path, tensors
+
+
+def test_hub_checkpoint_loads_as_transformers_does(tmp_path):
+    """A tied model whose files also hold lm_head.weight (equal to the embedding), old
+    inv_freq buffers and SmolLM2's nanotron keys: loaded with a notice each, its logits
+    those transformers recorded for the fixture without them."""
+    from zerojax.models.hf.config import HFNotice
+
+    path, _ = _hub_copy(tmp_path, head=np.copy, config=dict(
+        is_llama_config=True, rope_interleaved=True))
+    recorded = np.load(FIXTURES / "qwen2" / "logits.npz")
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3)
+    with pytest.warns(HFNotice) as notes:
+        model, params = zerojax.load_hf(path, opt, remat=False)
+    said = " ".join(str(n.message) for n in notes)
+    for words in ("is_llama_config=True", "rope_interleaved=True", "2 rotary_emb.inv_freq",
+                  "lm_head.weight equals model.embed_tokens.weight"):
+        assert words in said, said
+    assert model.config.tie_embeddings
+    params = jax.tree.map(np.asarray, params)  # one device's forward: compiles once
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, recorded["tokens"]))
+    # tests/test_hf_families.py's bound (measured there: 3.7e-6)
+    assert np.abs(logits - recorded["fp32"]).max() < 2.5e-5
+
+
+def test_tied_head_that_differs_loads_untied_as_transformers_5(tmp_path):
+    """transformers 5 (PreTrainedModel.tie_weights in from_pretrained): both tied keys
+    present with different values -> warned, NOT tied. load_hf loads the file's head
+    untied; load_hf_llama of a tied model refuses, naming the tensor."""
+    from zerojax.models.hf.config import HFNotice
+
+    path, tensors = _hub_copy(tmp_path, head=lambda e: 2 * e, inv_freq=False)
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3)
+    with pytest.warns(HFNotice, match="loaded untied"):
+        model, params = zerojax.load_hf(path, opt)
+    assert not model.config.tie_embeddings
+    np.testing.assert_array_equal(np.asarray(params["decoder"]["logits_dense"]["kernel"]),
+                                  tensors["lm_head.weight"].T)
+    tied = llama.Llama(llama.LlamaConfig.from_hf(path))
+    with pytest.raises(ValueError, match="lm_head.weight that differs from "
+                                         "model.embed_tokens.weight.*tie_embeddings=False"):
+        llama.load_hf_llama(path, tied, shardings=opt)
+
+
+def test_a_model_axis_that_does_not_divide_the_vocabulary_is_named(tmp_path):
+    """vocab 66 on model=4 (8 devices): refused before any read, naming vocab_size, the
+    axis size and the nearest degree that fits (2; 1 and 2 fit); model=2 loads."""
+    cfg = llama.LlamaConfig(vocab=66, seq=16, layers=1, hidden=32, heads=4, kv_heads=2,
+                            mlp_hidden=64)
+    params = _random_params(cfg)
+    llama.save_hf_checkpoint(params, cfg, tmp_path)
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=2, model=4), stage=3)
+    with pytest.raises(ValueError, match=r"vocab_size=66 does not divide by the 'model' "
+                                         r"axis of size 4 \(--mp 4 .*fit this model on 8 "
+                                         r"devices: 1, 2; the nearest is 2"):
+        zerojax.load_hf(tmp_path, opt)
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=4, model=2), stage=3)
+    _, got = zerojax.load_hf(tmp_path, opt)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, params)
+
+
+def test_pickle_only_folders_and_bad_json_are_named(tmp_path):
+    from zerojax.io.formats import checkpoint_files
+
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80")
+    with pytest.raises(ValueError, match=r"holds pytorch_model.bin .*a .bin is not read.*"
+                                         r"save_pretrained\(OUT, safe_serialization=True\)"):
+        checkpoint_files(tmp_path)
+    (tmp_path / "config.json").write_text('{"vocab_size": 64,\n "x": ,}')
+    with pytest.raises(ValueError, match=r"config.json is not JSON: Expecting value at "
+                                         r"line 2 column 7"):
+        llama.LlamaConfig.from_hf(tmp_path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the directory the fine-tuned model is exported to (Hugging Face "
                         "layout, config.json and tokenizer files beside it)")
     p.add_argument("--text-key", default="text", help="the JSONL field holding the text")
+    p.add_argument("--ignore-key", action="append", default=[], metavar="KEY",
+                   help="a config.json key you know changes nothing in transformers "
+                        "(the loader refuses keys it does not know; repeat for several)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
     g.add_argument("--devices", type=device_count, default=8,
@@ -174,6 +178,50 @@ def files_dtype(checkpoint: str) -> str:
     return max(counts, key=counts.get) if counts else "float32"
 
 
+def read_config(args: argparse.Namespace) -> dict:
+    """The checkpoint's ``config.json``, read and checked as the loader will read it
+    (:meth:`zerojax.models.llama.LlamaConfig.from_hf`): a file that is not JSON, a
+    ``model_type`` zerojax does not compute, a key it does not know, each one line
+    naming the file (exit 2); keys transformers ignores, a notice."""
+    from zerojax.models.hf.config import config_fields, ignored_keys, read_hf_config
+
+    path = os.path.join(args.checkpoint, "config.json")
+    try:
+        hf = read_hf_config(path)
+        config_fields(hf, ignore_keys=args.ignore_key, owner=path)
+    except ValueError as e:
+        args.error(re.sub(r"pass ignore_keys=\('([^']*)',\)", r"pass --ignore-key \1",
+                          str(e)))
+    for note in ignored_keys(hf):
+        print(f"zerojax finetune: notice: {path}: {note}: transformers does not read it; "
+              "ignored", flush=True)
+    return hf
+
+
+def load(args: argparse.Namespace, opt, fn, **kw):
+    """``fn(checkpoint, opt, **kw)`` with the loader's refusals as one line naming the
+    file (exit 2) and its notices (:class:`zerojax.models.hf.config.HFNotice`) printed
+    as ``notice:`` lines."""
+    import warnings
+
+    from zerojax.models.hf.config import HFNotice
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", HFNotice)
+        try:
+            out = fn(args.checkpoint, opt, **kw)
+        except (ValueError, OSError) as e:
+            text = " ".join(str(e).split())
+            args.error(text if args.checkpoint in text else f"{args.checkpoint}: {text}")
+    for w in caught:
+        if issubclass(w.category, HFNotice):
+            if "LlamaConfig.from_hf" not in str(w.message):  # read_config said it
+                print(f"zerojax finetune: notice: {w.message}", flush=True)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out
+
+
 def save_plot(path: str, losses: list[float], first: int, args) -> None:
     import matplotlib
 
@@ -210,8 +258,7 @@ def run(args: argparse.Namespace) -> int:
         args.error(f"--devices {args.devices}, but jax has {len(jax.devices())} devices "
                    "(it started with another count); pass --devices "
                    f"{len(jax.devices())}")
-    with open(os.path.join(args.checkpoint, "config.json")) as f:
-        hf = json.load(f)
+    hf = read_config(args)
     try:
         ids = token_ids(args.checkpoint, args.data, args.text_key, hf)
     except ValueError as e:
@@ -221,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
                    f"{args.seq + 2}; give more text or a shorter --seq")
     mesh = zerojax.make_mesh(data=args.devices // args.mp, model=args.mp)
     opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage)
-    model, params = llama.load_hf(args.checkpoint, opt, seq=args.seq,
-                                  dtype=jnp.dtype(args.compute_dtype))
+    model, params = load(args, opt, llama.load_hf, seq=args.seq,
+                         dtype=jnp.dtype(args.compute_dtype))
     config = model.config
     print(f"loaded {args.checkpoint}: {llama.llama_param_count(config) / 1e6:.2f}M params, "
           f"{config.layers} layers, vocab {config.vocab}; {len(ids):,} tokens of "
@@ -261,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         if args.png:
             save_plot(args.png, losses, first, args)
             print(f"wrote {args.png}")
-    dtype = args.dtype or files_dtype(args.checkpoint)
+    dtype = args.dtype or load(args, None, lambda path, _: files_dtype(path))
     os.makedirs(args.out, exist_ok=True)
     index = zerojax.export_params(opt.full_params(state, "split"), args.out, format="hf",
                                   mapping=llama.hf_llama_mapping(config),

@@ -297,6 +297,15 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, TensorInfo]:
             path = os.path.join(path, INDEX_NAME)
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))
+                             and f.startswith(("pytorch_model", "model")))
+            if not files and pickles:
+                raise ValueError(
+                    f"{path} holds {_first(pickles)} (PyTorch pickle weights) and no "
+                    f".safetensors files: zerojax reads safetensors only (a .bin is not "
+                    f"read). Convert it once with transformers: AutoModelForCausalLM."
+                    f"from_pretrained({path!r}).save_pretrained(OUT, "
+                    f"safe_serialization=True), then pass OUT.")
             if len(files) != 1:
                 raise ValueError(
                     f"{path} holds no {INDEX_NAME} and {len(files)} .safetensors files "

@@ -109,6 +109,9 @@ from zerojax.models.hf.config import (  # noqa: F401 (ROPE_TYPES: re-exported)
     ROPE_TYPES,
     config_fields,
     config_to_hf,
+    ignored_keys,
+    notice,
+    read_hf_config,
 )
 from zerojax.models.hf.families import FAMILIES
 from zerojax.models.hf.files import (  # noqa: F401 (the HF names, re-exported: issue 52)
@@ -116,6 +119,7 @@ from zerojax.models.hf.files import (  # noqa: F401 (the HF names, re-exported: 
     load_hf_llama,
     read_hf_checkpoint,
     save_hf_checkpoint,
+    tied_head_differs,
 )
 from zerojax.models.hf.tensors import (  # noqa: F401 (re-exported)
     HFTensor,
@@ -268,10 +272,19 @@ class LlamaConfig(DecoderSpec):
         sliding attention in some layers only, a key this decoder does not know.
         ``ignore_keys``: keys you know do not change the function (they are then not
         refused). Keys that never do (token ids, ``initializer_range``, generation
-        settings, ``torch_dtype``) are skipped. The family's table says what is read
+        settings, ``torch_dtype``) are skipped; keys transformers keeps but never reads
+        (:data:`zerojax.models.hf.families.IGNORED_KEYS`: nanotron's ``is_llama_config``
+        and ``rope_interleaved``) are skipped with a
+        :class:`~zerojax.models.hf.config.HFNotice` warning. The family's table says what is read
         (:mod:`zerojax.models.hf.families`; :func:`zerojax.models.hf.config.config_fields`
         reads it)."""
-        return cls(**{**config_fields(hf, ignore_keys=ignore_keys), **overrides})
+        hf = read_hf_config(hf)
+        config = cls(**{**config_fields(hf, ignore_keys=ignore_keys), **overrides})
+        ignored = ignored_keys(hf) if isinstance(hf, dict) else []
+        if ignored:
+            notice(f"LlamaConfig.from_hf: {'; '.join(ignored)}: keys transformers does not "
+                   "read, ignored as it ignores them")
+        return config
 
     def to_hf(self, torch_dtype: str = "float32") -> dict:
         """This config as a Hugging Face ``config.json`` of its family (``model_type``
@@ -593,13 +606,29 @@ def load_hf(path: str | os.PathLike, opt: Any, *, strict: bool = True,
     any tensor is read); ``config_overrides`` set this module's own options
     (``dtype``, ``remat``, ``seq``, ...). A tensor the file lacks is refused, named;
     ``strict=False`` only lets the file hold tensors the model does not take.
-    ``buffer_bytes`` bounds each read (:func:`zerojax.load.load_params`)."""
+    ``buffer_bytes`` bounds each read (:func:`zerojax.load.load_params`).
+
+    Checkpoints as the Hub ships them load as ``transformers`` loads them, each with a
+    :class:`~zerojax.models.hf.config.HFNotice` warning: config keys it never reads
+    (:data:`zerojax.models.hf.families.IGNORED_KEYS`), old ``rotary_emb.inv_freq``
+    buffers (not read), a tied model's ``lm_head.weight`` equal to the embedding (not
+    read) or different from it (the model loaded untied, the file's head: what
+    transformers 5 does). A model axis that does not divide a split dimension (a
+    vocabulary of 32001 on ``model=2``) is refused naming the config key and the
+    nearest model degree that fits (:func:`zerojax.models.hf.files.check_model_degree`).
+    """
     path = os.fspath(path)
     root = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if not os.path.exists(os.path.join(root, "config.json")):
         raise ValueError(f"load_hf: {root} has no config.json; pass the checkpoint's "
                          "directory as transformers' save_pretrained writes it (or build "
                          "the model yourself and call load_hf_llama).")
-    model = Llama(LlamaConfig.from_hf(root, **config_overrides))
+    config = LlamaConfig.from_hf(root, **config_overrides)
+    if tied_head_differs(path, config):  # transformers 5 unties it too
+        notice(f"load_hf: {root}'s config.json says tie_word_embeddings, but its "
+               "lm_head.weight differs from model.embed_tokens.weight: loaded untied (the "
+               "file's head), as transformers does (it warns and does not tie them)")
+        config = dataclasses.replace(config, tie_embeddings=False)
+    model = Llama(config)
     options = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
     return model, load_hf_llama(path, model, shardings=opt, strict=strict, **options)

@@ -12,13 +12,31 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
-from zerojax.models.hf.families import COMMON_KEYS, FAMILIES, INERT_KEYS, NEEDED_KEYS
+from zerojax.models.hf.families import (
+    COMMON_KEYS,
+    FAMILIES,
+    IGNORED_KEYS,
+    INERT_KEYS,
+    NEEDED_KEYS,
+)
 
 INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
+
+
+class HFNotice(UserWarning):
+    """What a checkpoint holds that ``transformers`` too ignores or drops, loaded
+    anyway (a config key it never reads, a tied head's duplicate, old ``inv_freq``
+    buffers): the loader's notices. ``zerojax finetune`` prints them as
+    ``notice:`` lines."""
+
+
+def notice(text: str, stacklevel: int = 3) -> None:
+    warnings.warn(HFNotice(text), stacklevel=stacklevel)
 
 
 def read_hf_config(hf) -> dict:
@@ -30,7 +48,17 @@ def read_hf_config(hf) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e.msg} at line {e.lineno} column "
+                             f"{e.colno}; fix the file or download it again") from None
+
+
+def ignored_keys(hf: dict) -> list[str]:
+    """The keys of ``hf`` that transformers ignores (:data:`IGNORED_KEYS`), each with
+    what it is: the notice :meth:`LlamaConfig.from_hf` gives."""
+    return [f"{k}={hf[k]!r} ({IGNORED_KEYS[k]})" for k in hf if k in IGNORED_KEYS]
 
 
 def rope(hf: dict, problems: list) -> tuple[float, tuple | None]:
@@ -157,7 +185,7 @@ def config_fields(hf, *, ignore_keys=(), owner: str = "LlamaConfig.from_hf") -> 
         raise ValueError(f"{owner}: the config lacks {', '.join(lacking)}; "
                          f"pass a {fam.architecture} config.json (it has {sorted(hf)})")
     problems = []
-    known = INERT_KEYS | COMMON_KEYS | fam.keys | set(ignore_keys)
+    known = INERT_KEYS | COMMON_KEYS | fam.keys | set(IGNORED_KEYS) | set(ignore_keys)
     for key in hf:
         if key not in known:
             problems.append(f"{key}={hf[key]!r} (a key zerojax's {family} decoder does "

@@ -50,6 +50,18 @@ forced_bos_token_id forced_eos_token_id remove_invalid_values
 exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
 pretraining_tp
 """.split())
+# keys other tools write that transformers' config classes keep as plain attributes and
+# no transformers model code reads (issue 51): accepted with a notice, for every family.
+# How it was checked: transformers' configuration_llama.py (5.x, the @strict dataclass:
+# its fields are the keys above) has neither; modeling_llama / modeling_mistral /
+# modeling_qwen2 / modeling_qwen3 read neither (rotary embeddings there are always
+# rotate-half); PreTrainedConfig stores unknown kwargs with setattr. The issue's run:
+# SmolLM2's config with rope_interleaved true gives transformers' same logits.
+IGNORED_KEYS = {
+    "is_llama_config": "nanotron's export marker (SmolLM2)",
+    "rope_interleaved": "nanotron's rotary layout flag (SmolLM2); transformers' "
+                        "rotary embeddings are rotate-half whatever it says",
+}
 # keys whose value is computed (read by zerojax.models.hf.config), every family
 COMMON_KEYS = frozenset("""
 vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads

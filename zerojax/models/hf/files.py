@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from zerojax.io.formats import checkpoint_files, read_region
 from zerojax.models.gpt import init_variables
+from zerojax.models.hf.config import notice
 from zerojax.models.hf.tensors import hf_from_params, hf_rename
 
 
@@ -45,12 +49,125 @@ def load_hf_llama(path: str | os.PathLike, model, *, shardings: Any = None,
     boxed = init_variables(model, 0, _dummy_tokens(model), abstract=True)["params"]
     like, specs = nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
     if isinstance(shardings, ZeroOptimizer):
+        check_model_degree(like, specs, shardings.mesh, model.config)
         opt, shardings = shardings, shardings.input_shardings(like, specs)
         opt._remember(like, specs)
     elif shardings is not None:
         _check_model_split(like, specs, shardings)
-    return ld.load_params(path, like, shardings=shardings, rename=hf_rename(model.config),
+    rename = hf_rename(model.config)
+    rename.update(dropped_tensors(path, model.config))
+    return ld.load_params(path, like, shardings=shardings, rename=rename,
                           strict=strict, **load_options)
+
+
+# old checkpoints' per-layer rotary buffers (transformers < 4.31 saved them; later
+# versions compute them and report the file's copies as unused, loading the rest)
+_INV_FREQ = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _equal_tensors(a, b, buffer_bytes: int = 64 << 20) -> bool:
+    """Whether two file tensors hold the same values (read a block of rows at a time)."""
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    rows = max(1, buffer_bytes // max(1, int(np.prod(a.shape[1:])) * a.dtype.itemsize))
+    fa, fb = os.open(a.file, os.O_RDONLY), os.open(b.file, os.O_RDONLY)
+    try:
+        for start in range(0, a.shape[0], rows):
+            region = ((start, min(start + rows, a.shape[0])),) + tuple(
+                (0, n) for n in a.shape[1:])
+            x, y = read_region(fa, a, region), read_region(fb, b, region)
+            if not np.array_equal(x.astype(np.float32), y.astype(np.float32)):
+                return False
+        return True
+    finally:
+        os.close(fa)
+        os.close(fb)
+
+
+def tied_head_differs(path: str | os.PathLike, config) -> bool:
+    """For a tied ``config`` whose files also hold ``lm_head.weight``: whether it
+    differs from ``model.embed_tokens.weight``. transformers 5 (``PreTrainedModel.
+    tie_weights`` in ``from_pretrained``) ties them when both are present and equal, and
+    when they differ warns and does NOT tie: the model has its own head, the file's
+    ``lm_head.weight``. :func:`zerojax.models.llama.load_hf` does the same (an untied
+    config, with a notice)."""
+    if not config.tie_embeddings:
+        return False
+    infos = checkpoint_files(path)
+    if HEAD not in infos or EMBED not in infos:
+        return False
+    return not _equal_tensors(infos[HEAD], infos[EMBED])
+
+
+def dropped_tensors(path: str | os.PathLike, config) -> dict:
+    """``{file tensor: None}`` (skip) for what transformers too drops on load, each with
+    a notice (:class:`~zerojax.models.hf.config.HFNotice`): old ``rotary_emb.inv_freq``
+    buffers (recomputed from ``rope_theta``), and a tied model's ``lm_head.weight``
+    when it equals the embedding. A tied ``config`` whose files hold a different
+    ``lm_head.weight`` is refused (transformers loads that model untied: build it with
+    ``tie_embeddings=False``, as :func:`zerojax.models.llama.load_hf` does)."""
+    infos = checkpoint_files(path)
+    out = {n: None for n in infos if _INV_FREQ.search(n)}
+    if out:
+        notice(f"{path}: {len(out)} rotary_emb.inv_freq buffer(s) ({sorted(out)[0]}, ...) "
+               "not read: transformers recomputes them from rope_theta and does not read "
+               "them either", stacklevel=4)
+    if config.tie_embeddings and HEAD in infos and EMBED in infos:
+        if not _equal_tensors(infos[HEAD], infos[EMBED]):
+            raise ValueError(
+                f"{path}: tie_word_embeddings is true but the files hold an lm_head.weight "
+                f"that differs from {EMBED}; transformers then loads the model untied (its "
+                "own head). Build the model with LlamaConfig(tie_embeddings=False), or "
+                "call load_hf(path, opt), which does.")
+        out[HEAD] = None
+        notice(f"{path}: lm_head.weight equals {EMBED} (tie_word_embeddings is true): "
+               "the duplicate is not read, as transformers ties it to the embedding",
+               stacklevel=4)
+    return out
+
+
+def _axis_dim_names(path: str, c) -> str:
+    """The config.json key behind a model-split dimension of the leaf at ``path``."""
+    if "token_embedder" in path or "logits_dense" in path:
+        return f"vocab_size={c.vocab}"
+    if "mlp" in path:
+        return f"intermediate_size={c.mlp_hidden}"
+    if "key" in path or "value" in path:
+        return f"num_key_value_heads x head_dim = {c.kv_heads} x {c.head_dim}"
+    return f"num_attention_heads x head_dim = {c.heads} x {c.head_dim}"
+
+
+def check_model_degree(like: Any, specs: Any, mesh, config) -> None:
+    """Refuse, before any read, a mesh whose model axis does not divide a dimension the
+    model's layout splits over it (a vocabulary of 32001 on ``model=2``), naming the
+    config key, the axis size, and the nearest model degree that fits the mesh's
+    devices and every split dimension. (zerojax does not pad the vocabulary: its
+    padded rows would need masking out of the softmax and dropping on export.)"""
+    from jax.sharding import PartitionSpec as P
+
+    sizes = dict(mesh.shape)
+    flat = jax.tree_util.tree_flatten_with_path(like)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    split = []  # (path, axis, dim size)
+    for (path, leaf), spec in zip(flat, spec_leaves):
+        for dim, axes in enumerate(tuple(spec)):
+            for a in (axes if isinstance(axes, tuple) else (axes,)):
+                if a is not None:
+                    split.append((jax.tree_util.keystr(path), a, leaf.shape[dim]))
+    for path, axis, n in split:
+        m = sizes.get(axis, 1)
+        if n % m:
+            total = int(np.prod(list(sizes.values())))
+            fits = [d for d in range(1, total + 1) if total % d == 0
+                    and all(k % d == 0 for _, b, k in split if b == axis)]
+            best = min(fits, key=lambda d: (abs(d - m), d))
+            raise ValueError(
+                f"{_axis_dim_names(path, config)} does not divide by the {axis!r} axis of "
+                f"size {m} (--mp {m} on the command line), which splits it ({path}). "
+                f"Model degrees that fit this model on {total} devices: "
+                f"{', '.join(map(str, fits))}; the nearest is {best} (make_mesh({axis}="
+                f"{best}), --mp {best}).")
 
 
 def _check_model_split(like: Any, specs: Any, shardings: Any) -> None:
