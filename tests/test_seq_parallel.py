@@ -317,7 +317,8 @@ def test_a_whole_sequence_model_on_a_seq_mesh_is_refused(data, family):
 def test_a_loss_that_never_crosses_the_seq_axis_is_warned_about():
     """A loss of the user's own (no zerojax config to read) traced on a seq mesh without
     any collective or axis_index over 'seq': a warning naming seq_axis and the fix, the
-    step still built (a per-token loss is right as it is); none for Ulysses' GPT."""
+    step still built (a per-token loss is right as it is), the warning pointing at the
+    caller's line; none for Ulysses' models (test_zero_step_equals_one_device)."""
     def per_token(p, batch):
         x, y = batch
         return optax.softmax_cross_entropy_with_integer_labels(p["e"][x], y).mean()
@@ -326,5 +327,6 @@ def test_a_loss_that_never_crosses_the_seq_axis_is_warned_about():
     state = opt.init_state({"e": jnp.zeros((64, 64))})
     toks = jnp.zeros((8, 16), jnp.int32)
     with pytest.warns(UserWarning, match=r"uses no collective or index over 'seq'.*"
-                                         r"GPTConfig\(\.\.\., seq_axis='seq'\)"):
+                                         r"GPTConfig\(\.\.\., seq_axis='seq'\)") as caught:
         opt.train_step(per_token).lower(state, (toks, toks))
+    assert caught[0].filename == __file__  # the user's line, not the step's

@@ -399,10 +399,24 @@ def trace_loss(loss_fn, axes: GradAxes, treedef, lays, batch, rng, has_aux: bool
             f"(GPTConfig(..., seq_axis={seq[0]!r})); a model of your own: attend across "
             f"{seq[0]!r} (zerojax.models.ulysses.ulysses_attention) and offset positions by "
             f"jax.lax.axis_index({seq[0]!r}); a per-token loss is right as it is.",
-            stacklevel=4)
+            stacklevel=_user_stacklevel())
     _split_out(out_shape, has_aux, weighted)
     return LossTrace(localize_constraints(closed, axes.manual), jax.tree.structure(out_shape),
                      local_struct, key_struct, remesh)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised in the caller that names the first frame
+    outside zerojax, jax and the standard library: the user's line that called the step."""
+    import os
+    import sys
+
+    inside = tuple(os.path.dirname(m.__file__) + os.sep
+                   for m in (sys.modules["zerojax"], jax, os))  # os: the standard library
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def uses_axis(jaxpr, axis: str) -> bool:
