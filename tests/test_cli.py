@@ -933,6 +933,9 @@ def test_issue51_shared_flags_mean_one_thing(monkeypatch):
         assert bench.parser().parse_args(["--stages", *spelling]).stages == want
         assert parse(["tune", "--stages", *spelling]).stages == want
     assert parse(["tune", "--stages", "all"]).stages == [0, 1, 2, 3] == parse(["tune"]).stages
+    estimate = ["estimate", "--params", "1B", "--stage"]  # estimate's --stage alike
+    assert parse([*estimate, "0", "3"]).stage == parse([*estimate, "0,3"]).stage == [0, 3]
+    assert parse(estimate[:-1]).stage == [0, 1, 2, 3]
     assert bench.parser().parse_args(["--warmup", "0"]).warmup == 0
     assert parse(["tune", "--warmup", "0"]).warmup == 0
     tune = parse(["tune", "--memory", "40GB"])

@@ -326,16 +326,6 @@ def grad_dtype_bytes(text: str) -> int:
     return dtype_bytes(text, allow_none=True)
 
 
-def stage_choice(text: str) -> list[int]:
-    if text == "all":
-        return [0, 1, 2, 3]
-    if text in ("0", "1", "2", "3"):
-        return [int(text)]
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a ZeRO stage; use 0 (plain data parallel), 1 (split optimizer "
-        "state), 2 (+ gradients), 3 (+ parameters) or all")
-
-
 def stage_items(text: str) -> list[int]:
     """One token of --stages: a stage (0-3), stages separated by commas, or all."""
     if text.strip().lower() == "all":
@@ -356,13 +346,15 @@ class _Stages(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         flat = [s for v in values for s in v]
         setattr(namespace, self.dest, list(dict.fromkeys(flat)))
+        namespace._given = set(getattr(namespace, "_given", ())) | {self.dest}
 
 
-def stages_argument(group, help: str) -> None:
-    """--stages, one convention in every command (bench, tune): stages separated by
-    spaces or commas (``0 1``, ``0,1``, ``0, 1``) or all; default all."""
-    group.add_argument("--stages", nargs="+", type=stage_items, action=_Stages,
-                       default=[0, 1, 2, 3], metavar="STAGE",
+def stages_argument(group, help: str, flag: str = "--stages") -> None:
+    """--stages (estimate's --stage), one convention in every command that takes
+    several (bench, tune, estimate): stages separated by spaces or commas (``0 1``,
+    ``0,1``, ``0, 1``) or all; default all."""
+    group.add_argument(flag, nargs="+", type=stage_items, action=_Stages,
+                       default=[0, 1, 2, 3], metavar="STAGE", dest=flag[2:],
                        help=f"{help}: 0-3, separated by spaces or commas (0 1 or 0,1), or "
                             "all (default: all)")
 

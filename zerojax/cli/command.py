@@ -42,7 +42,7 @@ from zerojax.cli.args import (
     positive_int,
     reserve_size,
     split_negative_values,
-    stage_choice,
+    stages_argument,
     table,
 )
 
@@ -917,8 +917,7 @@ def _estimate_command(command) -> None:
         "GPT-style transformer.", ESTIMATE_EPILOG)
     est.add_argument("--params", "-p", type=parameter_count, default=None, metavar="PSI",
                      help="parameter count Psi: 7.5B, 340M, 1.5e9, ...")
-    est.add_argument("--stage", type=stage_choice, default="all",
-                     help="ZeRO stage 0-3, or all")
+    stages_argument(est, "the ZeRO stages to estimate", flag="--stage")
     _bytes_arguments(est)
     from zerojax.analysis.plan import OPTIMIZER_NAMES as _OPTIMIZERS
 
