@@ -216,10 +216,14 @@ def test_finetune_prints_the_loaders_notices(hf_dir, tmp_path, capsys):
 
     _, ckpt, _ = hf_dir
     shutil.copytree(ckpt, tmp_path / "c")
-    _edit_config(is_llama_config=True, rope_interleaved=False)(tmp_path / "c")
-    args = argparse.Namespace(checkpoint=str(tmp_path / "c"), ignore_key=[],
+    _edit_config(is_llama_config=True, rope_interleaved=False, frobnicate=3)(tmp_path / "c")
+    args = argparse.Namespace(checkpoint=str(tmp_path / "c"), ignore_key=["frobnicate"],
                               error=pytest.fail)
     hf = finetune.read_config(args)
     out = capsys.readouterr().out
     assert hf["rope_interleaved"] is False
     assert "notice:" in out and "is_llama_config=True" in out and "rope_interleaved" in out
+    # --ignore-key reaches the loader too (run() passes it as load_hf's ignore_keys)
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3)
+    model, _ = finetune.load(args, opt, llama.load_hf, ignore_keys=("frobnicate",))
+    assert model.config.vocab == 64

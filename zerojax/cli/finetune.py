@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the directory the fine-tuned model is exported to (Hugging Face "
                         "layout, config.json and tokenizer files beside it)")
     p.add_argument("--text-key", default="text", help="the JSONL field holding the text")
-    p.add_argument("--ignore-key", action="append", default=[], metavar="KEY",
+    p.add_argument("--ignore-key", action="append", default=None, metavar="KEY",
                    help="a config.json key you know changes nothing in transformers "
                         "(the loader refuses keys it does not know; repeat for several)")
     g = p.add_argument_group("parallelism")
@@ -188,7 +188,7 @@ def read_config(args: argparse.Namespace) -> dict:
     path = os.path.join(args.checkpoint, "config.json")
     try:
         hf = read_hf_config(path)
-        config_fields(hf, ignore_keys=args.ignore_key, owner=path)
+        config_fields(hf, ignore_keys=args.ignore_key or (), owner=path)
     except ValueError as e:
         args.error(re.sub(r"pass ignore_keys=\('([^']*)',\)", r"pass --ignore-key \1",
                           str(e)))
@@ -269,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
     mesh = zerojax.make_mesh(data=args.devices // args.mp, model=args.mp)
     opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage)
     model, params = load(args, opt, llama.load_hf, seq=args.seq,
-                         dtype=jnp.dtype(args.compute_dtype))
+                         dtype=jnp.dtype(args.compute_dtype),
+                         ignore_keys=tuple(args.ignore_key or ()))
     config = model.config
     print(f"loaded {args.checkpoint}: {llama.llama_param_count(config) / 1e6:.2f}M params, "
           f"{config.layers} layers, vocab {config.vocab}; {len(ids):,} tokens of "
