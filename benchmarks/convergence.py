@@ -21,10 +21,12 @@ for int4 gradients (``--variants``, run on the ``rtn b2048`` modes) patch
 (int4 block size), ``sr`` (stochastic rounding), ``small=T`` (leaves under T elements
 reduced exactly) and ``ef`` (error feedback, see :func:`run`).
 
-Issue 50's modes: ``offload stage 3`` (``offload_optimizer=True``) and ``offload stage 3 +
+Issue 50's modes: ``offload stage 3`` (``offload_optimizer=True``), ``offload stage 3 +
 delayed_update`` (DeepSpeed's delayed parameter update: every update applies the
 previous step's gradients; the first of the ``--steps`` calls only computes gradients,
-so it makes one update fewer); a second table gives every mode's held-out and training
+so it makes one update fewer) and ``... after warm-up`` (the first 10% of the steps,
+the schedule's warm-up, by an optimizer without it, then one with it on the same
+state); a second table gives every mode's held-out and training
 losses at the evaluation points side by side.
 
 ``nice -n 15 python benchmarks/convergence.py`` (the figures in benchmarks/README.md,
@@ -77,6 +79,9 @@ MODES.update({
     "offload stage 3": ("8", dict(stage=3, offload_optimizer=True)),
     "offload stage 3 + delayed_update": ("8", dict(stage=3, offload_optimizer=True,
                                                    delayed_update=True)),
+    # the first 10% of the steps (the schedule's warm-up) without it, then with it
+    "offload stage 3 + delayed_update after warm-up": (
+        "8", dict(stage=3, offload_optimizer=True, delayed_update="after warm-up")),
 })
 DEFAULT_MODES = list(MODES)
 REFERENCE, FLOOR = "exact stage 3", "exact stage 0 (floor)"
@@ -173,6 +178,12 @@ def run(args, name: str, seed: int, parts, var: str | None = None) -> dict:
     corpus, model, init_fn, loss_fn = parts
     kind, options = MODES[name]
     dargs = demo_args(args, seed)
+    # delayed_update="after warm-up": an optimizer without it for the schedule's warm-up
+    # steps, then one with it, on the same state (the first delayed step only computes
+    # gradients: one update fewer)
+    switch = args.steps // 10 if options.get("delayed_update") == "after warm-up" else None
+    if switch is not None:
+        options = {**options, "delayed_update": False}
     opt = zerojax.zero(demo.make_optimizer(dargs), mesh_of(kind), **options)
     t0 = time.perf_counter()
     evals = {}
@@ -180,8 +191,15 @@ def run(args, name: str, seed: int, parts, var: str | None = None) -> dict:
     with variant(var):
         state = opt.init_sharded(init_fn, jax.random.key(seed))
         step = opt.train_step(loss_fn)
+        if switch is not None:
+            later = zerojax.zero(demo.make_optimizer(dargs), mesh_of(kind),
+                                 **{**options, "delayed_update": True})
+            later.init_sharded(init_fn, jax.random.key(seed))  # it learns the params tree
+            later_step = later.train_step(loss_fn)
         losses = []
         for i in range(args.steps):
+            if i == switch:
+                step = later_step
             state, metrics = step(state, demo.batch_at(corpus.train, i, args.batch, args.seq,
                                                        seed))
             losses.append(metrics["loss"])
