@@ -481,7 +481,8 @@ def _head(model, params):
     return params["decoder"]["logits_dense"]["kernel"], False
 
 
-def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None):
+def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None,
+            with_aux: bool = False):
     """``loss_fn(params, tokens)``: mean next-token cross-entropy, a float32 scalar.
 
     ``tokens`` is an int array of shape ``(batch, t + 1)`` with ``1 <= t <= seq``,
@@ -507,9 +508,21 @@ def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None):
     targets already shifted (:func:`shift_tokens`); each device gets its slice of all
     three, and the step's mean over devices (``weighted``: ``sum(loss_sum) /
     sum(weight)`` over every device) is the loss over whole sequences.
+
+    A mixture of experts (``LlamaConfig.experts > 0``): the load-balancing loss of
+    the device's tokens (:func:`zerojax.models.moe.aux_loss`; with ``weighted``, the
+    tokens of nonzero weight, as transformers' ``attention_mask``), times
+    ``router_aux_loss_coef``, is added to the loss when ``router_aux_loss`` is set
+    (with ``weighted``: to ``loss_sum`` times ``weight_sum``, so the step's loss is
+    the cross-entropy plus the coefficient times the weighted mean of the devices'
+    aux losses). ``with_aux=True`` returns ``(loss, aux)`` for ``train_step(has_aux=
+    True)``: ``aux`` holds ``router_aux_loss`` (the aux loss, float32) and
+    ``dropped_tokens`` (the (token, expert) assignments over capacity, summed over
+    the layers; 0 when dropless); an empty dict for a dense model.
     """
     tiles = getattr(model.config, "vocab_tiles", None)
     split = model.config.seq_axis is not None
+    moe_coef = _moe_coef(model.config)
 
     def loss_fn(params: Any, batch) -> Any:
         if split:
@@ -526,23 +539,50 @@ def lm_loss(model: GPT, *, weighted: bool = False, mesh: Any = None):
             raise ValueError(f"lm_loss(weighted=True) expects {what} with "
                              f"weights of shape (batch, t) = {inputs.shape}, got "
                              f"{jnp.shape(weights)}")
+        out, aux = _forward(model, params, inputs, weights, tiles is not None)
         if tiles is not None:
             from zerojax.core.tiling import lm_head_loss
 
-            hidden = model.apply({"params": params}, inputs, hidden_only=True)
             head, tied = _head(model, params)
             loss_sum, weight_sum = lm_head_loss(
-                hidden, head, targets, weights=weights, tied=tied, tiles=tiles,
+                out, head, targets, weights=weights, tied=tied, tiles=tiles,
                 dtype=model.config.dtype, mesh=mesh)
-            return (loss_sum, weight_sum) if weighted else loss_sum / weight_sum
-        logits = model.apply({"params": params}, inputs)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        if weighted:
-            weights = jnp.asarray(weights, jnp.float32)
-            return jnp.sum(losses * weights, dtype=jnp.float32), jnp.sum(weights)
-        return jnp.mean(losses, dtype=jnp.float32)
+            loss = (loss_sum, weight_sum) if weighted else loss_sum / weight_sum
+        else:
+            losses = optax.softmax_cross_entropy_with_integer_labels(out, targets)
+            if weighted:
+                weights = jnp.asarray(weights, jnp.float32)
+                loss = jnp.sum(losses * weights, dtype=jnp.float32), jnp.sum(weights)
+            else:
+                loss = jnp.mean(losses, dtype=jnp.float32)
+        if aux and moe_coef:
+            extra = moe_coef * aux["router_aux_loss"]
+            loss = (loss[0] + extra * loss[1], loss[1]) if weighted else loss + extra
+        return (loss, aux) if with_aux else loss
 
     return loss_fn
+
+
+def _moe_coef(config) -> float:
+    """The aux loss's coefficient in the loss (0 for a dense model, or when
+    ``router_aux_loss`` is off)."""
+    if not getattr(config, "experts", 0) or not config.router_aux_loss:
+        return 0.0
+    return float(config.router_aux_loss_coef)
+
+
+def _forward(model, params, inputs, weights, hidden_only: bool):
+    """``(logits or hidden states, aux dict)`` of the model on ``inputs``; the aux
+    dict of a mixture of experts (:func:`lm_loss`'s ``with_aux``), else empty."""
+    variables = {"params": params}
+    if not getattr(model.config, "experts", 0):
+        return model.apply(variables, inputs, hidden_only=hidden_only), {}
+    from zerojax.models.moe import aux_loss
+
+    mask = None if weights is None else (jnp.asarray(weights) > 0).astype(jnp.float32)
+    out, stats = model.apply(variables, inputs, hidden_only=hidden_only, router_mask=mask,
+                             with_aux=True)
+    return out, {"router_aux_loss": aux_loss(stats), "dropped_tokens": stats["dropped"]}
 
 
 def _pairs(batch, weighted: bool):

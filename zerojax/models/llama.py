@@ -90,6 +90,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax.core.activations import checkpoint_policy
 from zerojax.core.modelspec import DecoderSpec, Shape, check_kv_heads
 from zerojax.models.blockwise import blockwise_attention
+from zerojax.models.moe import MoEBlock, sum_stats
 from zerojax.models.gpt import (
     MLP_IN,
     MLP_OUT,
@@ -204,6 +205,16 @@ class LlamaConfig(DecoderSpec):
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    # mixture of experts (zerojax.models.moe): experts > 0 replaces every layer's MLP
+    experts: int = 0
+    experts_per_token: int = 2
+    moe_hidden: int | None = None
+    norm_topk_prob: bool = True
+    shared_expert_hidden: int | None = None
+    router_dtype: Any = jnp.float32
+    router_aux_loss: bool = True
+    router_aux_loss_coef: float = 0.001
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -235,6 +246,7 @@ class LlamaConfig(DecoderSpec):
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"LlamaConfig.sliding_window must be None or an int >= 1 (the "
                              f"positions each query sees), got {w!r}")
+        self._check_moe()
         r = self.rope_llama3
         if r is not None:
             if (not isinstance(r, tuple) or len(r) != 4
@@ -244,6 +256,52 @@ class LlamaConfig(DecoderSpec):
                     f"LlamaConfig.rope_llama3 must be None or (factor, low_freq_factor, "
                     f"high_freq_factor, original_max_position_embeddings), positive, "
                     f"high_freq_factor > low_freq_factor, got {r!r}")
+
+    def _check_moe(self) -> None:
+        """The mixture-of-experts fields, each error naming the field and value."""
+        from zerojax.core.modelspec import check_int
+
+        check_int("LlamaConfig.experts", self.experts, minimum=0,
+                  hint="0: a dense MLP in every layer")
+        if self.moe_hidden is None:
+            object.__setattr__(self, "moe_hidden", self.mlp_hidden)
+        if not self.experts:
+            return
+        check_int("LlamaConfig.experts_per_token", self.experts_per_token,
+                  hint="the experts each token is routed to, top-k")
+        if self.experts_per_token > self.experts:
+            raise ValueError(f"LlamaConfig.experts_per_token={self.experts_per_token} is "
+                             f"more than experts={self.experts}; pick k <= experts")
+        check_int("LlamaConfig.moe_hidden", self.moe_hidden, hint="each expert's width")
+        if self.shared_expert_hidden is not None:
+            check_int("LlamaConfig.shared_expert_hidden", self.shared_expert_hidden,
+                      hint="None, or the shared expert's width (Qwen2-MoE)")
+        for name in ("norm_topk_prob", "router_aux_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, "
+                             f"got {coef!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                               or cf <= 0):
+            raise ValueError(f"LlamaConfig.capacity_factor must be None (dropless) or a "
+                             f"number > 0, got {cf!r}")
+        if self.router_dtype is not None:
+            try:
+                ok = jnp.issubdtype(jnp.dtype(self.router_dtype), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"LlamaConfig.router_dtype must be a floating dtype "
+                                 f"(float32) or None (the compute dtype), got "
+                                 f"{self.router_dtype!r}")
+        if self.mlp_tiles is not None:
+            raise ValueError(f"LlamaConfig.mlp_tiles={self.mlp_tiles} with experts="
+                             f"{self.experts}: the tiled MLP is the dense SwiGLU's; set "
+                             f"mlp_tiles=None for a mixture of experts")
 
     @property
     def shape(self) -> Shape:
@@ -489,19 +547,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-RMSNorm Llama block; ``(x, _) -> (x, None)`` for ``nn.scan``."""
+    """One pre-RMSNorm Llama block; ``(x, _) -> (x, None)`` for ``nn.scan``. With
+    experts: ``((x, mask), _) -> ((x, mask), stats)``, ``mask`` the aux loss's token
+    weights (or None), ``stats`` the router's (:func:`zerojax.models.moe.router_stats`)."""
 
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, x, _):
+    def __call__(self, carry, _):
         cfg = self.config
+        x, mask = carry if cfg.experts else (carry, None)
         x = block_input(cfg, x)
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="pre_self_attention_layer_norm")(x)
         x = x + SelfAttention(cfg, name="self_attention")(h)
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="post_self_attention_layer_norm")(x)
-        x = x + MLP(cfg, name="mlp")(h)
-        return _constrain(cfg, x), None
+        if not cfg.experts:
+            return _constrain(cfg, x + MLP(cfg, name="mlp")(h)), None
+        y, stats = MoEBlock(cfg, name="mlp")(h, mask)
+        return (_constrain(cfg, x + y), mask), stats
 
 
 class Decoder(nn.Module):
@@ -511,35 +574,47 @@ class Decoder(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, x, hidden_only: bool = False):
+    def __call__(self, x, hidden_only: bool = False, router_mask=None):
+        """The logits (or hidden states), and with experts also the router stats
+        summed over the layers (:func:`zerojax.models.moe.sum_stats`)."""
         cfg = self.config
         policy = None if cfg.remat_policy == "full" else checkpoint_policy(cfg.remat_policy)
+        carry = (x, router_mask) if cfg.experts else x
         if cfg.scan:
             layer = (nn.remat(DecoderLayer, prevent_cse=False, policy=policy) if cfg.remat
                      else DecoderLayer)
             stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=cfg.layers, metadata_params={nn.PARTITION_NAME: None})
-            x, _ = stack(cfg, name="layers")(x, None)
+            carry, stats = stack(cfg, name="layers")(carry, None)
         else:
             layer = nn.remat(DecoderLayer, policy=policy) if cfg.remat else DecoderLayer
+            stats = []
             for i in range(cfg.layers):
-                x, _ = layer(cfg, name=f"layers_{i}")(x, None)
+                carry, s = layer(cfg, name=f"layers_{i}")(carry, None)
+                stats.append(s)
+            stats = stats if cfg.experts else None
+        x = carry[0] if cfg.experts else carry
         x = RMSNorm(cfg.norm_eps, cfg.dtype, name="decoder_norm")(x)
-        if hidden_only or cfg.tie_embeddings:  # the head left to the caller
-            return x
-        return _dense(cfg, cfg.vocab, (None, "model"), "logits_dense")(x).astype(jnp.float32)
+        if not (hidden_only or cfg.tie_embeddings):
+            x = _dense(cfg, cfg.vocab, (None, "model"), "logits_dense")(x).astype(jnp.float32)
+        # hidden_only or tied: the head left to the caller
+        return (x, sum_stats(stats)) if cfg.experts else x
 
 
 class Llama(nn.Module):
     """Llama decoder. ``Llama(config)(tokens)`` with int ``tokens`` of shape ``(batch,
     t)``, ``t <= config.seq``, returns float32 logits ``(batch, t, vocab)``;
     ``hidden_only=True`` returns the normed final hidden states ``(batch, t, hidden)``
-    the ``lm_head`` reads (for :func:`zerojax.tiling.lm_head_loss`)."""
+    the ``lm_head`` reads (for :func:`zerojax.tiling.lm_head_loss`). With experts,
+    ``with_aux=True`` returns ``(out, stats)``, the router stats summed over the layers
+    (:func:`zerojax.models.moe.aux_loss` reads them), ``router_mask`` ``(batch, t)``
+    weighting each token in them (transformers' ``attention_mask``)."""
 
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens, hidden_only: bool = False):
+    def __call__(self, tokens, hidden_only: bool = False, router_mask=None,
+                 with_aux: bool = False):
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"Llama expects int tokens of shape (batch, t), got "
@@ -554,10 +629,14 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, param_dtype=jnp.float32,
                          embedding_init=_init(("model", None)), name="token_embedder")
         x = _constrain(cfg, embed(tokens))
-        x = Decoder(cfg, name="decoder")(x, hidden_only)
+        if router_mask is not None and router_mask.shape != tokens.shape:
+            raise ValueError(f"Llama: router_mask has shape {router_mask.shape}, the "
+                             f"tokens {tokens.shape}; pass one weight per token")
+        x = Decoder(cfg, name="decoder")(x, hidden_only, router_mask)
+        x, stats = x if cfg.experts else (x, None)
         if cfg.tie_embeddings and not hidden_only:  # the head is the embedding
-            return embed.attend(x).astype(jnp.float32)
-        return x
+            x = embed.attend(x).astype(jnp.float32)
+        return (x, stats) if with_aux else x
 
 
 def _dummy_tokens(model: Llama) -> jax.Array:

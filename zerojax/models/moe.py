@@ -1,0 +1,235 @@
+"""Mixture-of-experts MLP blocks for the decoder family (issue 52), computed as
+``transformers`` computes Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+
+One block replaces the SwiGLU MLP of a :class:`zerojax.models.llama.Llama` layer when
+``LlamaConfig.experts > 0``:
+
+- **routing** (:func:`route`, every family's ``*TopKRouter``): router logits ``x @
+  gate`` in ``LlamaConfig.router_dtype`` (float32 by default), ``softmax`` over the
+  experts in float32, ``top_k`` of the probabilities (``experts_per_token``), then,
+  with ``norm_topk_prob`` (Mixtral always; Qwen2/3-MoE and OLMoE when the config says
+  so), the ``k`` weights divided by their sum;
+- **the experts** (:func:`expert_mlp`, the one function an expert-parallel version
+  replaces): each token's ``k`` copies sorted by expert and each expert's SwiGLU run
+  as a grouped matmul (``jax.lax.ragged_dot``) over its rows: no token is dropped and
+  no buffer grows with the number of experts (dropless, the default); or, with
+  ``capacity_factor``, each expert takes at most ``C = ceil(capacity_factor * tokens
+  * k / experts)`` rows (the earliest tokens first), the rest dropped (their
+  contribution 0, the token keeps its residual) and counted;
+- **combining**: each copy's output times its routing weight, summed over the ``k``
+  copies; Qwen2-MoE adds a shared expert (a SwiGLU of width ``shared_expert_hidden``)
+  times ``sigmoid(x @ shared_expert_gate)``.
+
+Parameters (under the layer's ``mlp``; stacked layers add a leading layer axis)::
+
+    gate/kernel                  (hidden, experts)            the router, replicated
+    wi_0  (gate_proj / w1)       (experts, hidden, moe_hidden) (None, None, "model")
+    wi_1  (up_proj / w3)         (experts, hidden, moe_hidden) (None, None, "model")
+    wo    (down_proj / w2)       (experts, moe_hidden, hidden) (None, "model", None)
+    shared_expert/wi_0|wi_1|wo/kernel, shared_expert_gate/kernel   (Qwen2-MoE)
+
+The experts are the leading axis of ``wi_0``/``wi_1``/``wo``: an ``expert`` mesh axis
+splits that axis (their specs' leading ``None``).
+
+**The load-balancing loss** (Switch Transformer's, as transformers'
+``load_balancing_loss_func`` computes it over every layer's router logits at once):
+each layer reports, per expert, its count of top-k selections and its sum of router
+probabilities over the tokens (each weighted by a mask when one is given, which is
+what ``attention_mask`` does there), and the loss is ``E * sum_e (sum_l count_le /
+rows) * (sum_l prob_le / rows)`` with ``rows`` the (masked) token count summed over
+layers (:func:`aux_loss`). :func:`zerojax.models.gpt.lm_loss` adds
+``router_aux_loss_coef`` times it to the loss when ``router_aux_loss`` is set (what
+transformers does when ``output_router_logits`` is), and reports it as an aux metric
+(``lm_loss(model, with_aux=True)``). Computed per device on its own tokens, as each
+rank of a data-parallel transformers run computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# zerojax.models.gpt's remat names (MLP_IN, MLP_OUT), spelled here: gpt imports this
+# module (lm_loss), so this one may not import gpt
+_MLP_IN, _MLP_OUT = "mlpwi", "mlpwo"
+_INIT_STD = 0.02
+
+STATS = ("counts", "probs", "rows", "dropped")
+
+
+def route(logits: jax.Array, k: int, norm_topk_prob: bool):
+    """``(probs, weights, experts)`` of router ``logits`` ``(n, E)``: the float32
+    softmax over the experts ``(n, E)``, the ``k`` largest probabilities ``(n, k)``
+    (divided by their sum with ``norm_topk_prob``) and their experts ``(n, k)`` int32,
+    largest first: transformers' ``*TopKRouter.forward``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, experts.astype(jnp.int32)
+
+
+def _swiglu(x, w_gate, w_up, w_down, mm):
+    gate = checkpoint_name(mm(x, w_gate), _MLP_IN)
+    up = checkpoint_name(mm(x, w_up), _MLP_IN)
+    return checkpoint_name(mm(nn.silu(gate) * up, w_down), _MLP_OUT)
+
+
+def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
+    """Rows each expert takes with ``capacity_factor`` ``factor``: ``ceil(factor *
+    tokens * k / experts)``, at least 1."""
+    return max(1, math.ceil(factor * tokens * k / num_experts))
+
+
+def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+               w_up: jax.Array, w_down: jax.Array, capacity_factor: float | None = None):
+    """The routed experts' output ``(n, hidden)`` and the number of dropped (token,
+    expert) assignments (an int32 scalar; 0 when dropless).
+
+    ``x`` ``(n, hidden)`` in the compute dtype; ``experts``/``weights`` ``(n, k)`` from
+    :func:`route`; ``w_gate``/``w_up`` ``(E, hidden, f)``, ``w_down`` ``(E, f,
+    hidden)`` in the compute dtype. The dispatch: the ``n * k`` assignments sorted by
+    expert (stable: token order within an expert), each row a copy of its token, each
+    expert's SwiGLU over its rows, the rows put back in assignment order, weighted and
+    summed over ``k``. Dropless (``capacity_factor=None``): one ``ragged_dot`` per
+    projection over the sorted rows, group sizes = each expert's count. Capacity: an
+    ``(E, C, hidden)`` buffer (:func:`capacity`), row ``c`` of expert ``e`` its
+    ``c``-th assignment, rows beyond ``C`` dropped.
+
+    This is the function an expert-parallel version (an all-to-all over an ``expert``
+    mesh axis in ``shard_map``) replaces: same arguments, experts' leading axis local."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignment index of each sorted row
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    rows = n * k
+    # where each assignment went among the sorted rows (the inverse permutation)
+    inverse = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    if capacity_factor is None:
+        xs = x[order // k]
+        y = _swiglu(xs, w_gate, w_up, w_down,
+                    lambda a, w: jax.lax.ragged_dot(a, w, counts))
+        y = y[inverse]
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        cap = capacity(n, k, num_experts, capacity_factor)
+        starts = jnp.cumsum(counts) - counts
+        slot = jnp.arange(cap, dtype=jnp.int32)
+        filled = slot[None, :] < counts[:, None]  # (E, C)
+        src = order[jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1)]  # (E, C)
+        buf = jnp.where(filled[..., None], x[src // k], jnp.zeros((), x.dtype))
+        yb = _swiglu(buf, w_gate, w_up, w_down,
+                     lambda a, w: jnp.einsum("ech,ehf->ecf", a, w))
+        pos = inverse - starts[flat]  # each assignment's place in its expert's rows
+        keep = pos < cap
+        y = yb.reshape(num_experts * cap, -1)[flat * cap + jnp.minimum(pos, cap - 1)]
+        y = jnp.where(keep[:, None], y, jnp.zeros((), y.dtype))
+        dropped = jnp.sum(~keep, dtype=jnp.int32)
+    y = y.reshape(n, k, -1) * weights[..., None].astype(y.dtype)
+    return jnp.sum(y, axis=1), dropped
+
+
+def router_stats(probs: jax.Array, experts: jax.Array, mask: jax.Array | None,
+                 dropped: jax.Array) -> dict:
+    """One layer's share of :func:`aux_loss`: per expert the (masked) count of top-k
+    selections and sum of router probabilities, the (masked) token count, and the
+    dropped assignments."""
+    n, num_experts = probs.shape
+    m = jnp.ones((n,), jnp.float32) if mask is None else mask.reshape(n).astype(jnp.float32)
+    counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(
+        jnp.repeat(m, experts.shape[1]))
+    return {"counts": jax.lax.stop_gradient(counts),
+            "probs": jnp.sum(probs * m[:, None], axis=0),
+            "rows": jax.lax.stop_gradient(jnp.sum(m)), "dropped": dropped}
+
+
+def aux_loss(stats: dict) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` of the stats summed over the layers
+    (:func:`router_stats`): ``E * sum(counts / rows * probs / rows)``, float32."""
+    rows = jnp.maximum(stats["rows"], 1e-30)
+    num_experts = stats["counts"].shape[-1]
+    return num_experts * jnp.sum((stats["counts"] / rows) * (stats["probs"] / rows))
+
+
+def sum_stats(per_layer) -> dict | None:
+    """Stats of stacked layers (leading layer axis) or a list of per-layer stats,
+    summed over the layers."""
+    if per_layer is None:
+        return None
+    if isinstance(per_layer, (list, tuple)):
+        return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *per_layer)
+    return jax.tree.map(lambda a: jnp.sum(a, axis=0), per_layer)
+
+
+def _param(module, name, shape, names, init=None):
+    init = init or nn.initializers.normal(_INIT_STD)
+    return module.param(name, nn.with_partitioning(init, names), shape, jnp.float32)
+
+
+class MoEBlock(nn.Module):
+    """The routed experts (and Qwen2-MoE's shared expert) of one layer: ``(x, mask)
+    -> (y, stats)`` with ``x`` ``(batch, t, hidden)``, ``mask`` None or ``(batch,
+    t)`` (the aux loss's token weights), ``stats`` :func:`router_stats`'."""
+
+    config: Any  # a zerojax.models.llama.LlamaConfig with experts > 0
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+        cfg = self.config
+        b, t, h = x.shape
+        num_experts, f = cfg.experts, cfg.moe_hidden
+        tokens = x.reshape(b * t, h)
+        gate = RouterParams(num_experts, name="gate")(h)
+        rdt = cfg.dtype if cfg.router_dtype is None else cfg.router_dtype
+        logits = jnp.dot(tokens.astype(rdt), gate.astype(rdt))
+        probs, weights, chosen = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
+        w_gate = _param(self, "wi_0", (num_experts, h, f), (None, None, "model"))
+        w_up = _param(self, "wi_1", (num_experts, h, f), (None, None, "model"))
+        w_down = _param(self, "wo", (num_experts, f, h), (None, "model", None))
+        dt = cfg.dtype
+        y, dropped = expert_mlp(tokens.astype(dt), chosen, weights, w_gate.astype(dt),
+                                w_up.astype(dt), w_down.astype(dt), cfg.capacity_factor)
+        if cfg.shared_expert_hidden is not None:
+            y = y + SharedExpert(cfg, name="shared_expert")(tokens) * jax.nn.sigmoid(
+                nn.Dense(1, use_bias=False, dtype=dt, param_dtype=jnp.float32,
+                         kernel_init=nn.with_partitioning(
+                             nn.initializers.normal(_INIT_STD), (None, None)),
+                         name="shared_expert_gate")(tokens))
+        return y.reshape(b, t, h).astype(dt), router_stats(probs, chosen, mask, dropped)
+
+
+class RouterParams(nn.Module):
+    """The router's ``kernel`` ``(hidden, experts)``, float32, replicated."""
+
+    experts: int
+
+    @nn.compact
+    def __call__(self, hidden: int):
+        return _param(self, "kernel", (hidden, self.experts), (None, None))
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU of width ``shared_expert_hidden``
+    (``wi_0``/``wi_1``/``wo`` kernels, as the dense MLP's)."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        h, f, dt = x.shape[-1], cfg.shared_expert_hidden, cfg.dtype
+
+        def dense(features, names, name):
+            return nn.Dense(features, use_bias=False, dtype=dt, param_dtype=jnp.float32,
+                            kernel_init=nn.with_partitioning(
+                                nn.initializers.normal(_INIT_STD), names), name=name)
+
+        gate = checkpoint_name(dense(f, (None, "model"), "wi_0")(x), _MLP_IN)
+        up = checkpoint_name(dense(f, (None, "model"), "wi_1")(x), _MLP_IN)
+        return checkpoint_name(dense(h, ("model", None), "wo")(nn.silu(gate) * up), _MLP_OUT)
