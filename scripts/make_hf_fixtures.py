@@ -6,6 +6,13 @@
     /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --check \\
         --zerojax-python .venv/bin/python                          # zerojax's exports
     python benchmarks/hf_families.py       # zerojax against the fixtures, per mesh
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --moe      # the MoE families
+
+``--moe`` writes tests/fixtures/hf_moe/FAMILY/{fp32,bf16}/ (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE: ``MOE_FAMILIES``) and ``outputs.npz``: the tokens, transformers'
+logits, its aux loss (``output_router_logits=True``) unmasked and with ``MOE_MASK`` as
+the attention mask, its training loss with ``labels`` = the tokens, and the
+transformers and torch versions that recorded them (tests/test_hf_moe.py).
 
 Writes, for each family in ``FAMILIES``, a tiny random model made by ``transformers``
 (``AutoModelForCausalLM.from_config``, every weight drawn from a seeded normal so the
@@ -58,6 +65,29 @@ FAMILIES = {
                             rms_norm_eps=1e-6)),
 }
 TOKENS = np.random.default_rng(39).integers(0, BASE["vocab_size"], (2, 12))
+# the mixture-of-experts families (issue 52), in tests/fixtures/hf_moe: 2 layers, 4 or 8
+# experts, top-2; Qwen2-MoE with its shared expert, Qwen3-MoE with q/k norms, OLMoE with
+# its whole-projection q/k norms; norm_topk_prob both ways
+MOE_ROOT = os.path.join(ROOT, "..", "hf_moe")
+MOE_FAMILIES = {
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=24, rope_theta=1000000.0,
+                                router_aux_loss_coef=0.02, output_router_logits=True)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=24,
+                                    norm_topk_prob=False, rope_theta=1000000.0,
+                                    rms_norm_eps=1e-6)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, head_dim=16,
+                                    moe_intermediate_size=16, norm_topk_prob=True,
+                                    rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                    output_router_logits=True)),
+    "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=16,
+                            norm_topk_prob=False, pad_token_id=None, eos_token_id=None)),
+}
+# the aux loss's attention mask: the second row's last 4 positions padding
+MOE_MASK = np.ones(TOKENS.shape, np.int64)
+MOE_MASK[1, -4:] = 0
 SHARD = {"fp32": "40KB", "bf16": "20KB"}
 
 
@@ -86,6 +116,52 @@ def _logits(directory: str) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.as_tensor(TOKENS)).logits
     return out.float().numpy()
+
+
+def _moe_outputs(directory: str) -> dict:
+    """transformers' logits, aux loss (unmasked and with MOE_MASK) and its training
+    loss (labels = the tokens: cross-entropy + router_aux_loss_coef * aux)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model.eval()
+    tokens = torch.as_tensor(TOKENS)
+    with torch.no_grad():
+        out = model(tokens, output_router_logits=True, labels=tokens)
+        masked = model(tokens, output_router_logits=True,
+                       attention_mask=torch.as_tensor(MOE_MASK))
+    return dict(logits=out.logits.float().numpy(), aux=np.float64(out.aux_loss),
+                loss=np.float64(out.loss), aux_masked=np.float64(masked.aux_loss))
+
+
+def make_moe() -> None:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for seed, (name, (model_type, options)) in enumerate(sorted(MOE_FAMILIES.items())):
+        config = AutoConfig.for_model(model_type, **{**BASE, **options})
+        torch.manual_seed(100 + seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize(model, 100 + seed)
+        got = {}
+        for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            out = os.path.join(MOE_ROOT, name, dtype)
+            shutil.rmtree(out, ignore_errors=True)
+            model.to(torch_dtype).save_pretrained(out, max_shard_size=SHARD[dtype])
+            for extra in ("generation_config.json",):
+                if os.path.exists(os.path.join(out, extra)):
+                    os.remove(os.path.join(out, extra))
+            for key, value in _moe_outputs(out).items():
+                got[f"{key}_{dtype}"] = value
+        np.savez(os.path.join(MOE_ROOT, name, "outputs.npz"), tokens=TOKENS, mask=MOE_MASK,
+                 transformers_version=np.array(transformers.__version__),
+                 torch_version=np.array(torch.__version__), **got)
+        print(f"{name:9s} aux {got['aux_fp32']:.6f} masked {got['aux_masked_fp32']:.6f} "
+              f"loss {got['loss_fp32']:.6f} |fp32 - bf16 logits| "
+              f"{np.abs(got['logits_fp32'] - got['logits_bf16']).max():.3g}")
 
 
 def make() -> None:
@@ -159,8 +235,12 @@ def main(argv=None) -> None:
     ap.add_argument("--zerojax-python", default=sys.executable,
                     help="a Python that imports zerojax (for --check)")
     ap.add_argument("--export", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--moe", action="store_true",
+                    help="the mixture-of-experts families only (tests/fixtures/hf_moe)")
     args = ap.parse_args(argv)
-    if args.export:
+    if args.moe:
+        make_moe()
+    elif args.export:
         export(args.export)
     elif args.check:
         check(args.zerojax_python)

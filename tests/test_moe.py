@@ -13,8 +13,7 @@ import pytest
 from helpers import max_rel_err, reference_run
 
 import zerojax
-from zerojax.models import Llama, LlamaConfig, llama_param_specs, llama_params, lm_loss
-from zerojax.models import moe
+from zerojax.models import Llama, LlamaConfig, llama_param_specs, llama_params, lm_loss, moe
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4, kv_heads=2, mlp_hidden=48,
             experts=4, experts_per_token=2, moe_hidden=16, remat=False)
@@ -31,7 +30,8 @@ def _naive_experts(x, experts, weights, w_gate, w_up, w_down, capacity_factor=No
 def _weights(n=7, h=8, f=5, num_experts=4, seed=0):
     ks = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(ks[0], (n, h))
-    w = (jax.random.normal(ks[1], (num_experts, h, f)), jax.random.normal(ks[2], (num_experts, h, f)),
+    w = (jax.random.normal(ks[1], (num_experts, h, f)),
+         jax.random.normal(ks[2], (num_experts, h, f)),
          jax.random.normal(ks[3], (num_experts, f, h)) / 2)
     return x, w, jax.random.normal(ks[4], (n, num_experts))
 

@@ -90,7 +90,6 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax.core.activations import checkpoint_policy
 from zerojax.core.modelspec import DecoderSpec, Shape, check_kv_heads
 from zerojax.models.blockwise import blockwise_attention
-from zerojax.models.moe import MoEBlock, sum_stats
 from zerojax.models.gpt import (
     MLP_IN,
     MLP_OUT,
@@ -129,6 +128,7 @@ from zerojax.models.hf.tensors import (  # noqa: F401 (re-exported)
     hf_rename,
     params_from_hf,
 )
+from zerojax.models.moe import MoEBlock, sum_stats
 from zerojax.models.ulysses import (
     check_heads,
     check_whole_sequences,
@@ -176,7 +176,9 @@ class LlamaConfig(DecoderSpec):
     qkv_bias: biases on the query, key and value projections (Qwen2). attention_bias:
     biases on all four attention projections (Llama's / Qwen3's ``attention_bias``).
     mlp_bias: biases on gate, up and down (Llama's ``mlp_bias``). qk_norm: an RMSNorm
-    over each query and key head before the rotary embedding (Qwen3).
+    over each query and key head before the rotary embedding (Qwen3). qk_norm_whole: an
+    RMSNorm over the whole query projection and the whole key projection (OLMoE; scales
+    ``(heads * head_dim,)`` and ``(kv_heads * head_dim,)``).
     tie_embeddings: the head is the token embedding (``tie_word_embeddings``: Llama
     3.2 1B / 3B, the small Qwen2.5 and Qwen3); no ``logits_dense`` leaf.
     seq_axis: sequence parallelism, as :class:`zerojax.models.gpt.GPTConfig`'s: each
@@ -187,6 +189,22 @@ class LlamaConfig(DecoderSpec):
     mlp_tiles: ALST's tiled MLP, as :class:`zerojax.models.gpt.GPTConfig`'s: the SwiGLU
     computed in that many tiles of each device's tokens, each recomputed in the
     backward (:func:`zerojax.models.gpt.tiled_tokens`).
+
+    Mixture of experts (:mod:`zerojax.models.moe`; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE):
+    experts: 0 (a dense SwiGLU in every layer) or the number of experts in every layer
+    (``num_local_experts`` / ``num_experts``). experts_per_token: top-k
+    (``num_experts_per_tok``). moe_hidden: each expert's SwiGLU width (``None``:
+    ``mlp_hidden``; ``moe_intermediate_size``). norm_topk_prob: divide the ``k``
+    routing weights by their sum (Mixtral always; ``norm_topk_prob``).
+    shared_expert_hidden: ``None`` or Qwen2-MoE's shared expert's width, its output
+    times ``sigmoid(x @ shared_expert_gate)``. router_dtype: the router matmul's dtype
+    (float32; ``None``: the compute dtype, as transformers). router_aux_loss: whether
+    :func:`zerojax.models.gpt.lm_loss` adds ``router_aux_loss_coef`` times the
+    load-balancing loss (transformers' ``output_router_logits``). capacity_factor:
+    ``None`` (dropless: a grouped matmul over the tokens sorted by expert) or the
+    capacity factor (each expert takes at most ``ceil(factor * tokens * k / experts)``
+    of the device's tokens, the rest dropped and counted). Every layer is sparse
+    (Qwen's ``decoder_sparse_step`` 1, no ``mlp_only_layers``).
     """
 
     # vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
@@ -205,6 +223,7 @@ class LlamaConfig(DecoderSpec):
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    qk_norm_whole: bool = False
     # mixture of experts (zerojax.models.moe): experts > 0 replaces every layer's MLP
     experts: int = 0
     experts_per_token: int = 2
@@ -238,7 +257,11 @@ class LlamaConfig(DecoderSpec):
         if self.family not in FAMILIES:
             raise ValueError(f"LlamaConfig.family must be one of {tuple(FAMILIES)}, got "
                              f"{self.family!r}")
-        for name in ("qkv_bias", "attention_bias", "mlp_bias", "qk_norm", "tie_embeddings"):
+        if self.qk_norm and self.qk_norm_whole:
+            raise ValueError("LlamaConfig: qk_norm (per head, Qwen3) and qk_norm_whole (over "
+                             "the whole projection, OLMoE) are exclusive; set one")
+        for name in ("qkv_bias", "attention_bias", "mlp_bias", "qk_norm", "tie_embeddings",
+                     "qk_norm_whole"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LlamaConfig.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
@@ -483,6 +506,9 @@ class SelfAttention(nn.Module):
         q = _dense(cfg, cfg.heads * hd, (None, "model"), "query", bias)(x)
         k = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "key", bias)(x)
         v = _dense(cfg, cfg.kv_heads * hd, (None, "model"), "value", bias)(x)
+        if cfg.qk_norm_whole:  # OLMoE: RMSNorm over each whole projection
+            q = RMSNorm(cfg.norm_eps, cfg.dtype, name="query_norm")(q)
+            k = RMSNorm(cfg.norm_eps, cfg.dtype, name="key_norm")(k)
         q = checkpoint_name(q, QKV_PROJ).reshape(b, t, cfg.heads, hd)
         k = checkpoint_name(k, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
         v = checkpoint_name(v, QKV_PROJ).reshape(b, t, cfg.kv_heads, hd)
