@@ -128,7 +128,7 @@ from zerojax.models.hf.tensors import (  # noqa: F401 (re-exported)
     hf_rename,
     params_from_hf,
 )
-from zerojax.models.moe import MoEBlock, sum_stats
+from zerojax.models.moe import MoEBlock, check_moe_config, sum_stats
 from zerojax.models.ulysses import (
     check_heads,
     check_whole_sequences,
@@ -269,7 +269,7 @@ class LlamaConfig(DecoderSpec):
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"LlamaConfig.sliding_window must be None or an int >= 1 (the "
                              f"positions each query sees), got {w!r}")
-        self._check_moe()
+        check_moe_config(self)
         r = self.rope_llama3
         if r is not None:
             if (not isinstance(r, tuple) or len(r) != 4
@@ -279,52 +279,6 @@ class LlamaConfig(DecoderSpec):
                     f"LlamaConfig.rope_llama3 must be None or (factor, low_freq_factor, "
                     f"high_freq_factor, original_max_position_embeddings), positive, "
                     f"high_freq_factor > low_freq_factor, got {r!r}")
-
-    def _check_moe(self) -> None:
-        """The mixture-of-experts fields, each error naming the field and value."""
-        from zerojax.core.modelspec import check_int
-
-        check_int("LlamaConfig.experts", self.experts, minimum=0,
-                  hint="0: a dense MLP in every layer")
-        if self.moe_hidden is None:
-            object.__setattr__(self, "moe_hidden", self.mlp_hidden)
-        if not self.experts:
-            return
-        check_int("LlamaConfig.experts_per_token", self.experts_per_token,
-                  hint="the experts each token is routed to, top-k")
-        if self.experts_per_token > self.experts:
-            raise ValueError(f"LlamaConfig.experts_per_token={self.experts_per_token} is "
-                             f"more than experts={self.experts}; pick k <= experts")
-        check_int("LlamaConfig.moe_hidden", self.moe_hidden, hint="each expert's width")
-        if self.shared_expert_hidden is not None:
-            check_int("LlamaConfig.shared_expert_hidden", self.shared_expert_hidden,
-                      hint="None, or the shared expert's width (Qwen2-MoE)")
-        for name in ("norm_topk_prob", "router_aux_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LlamaConfig.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
-            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, "
-                             f"got {coef!r}")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
-                               or cf <= 0):
-            raise ValueError(f"LlamaConfig.capacity_factor must be None (dropless) or a "
-                             f"number > 0, got {cf!r}")
-        if self.router_dtype is not None:
-            try:
-                ok = jnp.issubdtype(jnp.dtype(self.router_dtype), jnp.floating)
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"LlamaConfig.router_dtype must be a floating dtype "
-                                 f"(float32) or None (the compute dtype), got "
-                                 f"{self.router_dtype!r}")
-        if self.mlp_tiles is not None:
-            raise ValueError(f"LlamaConfig.mlp_tiles={self.mlp_tiles} with experts="
-                             f"{self.experts}: the tiled MLP is the dense SwiGLU's; set "
-                             f"mlp_tiles=None for a mixture of experts")
 
     @property
     def shape(self) -> Shape:

@@ -54,12 +54,60 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from zerojax.core.modelspec import check_int
+
 # zerojax.models.gpt's remat names (MLP_IN, MLP_OUT), spelled here: gpt imports this
 # module (lm_loss), so this one may not import gpt
 _MLP_IN, _MLP_OUT = "mlpwi", "mlpwo"
 _INIT_STD = 0.02
 
 STATS = ("counts", "probs", "rows", "dropped")
+
+
+def check_moe_config(config) -> None:
+    """The mixture-of-experts fields of a ``LlamaConfig`` (``moe_hidden`` None set to
+    ``mlp_hidden``), each error naming the field and value."""
+    check_int("LlamaConfig.experts", config.experts, minimum=0,
+              hint="0: a dense MLP in every layer")
+    if config.moe_hidden is None:
+        object.__setattr__(config, "moe_hidden", config.mlp_hidden)
+    if not config.experts:
+        return
+    check_int("LlamaConfig.experts_per_token", config.experts_per_token,
+              hint="the experts each token is routed to, top-k")
+    if config.experts_per_token > config.experts:
+        raise ValueError(f"LlamaConfig.experts_per_token={config.experts_per_token} is "
+                         f"more than experts={config.experts}; pick k <= experts")
+    check_int("LlamaConfig.moe_hidden", config.moe_hidden, hint="each expert's width")
+    if config.shared_expert_hidden is not None:
+        check_int("LlamaConfig.shared_expert_hidden", config.shared_expert_hidden,
+                  hint="None, or the shared expert's width (Qwen2-MoE)")
+    for name in ("norm_topk_prob", "router_aux_loss"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"LlamaConfig.{name} must be a bool, got "
+                             f"{getattr(config, name)!r}")
+    coef = config.router_aux_loss_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, "
+                         f"got {coef!r}")
+    cf = config.capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                           or cf <= 0):
+        raise ValueError(f"LlamaConfig.capacity_factor must be None (dropless) or a "
+                         f"number > 0, got {cf!r}")
+    if config.router_dtype is not None:
+        try:
+            ok = jnp.issubdtype(jnp.dtype(config.router_dtype), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"LlamaConfig.router_dtype must be a floating dtype "
+                             f"(float32) or None (the compute dtype), got "
+                             f"{config.router_dtype!r}")
+    if config.mlp_tiles is not None:
+        raise ValueError(f"LlamaConfig.mlp_tiles={config.mlp_tiles} with experts="
+                         f"{config.experts}: the tiled MLP is the dense SwiGLU's; set "
+                         f"mlp_tiles=None for a mixture of experts")
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool):
