@@ -165,15 +165,17 @@ def file_tensors(mapping) -> list[FileTensor]:
     """``mapping`` as :class:`FileTensor` entries: a list of them, or of entries shaped
     like :class:`zerojax.models.llama.HFTensor` (``name``, ``path``, ``layer``,
     ``transpose``, ``hf_shape``: a PyTorch ``(out, in)`` weight, row ``layer`` of a
-    stacked leaf)."""
+    stacked leaf, and within it row ``expert`` of a mixture-of-experts leaf when the
+    entry has one)."""
     out = []
     for e in mapping:
         if isinstance(e, FileTensor):
             out.append(e)
         elif all(hasattr(e, a) for a in ("name", "path", "layer", "transpose", "hf_shape")):
-            ops = ((ld.transpose(),) if e.transpose else ()) + \
-                  ((ld.expand_dims(0),) if e.layer is not None else ())
-            at = {0: e.layer} if e.layer is not None else None
+            # the leading axes it is one row of: its layer, its expert (an MoE leaf)
+            index = tuple(i for i in (e.layer, getattr(e, "expert", None)) if i is not None)
+            ops = ((ld.transpose(),) if e.transpose else ()) + (ld.expand_dims(0),) * len(index)
+            at = dict(enumerate(index)) or None
             out.append(FileTensor(e.name, tuple(e.hf_shape),
                                   ld.Into(".".join(map(str, e.path)), ops, at)))
         else:

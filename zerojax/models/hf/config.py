@@ -166,6 +166,77 @@ def _checks(hf: dict, family: str, problems: list) -> int | None:
     return head_dim
 
 
+def _flag(hf: dict, key: str, default: bool, problems: list) -> bool:
+    value = hf.get(key, default)
+    if not isinstance(value, bool):
+        problems.append(f"{key}={value!r} (true or false)")
+        return default
+    return value
+
+
+def _count(hf: dict, key: str, default, problems: list, minimum: int = 1):
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        problems.append(f"{key}={value!r} (an int >= {minimum})")
+        return None
+    return value
+
+
+def moe_fields(hf: dict, family: str, problems: list) -> dict:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE
+    ``config.json`` (defaults: transformers' config classes'); every layer must be
+    sparse (Qwen's ``decoder_sparse_step`` 1, no ``mlp_only_layers``); what is not
+    computed goes to ``problems``, naming the key."""
+    spelling = FAMILIES[family].moe
+    if spelling is None:
+        return {}
+    if spelling == "mixtral":
+        experts = _count(hf, "num_local_experts", 8, problems)
+    else:
+        keys = [k for k in ("num_experts", "num_local_experts") if k in hf]
+        if len(keys) == 2 and hf["num_experts"] != hf["num_local_experts"]:
+            problems.append(f"num_experts={hf['num_experts']!r} and num_local_experts="
+                            f"{hf['num_local_experts']!r} (one count of experts)")
+        default = {"qwen": 60 if family == "qwen2_moe" else 128, "olmoe": 64}[spelling]
+        experts = _count(hf, keys[0] if keys else "num_experts", default, problems)
+    default_k = {"mixtral": 2, "olmoe": 8}.get(spelling, 4 if family == "qwen2_moe" else 8)
+    k = _count(hf, "num_experts_per_tok", default_k, problems)
+    if experts is not None and k is not None and k > experts:
+        problems.append(f"num_experts_per_tok={k} (more than the {experts} experts)")
+    coef = hf.get("router_aux_loss_coef", 0.01 if spelling == "olmoe" else 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        problems.append(f"router_aux_loss_coef={coef!r} (a number >= 0)")
+        coef = 0.0
+    kw = dict(experts=experts or 1, experts_per_token=k or 1,
+              router_aux_loss_coef=float(coef),
+              router_aux_loss=_flag(hf, "output_router_logits", False, problems),
+              norm_topk_prob=spelling == "mixtral" or _flag(hf, "norm_topk_prob", False,
+                                                             problems),
+              moe_hidden=hf["intermediate_size"])
+    if hf.get("router_jitter_noise", 0.0) not in (0, 0.0):
+        problems.append(f"router_jitter_noise={hf['router_jitter_noise']!r} (noise on the "
+                        f"router's input while training; zerojax computes none)")
+    if hf.get("clip_qkv") is not None:
+        problems.append(f"clip_qkv={hf['clip_qkv']!r} (zerojax's decoder clamps no "
+                        f"q/k/v)")
+    if spelling == "qwen":
+        kw["moe_hidden"] = _count(hf, "moe_intermediate_size", 1408 if family ==
+                                  "qwen2_moe" else 768, problems) or 1
+        if hf.get("decoder_sparse_step", 1) != 1:
+            problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']!r} (dense "
+                            f"layers between sparse ones; zerojax's scanned layers are "
+                            f"all sparse: 1)")
+        if hf.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers={hf['mlp_only_layers']!r} (dense layers "
+                            f"among sparse ones; zerojax's scanned layers are all "
+                            f"sparse: [])")
+    if family == "qwen2_moe":
+        kw["shared_expert_hidden"] = _count(hf, "shared_expert_intermediate_size", 5632,
+                                            problems) or 1
+        kw["qkv_bias"] = _flag(hf, "qkv_bias", True, problems)
+    return kw
+
+
 def config_fields(hf, *, ignore_keys=(), owner: str = "LlamaConfig.from_hf") -> dict:
     """The ``LlamaConfig`` keyword arguments of a Hugging Face ``config.json`` (a dict,
     or the path of the file or of its directory), read by the family's table (see
@@ -194,6 +265,7 @@ def config_fields(hf, *, ignore_keys=(), owner: str = "LlamaConfig.from_hf") -> 
     theta, llama3 = rope(hf, problems)
     head_dim = _checks(hf, family, problems)
     sliding = window(hf, family, hf["num_hidden_layers"], problems)
+    moe = moe_fields(hf, family, problems)
     if problems:
         raise ValueError(f"{owner}: this {family} config has "
                          + "; ".join(problems) + ". zerojax's decoder does not compute "
@@ -210,6 +282,7 @@ def config_fields(hf, *, ignore_keys=(), owner: str = "LlamaConfig.from_hf") -> 
     for key, option in fam.read:
         kw[option] = bool(hf.get(key, False))
     kw.update(fam.options)
+    kw.update(moe)
     return kw
 
 
@@ -228,6 +301,12 @@ def config_to_hf(config, torch_dtype: str = "float32") -> dict:
            "rope_scaling": None if c.rope_llama3 is None else dict(
                zip(("rope_type",) + LLAMA3_KEYS, ("llama3",) + c.rope_llama3)),
            "initializer_range": INIT_STD, "torch_dtype": torch_dtype}
+    if bool(fam.moe) != bool(c.experts) or (fam.moe is None and c.qk_norm_whole):
+        raise ValueError(f"LlamaConfig.to_hf: family={c.family!r} ({fam.architecture}) "
+                         f"{'has' if fam.moe else 'has no'} experts, the config experts="
+                         f"{c.experts}; pick a family whose config.json says the "
+                         f"config's MLP (mixtral, qwen2_moe, qwen3_moe, olmoe for "
+                         f"experts)")
     if not fam.fits(c):
         raise ValueError(f"LlamaConfig.to_hf: family={c.family!r} ({fam.architecture}) "
                          f"cannot say qkv_bias={c.qkv_bias}, attention_bias="

@@ -131,6 +131,52 @@ DECODER_BOTTOM = (
 )
 
 
+def _attention_rows(rows) -> tuple:
+    return tuple(r for r in rows if r[1][0] == "self_attention")
+
+
+def _norm_rows(rows) -> tuple:
+    return tuple(r for r in rows if r[1][0].endswith("layer_norm"))
+
+
+# OLMoE: RMSNorms over the whole query and key projections (not per head)
+WHOLE_QK_NORM = (
+    ("self_attn.q_norm.weight", ("self_attention", "query_norm", "scale"), False,
+     lambda c: (c.heads * _hd(c),), lambda c: c.qk_norm_whole),
+    ("self_attn.k_norm.weight", ("self_attention", "key_norm", "scale"), False,
+     lambda c: (c.kv_heads * _hd(c),), lambda c: c.qk_norm_whole),
+)
+
+
+def moe_rows(block: str, gate: str, up: str, down: str) -> tuple:
+    """A mixture-of-experts layer's MLP tensors under ``block`` (``"mlp."``,
+    Mixtral's ``"block_sparse_moe."``): the router and, per expert ``{e}`` (a row of
+    the ``(experts, ...)`` leaf), gate, up and down named ``gate``/``up``/``down``;
+    then Qwen2-MoE's shared expert and its gate where the config has one."""
+    return (
+        (f"{block}gate.weight", ("mlp", "gate", "kernel"), True,
+         lambda c: (c.experts, c.hidden), None),
+        (f"{block}experts.{{e}}.{gate}.weight", ("mlp", "wi_0"), True,
+         lambda c: (c.moe_hidden, c.hidden), None),
+        (f"{block}experts.{{e}}.{up}.weight", ("mlp", "wi_1"), True,
+         lambda c: (c.moe_hidden, c.hidden), None),
+        (f"{block}experts.{{e}}.{down}.weight", ("mlp", "wo"), True,
+         lambda c: (c.hidden, c.moe_hidden), None),
+        (f"{block}shared_expert.gate_proj.weight", ("mlp", "shared_expert", "wi_0", "kernel"),
+         True, lambda c: (c.shared_expert_hidden, c.hidden), _shared),
+        (f"{block}shared_expert.up_proj.weight", ("mlp", "shared_expert", "wi_1", "kernel"),
+         True, lambda c: (c.shared_expert_hidden, c.hidden), _shared),
+        (f"{block}shared_expert.down_proj.weight", ("mlp", "shared_expert", "wo", "kernel"),
+         True, lambda c: (c.hidden, c.shared_expert_hidden), _shared),
+        (f"{block}shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), True,
+         lambda c: (1, c.hidden), _shared),
+    )
+
+
+def _shared(c) -> bool:
+    return c.shared_expert_hidden is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorTable:
     """A family's tensor names: ``top`` (before the layers), ``layer`` (each under
@@ -144,6 +190,21 @@ class TensorTable:
 
 
 DECODER_TENSORS = TensorTable(DECODER_TOP, DECODER_LAYER, DECODER_BOTTOM)
+
+
+def moe_tensors(block: str, names: tuple) -> TensorTable:
+    """The decoder's table with each layer's MLP rows replaced by :func:`moe_rows`."""
+    layer = (_attention_rows(DECODER_LAYER) + WHOLE_QK_NORM + moe_rows(block, *names)
+             + _norm_rows(DECODER_LAYER))
+    return TensorTable(DECODER_TOP, layer, DECODER_BOTTOM)
+
+
+# the config keys every mixture-of-experts family reads (zerojax.models.hf.config.
+# moe_fields); the experts' count is spelled per family
+MOE_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef",
+                      "output_router_logits"})
+QWEN_MOE_KEYS = MOE_KEYS | {"num_experts", "num_local_experts", "moe_intermediate_size",
+                            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +221,7 @@ class Family:
     options: dict = dataclasses.field(default_factory=dict)
     read: tuple = (("attention_bias", "attention_bias"), ("mlp_bias", "mlp_bias"))
     tensors: TensorTable = DECODER_TENSORS
+    moe: str | None = None  # how config.json spells the experts: mixtral, qwen, olmoe
 
 
 def _qwen_window(c) -> dict:
@@ -199,5 +261,67 @@ QWEN3 = Family(  # Qwen3: q/k RMSNorm per head, an explicit head_dim
     writes=lambda c: {**_qwen_window(c), "attention_bias": c.attention_bias},
     options=dict(qk_norm=True))
 
+def _moe_writes(c, experts_key: str = "num_experts") -> dict:
+    return {experts_key: c.experts, "num_experts_per_tok": c.experts_per_token,
+            "router_aux_loss_coef": c.router_aux_loss_coef,
+            "output_router_logits": c.router_aux_loss}
+
+
+def _qwen_moe_writes(c) -> dict:
+    return {**_qwen_window(c), **_moe_writes(c), "moe_intermediate_size": c.moe_hidden,
+            "norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
+def _moe_fits(c) -> bool:
+    # capacity_factor and router_dtype are how zerojax trains it, not the function
+    # transformers computes (dropless, its router in the model dtype): not written
+    return c.experts > 0 and not c.mlp_bias
+
+
+MIXTRAL = Family(  # Mistral's attention, experts in block_sparse_moe (w1 / w3 / w2)
+    "mixtral", "MixtralForCausalLM", dict(sliding_window=None),
+    frozenset({"sliding_window", "num_local_experts", "router_jitter_noise"}) | MOE_KEYS,
+    window="always",
+    fits=lambda c: _moe_fits(c) and c.norm_topk_prob and c.moe_hidden == c.mlp_hidden
+    and not (c.qkv_bias or c.attention_bias or c.qk_norm or c.qk_norm_whole
+             or c.shared_expert_hidden),
+    writes=lambda c: {"sliding_window": c.sliding_window,
+                      **_moe_writes(c, "num_local_experts"), "router_jitter_noise": 0.0},
+    read=(), tensors=moe_tensors("block_sparse_moe.", ("w1", "w3", "w2")), moe="mixtral")
+
+QWEN2_MOE = Family(  # Qwen2's attention (q/k/v biases), a shared expert
+    "qwen2_moe", "Qwen2MoeForCausalLM", dict(sliding_window=4096),
+    QWEN2.keys | QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
+    window="qwen",
+    fits=lambda c: _moe_fits(c) and c.shared_expert_hidden is not None
+    and not (c.attention_bias or c.qk_norm or c.qk_norm_whole),
+    writes=lambda c: {**_qwen_moe_writes(c), "qkv_bias": c.qkv_bias,
+                      "shared_expert_intermediate_size": c.shared_expert_hidden},
+    read=(), tensors=moe_tensors("mlp.", ("gate_proj", "up_proj", "down_proj")),
+    moe="qwen")
+
+QWEN3_MOE = Family(  # Qwen3's attention (q/k norms per head)
+    "qwen3_moe", "Qwen3MoeForCausalLM", dict(sliding_window=4096, head_dim=128),
+    QWEN3.keys | QWEN_MOE_KEYS,
+    window="qwen",
+    fits=lambda c: _moe_fits(c) and c.qk_norm and not (c.qkv_bias or c.qk_norm_whole
+                                                       or c.shared_expert_hidden),
+    writes=lambda c: {**_qwen_moe_writes(c), "attention_bias": c.attention_bias},
+    options=dict(qk_norm=True), read=(("attention_bias", "attention_bias"),),
+    tensors=moe_tensors("mlp.", ("gate_proj", "up_proj", "down_proj")), moe="qwen")
+
+OLMOE = Family(  # q/k RMSNorms over the whole projections, experts of intermediate_size
+    "olmoe", "OlmoeForCausalLM", dict(sliding_window=None),
+    frozenset({"attention_bias", "clip_qkv", "num_experts", "norm_topk_prob"}) | MOE_KEYS,
+    window="none",
+    fits=lambda c: _moe_fits(c) and c.qk_norm_whole and c.moe_hidden == c.mlp_hidden
+    and not (c.qkv_bias or c.qk_norm or c.shared_expert_hidden),
+    writes=lambda c: {**_moe_writes(c), "attention_bias": c.attention_bias,
+                      "norm_topk_prob": c.norm_topk_prob, "clip_qkv": None},
+    options=dict(qk_norm_whole=True), read=(("attention_bias", "attention_bias"),),
+    tensors=moe_tensors("mlp.", ("gate_proj", "up_proj", "down_proj")), moe="olmoe")
+
 # model_type -> its table
-FAMILIES = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+FAMILIES = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE,
+                                      QWEN3_MOE, OLMOE)}

@@ -24,13 +24,22 @@ class HFTensor(NamedTuple):
     leading layer axis that this tensor fills (``params[path][layer] = tensor``), else
     ``None`` (the tensor is the whole leaf). transpose: whether the HF tensor is the
     transpose of the leaf's slice (PyTorch Linear weights are ``(out, in)``, flax
-    kernels ``(in, out)``). hf_shape: the tensor's shape in the HF file."""
+    kernels ``(in, out)``). hf_shape: the tensor's shape in the HF file. expert: for
+    one expert of a mixture-of-experts leaf ``(experts, ...)`` (after the layer axis
+    when stacked), its index along that axis, else ``None``."""
 
     name: str
     path: tuple
     layer: int | None
     transpose: bool
     hf_shape: tuple
+    expert: int | None = None
+
+    @property
+    def index(self) -> tuple:
+        """Where the tensor sits in its leaf: ``(layer, expert)``, ``(layer,)``,
+        ``(expert,)`` or ``()`` (the whole leaf), one leading axis each."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def hf_llama_mapping(config) -> list[HFTensor]:
@@ -46,13 +55,15 @@ def hf_llama_mapping(config) -> list[HFTensor]:
     per_layer = [row for row in table.layer if row[4] is None or row[4](c)]
     for i in range(c.layers):
         prefix = table.layer_prefix.format(i)
+        where = (("decoder", "layers"), i) if c.scan else (("decoder", f"layers_{i}"), None)
         for suffix, sub, transpose, shape, _ in per_layer:
-            if c.scan:
-                out.append(HFTensor(prefix + suffix, ("decoder", "layers") + sub, i,
-                                    transpose, shape(c)))
-            else:
-                out.append(HFTensor(prefix + suffix, ("decoder", f"layers_{i}") + sub,
-                                    None, transpose, shape(c)))
+            if "{e}" not in suffix:
+                out.append(HFTensor(prefix + suffix, where[0] + sub, where[1], transpose,
+                                    shape(c)))
+                continue
+            # one tensor per expert, each a row of the (experts, ...) leaf
+            out += [HFTensor(prefix + suffix.format(e=e), where[0] + sub, where[1],
+                             transpose, shape(c), e) for e in range(c.experts)]
     out += [HFTensor(name, path, None, transpose, shape(c))
             for name, path, transpose, shape, present in table.bottom
             if present is None or present(c)]
@@ -69,14 +80,15 @@ def hf_rename(config) -> dict:
 
     out = {}
     for e in hf_llama_mapping(config):
-        ops = ((ld.transpose(),) if e.transpose else ()) + (
-            (ld.expand_dims(0),) if e.layer is not None else ())
-        out[e.name] = ld.Into(".".join(e.path), ops, None if e.layer is None else {0: e.layer})
+        ops = ((ld.transpose(),) if e.transpose else ()) + (ld.expand_dims(0),) * len(e.index)
+        out[e.name] = ld.Into(".".join(e.path), ops, dict(enumerate(e.index)) or None)
     return out
 
 def _leaf_shape(entry: HFTensor, config) -> tuple:
     shape = entry.hf_shape[::-1] if entry.transpose else entry.hf_shape
-    return ((config.layers,) + shape) if entry.layer is not None else shape
+    lead = (((config.layers,) if entry.layer is not None else ())
+            + ((config.experts,) if entry.expert is not None else ()))
+    return lead + shape
 
 
 def _path_str(path: tuple) -> str:
@@ -131,13 +143,13 @@ def params_from_hf(state_dict: dict, config, *, dtype=np.float32,
     for e in mapping:
         value = np.asarray(state_dict[e.name])
         value = (value.T if e.transpose else value).astype(dtype)
-        if e.layer is None:
+        if not e.index:
             _set(params, e.path, np.ascontiguousarray(value))
         else:
             if e.path not in stacked:
                 stacked[e.path] = np.empty(_leaf_shape(e, config), dtype)
                 _set(params, e.path, stacked[e.path])
-            stacked[e.path][e.layer] = value
+            stacked[e.path][e.index] = value
     return params
 
 
@@ -160,7 +172,7 @@ def hf_from_params(params: Any, config, *, dtype=None) -> dict:
             raise ValueError(f"hf_from_params: leaf {_path_str(e.path)} has shape "
                              f"{tuple(leaf.shape)}, expected {_leaf_shape(e, config)} for "
                              f"{e.name}; pass the params of the model of this config")
-        value = np.asarray(leaf if e.layer is None else leaf[e.layer])
+        value = np.asarray(leaf[e.index] if e.index else leaf)
         if e.transpose:
             value = value.T
         if dtype is not None:
