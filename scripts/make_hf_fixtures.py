@@ -7,6 +7,8 @@
         --zerojax-python .venv/bin/python                          # zerojax's exports
     python benchmarks/hf_families.py       # zerojax against the fixtures, per mesh
     /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --moe      # the MoE families
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --moe --check \
+        --zerojax-python .venv/bin/python     # their exports, fine-tuned ones recorded
 
 ``--moe`` writes tests/fixtures/hf_moe/FAMILY/{fp32,bf16}/ (Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE: ``MOE_FAMILIES``) and ``outputs.npz``: the tokens, transformers'
@@ -212,6 +214,78 @@ def export(out_root: str) -> None:
             np.save(os.path.join(out, "zerojax_logits.npy"), np.asarray(logits))
 
 
+def export_moe(out_root: str) -> None:
+    """Under zerojax's Python: each MoE fixture loaded, exported, and its logits; and
+    ``zerojax finetune`` on the Mixtral and Qwen3-MoE ones (tests/finetune_case.py's
+    case), its export's logits as zerojax computes them."""
+    import pathlib
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "..", ".."))
+    import finetune_case
+
+    from zerojax.cli.command import main
+    from zerojax.export import export_params
+    from zerojax.models import Llama, LlamaConfig, hf_llama_mapping, load_hf_llama
+
+    def logits_of(directory, out):
+        config = LlamaConfig.from_hf(directory)
+        model = Llama(config)
+        params = load_hf_llama(directory, model)
+        logits = jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS))
+        np.save(os.path.join(out, "zerojax_logits.npy"), np.asarray(logits))
+        return config, params
+
+    for name in sorted(MOE_FAMILIES):
+        src = os.path.join(MOE_ROOT, name, "fp32")
+        out = os.path.join(out_root, name, "fp32")
+        os.makedirs(out)
+        config, params = logits_of(src, out)
+        export_params(params, out, format="hf", mapping=hf_llama_mapping(config),
+                      max_shard_size=40 << 10)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config.to_hf("float32"), f)
+    for name in finetune_case.MOE_FINETUNED:
+        root = pathlib.Path(out_root, name, "finetune")
+        root.mkdir(parents=True)
+        ckpt, data = finetune_case.write_moe_case(root, os.path.join(MOE_ROOT, name, "fp32"))
+        assert main(finetune_case.moe_finetune_args(ckpt, data, root / "out",
+                                                    root / "loss.png")) == 0
+        logits_of(str(root / "out"), str(root / "out"))
+
+
+def check_moe(zerojax_python: str) -> None:
+    """The MoE fixtures' exports and the fine-tuned exports loaded by transformers,
+    their logits against zerojax's; the fine-tuned ones recorded in
+    tests/fixtures/hf_moe/finetuned.npz (tests/test_hf_moe.py compares its own run's
+    export with them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        subprocess.run([zerojax_python, os.path.abspath(__file__), "--export-moe", tmp],
+                       check=True, cwd=os.path.join(ROOT, "..", "..", ".."), env=env)
+        print(f"{'family':10s} {'export':9s} {'|tf(export) - zerojax|':>24s}")
+        recorded = {}
+        for name in sorted(MOE_FAMILIES):
+            kinds = [("fp32", os.path.join(tmp, name, "fp32"))]
+            if os.path.isdir(os.path.join(tmp, name, "finetune")):
+                kinds.append(("finetuned", os.path.join(tmp, name, "finetune", "out")))
+            for kind, out in kinds:
+                got = _logits(out)
+                ours = np.load(os.path.join(out, "zerojax_logits.npy"))
+                print(f"{name:10s} {kind:9s} {np.abs(got - ours).max():24.3g}")
+                if kind == "finetuned":
+                    recorded[name] = got
+        import torch
+        import transformers
+
+        np.savez(os.path.join(MOE_ROOT, "finetuned.npz"), tokens=TOKENS,
+                 transformers_version=np.array(transformers.__version__),
+                 torch_version=np.array(torch.__version__), **recorded)
+
+
 def check(zerojax_python: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([zerojax_python, os.path.abspath(__file__), "--export", tmp],
@@ -235,10 +309,15 @@ def main(argv=None) -> None:
     ap.add_argument("--zerojax-python", default=sys.executable,
                     help="a Python that imports zerojax (for --check)")
     ap.add_argument("--export", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--export-moe", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--moe", action="store_true",
                     help="the mixture-of-experts families only (tests/fixtures/hf_moe)")
     args = ap.parse_args(argv)
-    if args.moe:
+    if args.export_moe:
+        export_moe(args.export_moe)
+    elif args.moe and args.check:
+        check_moe(args.zerojax_python)
+    elif args.moe:
         make_moe()
     elif args.export:
         export(args.export)

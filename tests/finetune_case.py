@@ -56,3 +56,39 @@ def write_case(root, n_words: int = 6000, vocab: int = 64, layers: int = 2,
     (ckpt / "config.json").write_text(json.dumps(hf))
     tok.save(str(ckpt / "tokenizer.json"))
     return ckpt, cfg
+
+
+# the mixture-of-experts fine-tuning case (tests/test_hf_moe.py and
+# scripts/make_hf_fixtures.py --check --moe, which records transformers' logits of the
+# export): a fixture of tests/fixtures/hf_moe with this module's tokenizer beside it
+MOE_FINETUNED = ("mixtral", "qwen3_moe")
+
+
+def moe_finetune_args(ckpt, data, out, png) -> list:
+    """``zerojax finetune``'s arguments for the MoE case (stage 3 on 8 devices)."""
+    return ["finetune", str(ckpt), str(data), "--out", str(out), "--steps", "12",
+            "--batch", "8", "--seq", "16", "--lr", "1e-2", "--png", str(png),
+            "--no-progress", "--max-shard-size", "40KB"]
+
+
+def write_moe_case(root, fixture) -> tuple:
+    """Copies the checkpoint directory ``fixture`` to ``root/ckpt`` with a BPE
+    tokenizer of 64 tokens trained on ``root/data.txt`` (written here); returns
+    ``(ckpt, data)``."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    data = text(3000)
+    (root / "data.txt").write_text(data)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([data], trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<unk>", "</s>"], show_progress=False))
+    ckpt = root / "ckpt"
+    shutil.copytree(fixture, ckpt)
+    hf = json.loads((ckpt / "config.json").read_text())
+    hf["eos_token_id"] = tok.token_to_id("</s>")
+    (ckpt / "config.json").write_text(json.dumps(hf))
+    tok.save(str(ckpt / "tokenizer.json"))
+    return ckpt, root / "data.txt"
