@@ -33,7 +33,7 @@ from zerojax.models import (
 )
 
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "hf_moe")
-FAMILIES = sorted(os.listdir(ROOT))
+FAMILIES = sorted(f for f in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, f)))
 # the dense families' bound (tests/test_hf_families.py): float32 rounding of a 2-layer
 # forward. Measured (pytest -s tests/test_hf_moe.py prints them; jax 0.10.2): max
 # |logits - transformers'| 3.1e-6 over the four families, both dtypes, one device and
