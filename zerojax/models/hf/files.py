@@ -131,6 +131,11 @@ def _axis_dim_names(path: str, c) -> str:
     """The config.json key behind a model-split dimension of the leaf at ``path``."""
     if "token_embedder" in path or "logits_dense" in path:
         return f"vocab_size={c.vocab}"
+    if "shared_expert" in path:
+        return f"shared_expert_intermediate_size={c.shared_expert_hidden}"
+    if "mlp" in path and getattr(c, "experts", 0):  # an expert's width
+        key = "moe_intermediate_size" if c.family.startswith("qwen") else "intermediate_size"
+        return f"{key}={c.moe_hidden}"
     if "mlp" in path:
         return f"intermediate_size={c.mlp_hidden}"
     if "key" in path or "value" in path:
