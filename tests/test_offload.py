@@ -167,7 +167,7 @@ def test_donated_offloaded_state_is_refused_and_donate_false_keeps_it(mesh):
 
 
 # -- buckets ---------------------------------------------------------------------------
-def _plan(tx, capacity, params=None, min_size=16):
+def _plan(tx, capacity, params=None, min_size=16, detail=False):
     """Buckets of ``tx``'s update with params and state offloaded, gradients on the
     device (``params``: by default three leaves of 512, 128 and 128 elements)."""
     if params is None:
@@ -185,23 +185,33 @@ def _plan(tx, capacity, params=None, min_size=16):
 
     on_host = [True] * (n_p + n_s) + [False] * n_p
     return offload.bucket_plan(fn, [*flat_p, *flat_s, *flat_p], on_host, capacity,
-                               min_size=min_size)
+                               min_size=min_size, detail=detail)
 
 
 def test_buckets_group_what_the_update_reads_together():
-    # operands: params a (512 elements), b (128), c (128) = 0-2; adam's count (a scalar,
-    # in no bucket) = 3; mu a, b, c = 4-6; nu a, b, c = 7-9
+    # operands: params a (64, 8: 512 elements), b (128), c (32, 4: 128) = 0-2; adam's
+    # count (a scalar, in no bucket) = 3; mu a, b, c = 4-6; nu a, b, c = 7-9
     adam = optax.adam(1e-2)
-    assert _plan(adam, capacity=1) == [[0, 4, 7], [1, 5, 8], [2, 6, 9]]  # one per param
-    assert _plan(adam, capacity=3 * 512) == [[0, 4, 7], [1, 2, 5, 6, 8, 9]]  # packed
+    a, b, c = [0, 4, 7], [1, 5, 8], [2, 6, 9]
+    # a bucket of 384 elements: b's and c's groups (3 x 128) fit whole; a's (3 x 512) is
+    # cut into 4 pieces of 16 rows (16 x 8 x 3 = 384), each its own bucket
+    plan = _plan(adam, capacity=384, detail=True)
+    assert [p["members"] for p in plan] == [a, a, a, a, b, c]
+    assert [p["region"] for p in plan[:4]] == [((r, 16), (0, 8)) for r in (0, 16, 32, 48)]
+    assert [p["elements"] for p in plan] == [384] * 6
+    assert _plan(adam, capacity=3 * 512) == [a, sorted(b + c)]  # packed
     assert _plan(adam, capacity=None) == [[0, 1, 2, 4, 5, 6, 7, 8, 9]]  # one bucket
     # a norm over the gradients alone (device values) keeps the groups apart
     clip_first = optax.chain(optax.clip_by_global_norm(1.0), adam)
-    assert len(_plan(clip_first, capacity=1)) == 3
+    assert _plan(clip_first, capacity=384) == [a, a, a, a, b, c]
     # a norm over the whole update: each bucket's sum of squares first (sweep 1), then
-    # the update scaled by the clip factor (sweep 2); the buckets stay one per param
+    # the update scaled by the clip factor (sweep 2); the buckets stay one per param,
+    # and a's group is kept whole (its sum of squares reads across the leaf)
     clip_after = optax.chain(adam, optax.clip_by_global_norm(1.0))
-    assert _plan(clip_after, capacity=1) == [[0, 4, 7], [1, 5, 8], [2, 6, 9]]
+    plan = _plan(clip_after, capacity=384, detail=True)
+    assert [p["members"] for p in plan] == [a, b, c]
+    assert [p["kept_whole"] for p in plan] == [True, False, False]
+    assert plan[0]["region"] is None and plan[0]["elements"] == 1536
     # an expression over two leaves' whole updates still needs both at once: b and c
     # join (b's update plus c's, 128 elements each), a stays apart
     def couple(updates, state, params=None):
@@ -209,12 +219,12 @@ def test_buckets_group_what_the_update_reads_together():
 
     coupled = optax.chain(adam, optax.GradientTransformation(lambda p: optax.EmptyState(),
                                                              couple))
-    assert _plan(coupled, capacity=1) == [[0, 4, 7], [1, 2, 5, 6, 8, 9]]
+    assert _plan(coupled, capacity=384) == [a, a, a, a, sorted(b + c)]
     # and a global norm of such joined updates, scaled back into them, still works
-    assert len(_plan(optax.chain(coupled, optax.clip_by_global_norm(1.0)), capacity=1)) == 2
+    assert len(_plan(optax.chain(coupled, optax.clip_by_global_norm(1.0)), capacity=1536)) == 2
     # a norm of updates already scaled by a norm would need a third sweep: one bucket
     twice = optax.chain(adam, optax.clip_by_global_norm(1.0), optax.clip_by_global_norm(0.5))
-    assert len(_plan(twice, capacity=1)) == 1
+    assert len(_plan(twice, capacity=1536)) == 1
 
 
 def test_a_norm_of_the_whole_update_trains_exactly_in_two_bounded_sweeps(mesh):

@@ -101,7 +101,9 @@ def build(opt, state, params, owned, grads, finite, grad_norm, scale) -> dict:
                                [len(operands)])
     elems = nvme_plan.buffer_elements(cfg.nvme_buffer_size,
                                       [np.dtype(x.dtype).itemsize for x in operands])
-    plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg))
+    # whole-leaf groups: the tier's files are read and written a leaf at a time (issue
+    # 50's pieces are the host tier's only, for now: docs/architecture.md "Known gaps")
+    plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg), cut=False)
     if plan.reads_cross or any(plan.bucket(o[2][0]) == offload.CROSS for o in ops if o[2]):
         raise NotImplementedError(
             f"offload_optimizer='nvme' with {type(opt.inner).__name__} whose update reads a "

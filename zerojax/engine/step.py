@@ -1332,10 +1332,19 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     out_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
                 + [params_host] * (n_own if mixed else 0))
 
+    # the axes split over a mesh axis, never cut into pieces; the leaves' names
+    sharded = offload.sharded_axes(
+        jax.tree.leaves(part_sh if stage > 0 else shardings(mesh, specs.params))
+        + jax.tree.leaves(inner_sh)) + [None] * (len(flat) - n_own - n_inner + 1)
+    names = [("opt_state.master" if mixed else "params") + jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_flatten_with_path(owned)[0]]
+    names += [("opt_state.inner" if mixed else "opt_state") + jax.tree_util.keystr(p) for p, _ in
+              jax.tree_util.tree_flatten_with_path(inner_state)[0]]
+
     def run(flat):
         return offload.update_in_buckets(
             fn, flat, on_host, out_host, offload.bucket_elements(cfg.bucket_size, opt.data_size),
-            cfg.min_shard_size)
+            cfg.min_shard_size, sharded=sharded, names=names)
 
     if explicit:  # as in the plain update: the padding is cut under Auto axes
         own_sh = jax.tree.leaves(placed.opt_state.master if mixed else (

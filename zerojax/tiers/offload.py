@@ -27,7 +27,12 @@ the whole state. Measured on one H100 (jax 0.11.2; GPT of 110M parameters, bf16
 params, fp32 Adam with master weights: 1.23 GiB offloaded; batch 8 x 512): the
 device's peak was 2.18 GiB without offload, 2.22 GiB with the whole state in one
 bucket and 1.40 GiB with buckets of 2**24 elements, at 16.7 / 67.1 / 66.7 ms a step
-(the state crosses PCIe twice a step). An optimizer whose update needs a norm of the
+(the state crosses PCIe twice a step). A leaf whose state is larger than a bucket is
+cut into pieces along the axes the update is elementwise along (issue 50:
+:mod:`zerojax.tiers.buckets`), so a bucket holds at most ``bucket_size`` elements
+whatever the largest leaf (a scanned stack is several buckets), bitwise the whole
+leaf's update; an update that reads across a leaf (LAMB, adafactor) keeps it whole,
+with a warning. An optimizer whose update needs a norm of the
 whole update (``chain(adam, clip_by_global_norm)``) takes two sweeps over the buckets,
 bounded as well, at twice the transfers (see :class:`_Plan`); clipping the gradients
 first (``chain(clip_by_global_norm, adam)``, or ``max_grad_norm``) takes one. On the CPU
@@ -52,6 +57,8 @@ inside ``jit`` and the bucketed update.
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import jax
@@ -61,6 +68,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zerojax.core import compat
 from zerojax.runtime import hostmem
+from zerojax.tiers import buckets as B
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -162,7 +170,8 @@ def memory_kinds(tree: Any) -> set:
 # parameter's master, mu and nu under Adam; every leaf at once under a norm of the
 # whole update). Scalars and leaves below ``min_shard_size`` (step counts) are
 # brought to the device first and join no group. Groups are packed in order into
-# buckets of at most ``capacity`` elements; each bucket's inputs come to the device,
+# buckets of at most ``capacity`` elements (a larger group cut into pieces along its
+# free axes, each piece a bucket: tiers/buckets.py); each bucket's inputs come to the device,
 # its equations run, its offloaded outputs go back to host memory, and bucket b's
 # inputs are tied (an optimization barrier) to bucket b-2's outputs having reached
 # host memory: the next bucket loads while the previous one computes, and at most
@@ -238,13 +247,15 @@ class _Plan:
     groups join, as for any other expression that reads several groups' large values."""
 
     def __init__(self, ops, operands: list, on_host: list, capacity: int | None,
-                 min_size: int, allow_cross: bool = True):
+                 min_size: int, allow_cross: bool = True, sharded: list | None = None,
+                 names: list | None = None, option: str = "bucket_size", cut: bool = True):
         small_size = max(min_size, 2)
         self.large = [h and _size(x) >= small_size for x, h in zip(operands, on_host)]
-        size = {i: _size(x) for i, x in enumerate(operands)}
+        shape = {i: tuple(x.shape) for i, x in enumerate(operands)}
         for eqn, _, outs in ops:
             for o, v in zip(outs, eqn.outvars):
-                size[o] = _size(v.aval) if hasattr(v.aval, "shape") else 1
+                shape[o] = tuple(getattr(v.aval, "shape", ()))
+        size = {r: math.prod(s) for r, s in shape.items()}
         parent = {i: i for i, big in enumerate(self.large) if big}
 
         def find(i):
@@ -271,7 +282,8 @@ class _Plan:
                 or (not tops and uses_cross))
             if cross:
                 if any(r in after_cross for r in grouped):  # would need a third sweep
-                    self.__init__(ops, operands, on_host, capacity, min_size, False)
+                    self.__init__(ops, operands, on_host, capacity, min_size, False,
+                                  sharded, names, option, cut)
                     return
                 self.cross_ops.add(k)
                 for o in outs:
@@ -289,24 +301,45 @@ class _Plan:
                 root[o] = top
                 if top is not None and (uses_cross or any(r in after_cross for r in grouped)):
                     after_cross.add(o)
+        self._root, self._find = root, find
+        self._size, self.shape = size, shape
+        self.small_size = small_size
+        self._pack(ops, parent, capacity, sharded, names, option, cut)
+
+    def _pack(self, ops, parent: dict, capacity, sharded, names, option, cut) -> None:
+        """The groups packed in operand order into buckets of at most ``capacity``
+        elements, a larger group cut into pieces along its free axes
+        (:func:`zerojax.tiers.buckets.pack`)."""
+        find, root = self._find, self._root
         groups: dict = {}
         for i in parent:
             groups.setdefault(find(i), []).append(i)
-        # packed in operand order into buckets of at most capacity elements
-        self.buckets: list[list[int]] = []
-        filled = 0
-        for members in sorted(groups.values(), key=min):
-            size_ = sum(_size(operands[i]) for i in members)
-            if self.buckets and (capacity is None or filled + size_ <= capacity):
-                self.buckets[-1].extend(members)
-                filled += size_
-            else:
-                self.buckets.append(list(members))
-                filled = size_
-        self._bucket = {find(i): b for b, members in enumerate(self.buckets) for i in members}
-        self._root, self._find = root, find
-        self._size = size
-        self.small_size = small_size
+        group_ops: dict = {}
+        for k, (_, _, outs) in enumerate(ops):
+            if outs and root.get(outs[0]) not in (None, CROSS):
+                group_ops.setdefault(find(root[outs[0]]), []).append(k)
+
+        def split_axes(i):
+            return () if sharded is None or sharded[i] is None else sharded[i]
+
+        specs = []
+        for top, members in sorted(groups.items(), key=lambda kv: min(kv[1])):
+            free = B.free_axes(ops, group_ops.get(top, []), members, self.shape.__getitem__,
+                               split_axes) if cut else ()
+            name = names[min(members)] if names else f"operand {min(members)}"
+            specs.append(B.Group(top, sum(self._size[i] for i in members),
+                                 self.shape[min(members)], free, name))
+        packed, self.whole = B.pack(specs, capacity, option)
+        self.buckets: list[list[int]] = [sorted(i for top in b.keys for i in groups[top])
+                                         for b in packed]
+        self.regions: list = [b.region for b in packed]
+        self.elements: list[int] = [b.elements for b in packed]
+        self._bucket: dict = {}
+        self.home: list[int] = []  # a piece's bucket -> its group's first bucket
+        for b, bucket in enumerate(packed):
+            for top in bucket.keys:
+                self._bucket.setdefault(top, b)
+            self.home.append(self._bucket[bucket.keys[0]])
 
     def bucket(self, ref) -> int | str:
         """The bucket a value belongs to; -1: it needs no offloaded group; CROSS: it is
@@ -322,93 +355,266 @@ class _Plan:
 
 
 def bucket_plan(fn, operands: list, on_host: list, capacity: int | None,
-                min_size: int) -> list[list[int]]:
+                min_size: int, sharded: list | None = None, names: list | None = None,
+                detail: bool = False) -> list:
     """The buckets :func:`update_in_buckets` would use: lists of the indices of the
     ``on_host`` operands brought to the device together, in order (operands below
-    ``min_size`` elements, and scalars, are brought first and belong to none)."""
+    ``min_size`` elements, and scalars, are brought first and belong to none).
+
+    With ``detail``: per bucket a dict ``{"members", "region", "elements"}``: its
+    operands, ``None`` for whole leaves or ``((start, size), ...)`` per axis for a piece
+    of one group (a leaf cut along its free axes, :mod:`zerojax.tiers.buckets`), and the
+    offloaded elements it brings to the device (at most ``capacity`` unless a group
+    with no free axis is larger: then ``kept_whole`` is True). ``sharded``: per
+    operand the axes split over a mesh axis (None: none), as :func:`update_in_buckets`
+    takes them."""
     ops, _ = _trace(fn, operands, on_host)
-    return [sorted(b) for b in _Plan(ops, operands, on_host, capacity, min_size).buckets]
+    plan = _Plan(ops, operands, on_host, capacity, min_size, sharded=sharded, names=names)
+    if detail:
+        over = {g.key for g in plan.whole}
+        return [{"members": m, "region": r, "elements": e,
+                 "kept_whole": any(plan._find(i) in over for i in m)}
+                for m, r, e in zip(plan.buckets, plan.regions, plan.elements)]
+    return [sorted(b) for b in plan.buckets]
+
+
+def sharded_axes(shardings: list) -> list:
+    """Per ``NamedSharding`` (or None), the axes its spec splits over a mesh axis: what
+    :func:`update_in_buckets` never cuts."""
+    out = []
+    for sh in shardings:
+        spec = getattr(sh, "spec", None)
+        out.append(None if spec is None else tuple(i for i, e in enumerate(spec)
+                                                   if e is not None))
+    return out
+
+
+class _Pieces:
+    """The reads and writes of one piece of a group (a bucket with a region, in the
+    coordinates of the group's leaves of ``shape``): its operands sliced from host
+    memory, the whole device values its equations read sliced alike, and its outputs
+    written into whole leaves (``dynamic_update_slice`` into a buffer in the output's
+    memory, one piece at a time)."""
+
+    def __init__(self, region: tuple, shape: tuple):
+        self.region, self.shape = region, shape
+        self.cut_axes = {j for j, ((_, n), d) in enumerate(zip(region, shape)) if n != d}
+
+    def _box(self, x) -> tuple:
+        """``(starts, sizes)`` of ``x``'s piece: the region along the cut axes (every
+        value of the group is whole along them), ``x`` whole along the others."""
+        starts = tuple(self.region[j][0] if j in self.cut_axes else 0 for j in range(x.ndim))
+        sizes = tuple(self.region[j][1] if j in self.cut_axes else d
+                      for j, d in enumerate(x.shape))
+        return starts, sizes
+
+    def cut(self, x, host: bool = False):
+        """``x``'s piece (a scalar as it is)."""
+        if not getattr(x, "ndim", 0):
+            return x
+        starts, sizes = self._box(x)
+        if host:  # the form XLA's host offloader moves (as a scan's per-layer slice)
+            return jax.lax.dynamic_slice(x, starts, sizes)
+        # a buffer of its own (as a bucket's moved inputs are): the piece's arithmetic
+        # then compiles as the whole leaf's does (a slice fused into it, XLA:CPU
+        # contracted Adam's other product into the FMA: 1 ulp apart)
+        return jax.lax.optimization_barrier(
+            jax.lax.slice(x, starts, tuple(a + n for a, n in zip(starts, sizes))))
+
+    def local_op(self, eqn) -> bool:
+        """Whether ``eqn`` computes its piece from the piece of its inputs: elementwise,
+        or a slice or pad that leaves the cut axes whole."""
+        name = eqn.primitive.name
+        outs = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        if any(len(o) != len(self.region) for o in outs):
+            return False
+        if name in B.ELEMENTWISE or name in B.PLACEMENT:
+            return all(np.ndim(v.val) == 0 if isinstance(v, jcore.Literal) else
+                       tuple(v.aval.shape) in ((), outs[0]) for v in eqn.invars)
+        if name in ("slice", "pad"):
+            src = tuple(eqn.invars[0].aval.shape)
+            return all(src[j] == outs[0][j] == self.shape[j] for j in self.cut_axes)
+        return False
+
+    def bind(self, eqn, invals):
+        if eqn.primitive.name != "slice":
+            return _bind(eqn, invals)
+        params = dict(eqn.params)  # the padding cut: whole along the cut axes
+        params["limit_indices"] = tuple(
+            self.region[j][1] if j in self.cut_axes else x
+            for j, x in enumerate(params["limit_indices"]))
+        with eqn.ctx.manager:
+            return [eqn.primitive.bind(invals[0], **eqn.primitive.get_bind_params(params))]
+
+    def write(self, buf, x, shape, host: bool):
+        """``x`` (this piece of an output of ``shape``) into ``buf`` (None: a new buffer
+        of zeros, in host memory with ``host``)."""
+        if buf is None:
+            buf = jax.numpy.zeros(shape, x.dtype)
+            if host:
+                buf = to_host(buf)
+        return jax.lax.dynamic_update_slice(buf, x, self._box(x)[0])
 
 
 def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
-                      capacity: int | None, min_size: int) -> list:
+                      capacity: int | None, min_size: int, sharded: list | None = None,
+                      names: list | None = None) -> list:
     """``fn(*operands)`` (a flat list in, a flat list out) inside ``jit``, with the
     operands marked ``on_host`` brought to the device bucket by bucket and the outputs
     marked ``out_to_host`` written back to host memory as each bucket finishes.
 
     ``capacity``: elements (global, summed over a bucket's offloaded inputs) per
-    bucket; None: one bucket (everything on the device at once). Returns the flat
-    outputs, those marked ``out_to_host`` in host memory.
+    bucket; None: one bucket (everything on the device at once). A group larger than
+    ``capacity`` is cut into pieces along its free axes (:mod:`zerojax.tiers.buckets`;
+    ``sharded``: per operand the axes split over a mesh axis, never cut, from
+    :func:`sharded_axes`), bitwise the whole group's arithmetic; one with no free axis
+    (LAMB, adafactor) stays whole, with a warning naming its leaf (``names``: per
+    operand, for messages) and ``bucket_size``; a bucket smaller than one row of a
+    leaf is refused. Returns the flat outputs, those marked ``out_to_host`` in host
+    memory.
     """
     ops, out_refs = _trace(fn, operands, on_host)
-    plan = _Plan(ops, operands, on_host, capacity, min_size)
+    plan = _Plan(ops, operands, on_host, capacity, min_size, sharded=sharded, names=names)
+    for g in plan.whole:
+        warnings.warn(
+            f"offloaded update: {g.name}'s optimizer state ({g.elements} elements with its "
+            f"moments) is larger than bucket_size={capacity}, but the optimizer's update "
+            "reads across that leaf (a per-leaf norm, factored moments, a norm of the "
+            "update: clip_by_global_norm after the optimizer): it is brought to the "
+            "device whole, as one bucket. Budget device memory for it, clip the gradients "
+            "first (max_grad_norm=..., or chain(clip_by_global_norm, ...)), or use an "
+            "elementwise optimizer (adam, adamw, sgd) to bound the buckets.",
+            stacklevel=4)
     env: dict = {}
     for i, x in enumerate(operands):
         if not plan.large[i]:
             env[i] = to_device(x) if on_host[i] else x
-
-    def read(r):
-        return r[1] if isinstance(r, tuple) else env[r]
-
-    def run(some_ops):
-        for _, (eqn, ins, outs) in some_ops:
-            for o, val in zip(outs, _bind(eqn, [read(r) for r in ins])):
-                env[o] = val
-
-    def load(b, tie):  # bucket b's offloaded inputs onto the device, after ``tie``
-        members = sorted(plan.buckets[b])
-        ins = [operands[i] for i in members]
-        if tie:
-            ins, _ = jax.lax.optimization_barrier((ins, tie))
-        for i, x in zip(members, ins):
-            env[i] = to_device(x)
-        return members
-
     by_bucket: dict = {}
     for k, op in enumerate(ops):
         by_bucket.setdefault(plan.bucket(op[2][0]) if op[2] else -1, []).append((k, op))
-    run(by_bucket.get(-1, []))
+    _run(by_bucket.get(-1, []), env, env)
     cross_ops = by_bucket.get(CROSS, [])
     tie0 = None
     if plan.reads_cross:
-        # sweep 1: each bucket computes only what the cross values need, keeps its small
-        # values and drops the rest; then the cross values (a global norm)
-        need = {r for _, (_, ins, _) in cross_ops for r in ins if not isinstance(r, tuple)}
-        needed: set = set()
-        for k in range(len(ops) - 1, -1, -1):
-            _, ins, outs = ops[k]
-            if any(o in need for o in outs) and plan.bucket(outs[0]) not in (-1, CROSS):
-                needed.add(k)
-                need.update(r for r in ins if not isinstance(r, tuple))
-        kept: dict = {}
-        for b in range(len(plan.buckets)):
-            members = load(b, kept.get(b - 2))
-            mine = [(k, op) for k, op in by_bucket.get(b, []) if k in needed]
-            run(mine)
-            kept[b] = [env[o] for _, (_, _, outs) in mine for o in outs if plan.is_small(o)]
-            for _, (_, _, outs) in mine:  # recomputed in sweep 2: not kept alive
-                for o in outs:
-                    if not plan.is_small(o):
-                        env.pop(o, None)
-            for i in members:
-                env.pop(i)
-        run(cross_ops)
+        _first_sweep(plan, ops, operands, env, by_bucket, cross_ops)
+        _run(cross_ops, env, env)
         tie0 = [env[o] for _, (_, _, outs) in cross_ops for o in outs]
     landed: dict = {}  # bucket -> its outputs in host memory
     result: dict = {}  # output position -> value
     for b in range(len(plan.buckets)):
-        load(b, landed.get(b - 2) if b >= 2 else tie0)
-        run(by_bucket.get(b, []))
-        mine = [k for k, r in enumerate(out_refs) if out_to_host[k] and plan.bucket(r) == b]
-        moved = to_host([read(out_refs[k]) for k in mine])
-        result.update(zip(mine, moved))
-        landed[b] = moved
+        tie = landed.get(b - 2) if b >= 2 else tie0
+        piece = None if plan.regions[b] is None else _Pieces(
+            plan.regions[b], plan.shape[plan.buckets[b][0]])
+        local = _load(plan, operands, b, tie, env, piece)
+        mine_ops = by_bucket.get(plan.home[b], [])
+        if piece is not None:  # the device values it reads, from their own pieces
+            mine_ops = _recomputed(plan, ops, mine_ops, piece) + mine_ops
+        _run(mine_ops, local, env, piece)
+        mine = [k for k, r in enumerate(out_refs) if plan.bucket(r) == plan.home[b]]
+        moved = [_read(local, env, out_refs[k], piece) for k in mine]
+        if piece is not None:  # computed into a buffer of its own, then written
+            moved = jax.lax.optimization_barrier(moved)
+        moved = [to_host(x) if out_to_host[k] else x for k, x in zip(mine, moved)]
+        if piece is None:
+            result.update(zip(mine, moved))
+        else:
+            for k, x in zip(mine, moved):
+                result[k] = piece.write(result.get(k), x, plan.shape[out_refs[k]],
+                                        out_to_host[k])
+        landed[b] = [x for k, x in zip(mine, moved) if out_to_host[k]]
     if not plan.reads_cross:  # cross values only the outputs read (a norm reported)
-        run(cross_ops)
+        _run(cross_ops, env, env)
     for k, r in enumerate(out_refs):
         if k not in result:
-            result[k] = to_host(read(r)) if out_to_host[k] else read(r)
+            result[k] = to_host(_read(env, env, r)) if out_to_host[k] else _read(env, env, r)
     return [result[k] for k in range(len(out_refs))]
+
+
+def _recomputed(plan, ops, group_ops: list, piece) -> list:
+    """The equations outside every group (on device values: the gradient's cast,
+    unscale, clip) whose large values a piece's equations read, each recomputed on the
+    piece of its inputs (elementwise, as the group's own), in order: the piece's
+    arithmetic is then the whole leaf's, equation for equation (a value computed whole
+    and sliced compiled into other fusions on XLA:CPU, its FMAs contracted the other
+    way: 1 ulp apart), and no whole-leaf temporary is made for it."""
+    producer = {o: k for k, (_, _, outs) in enumerate(ops) for o in outs}
+    chosen: set = set()
+    seen: set = set()
+    stack = [r for _, (_, ins, _) in group_ops for r in ins if not isinstance(r, tuple)]
+    while stack:
+        r = stack.pop()
+        if r in seen or r not in producer or plan.bucket(r) != -1 or plan.is_small(r):
+            continue
+        seen.add(r)
+        k = producer[r]
+        if piece.local_op(ops[k][0]):
+            chosen.add(k)
+            stack.extend(x for x in ops[k][1] if not isinstance(x, tuple))
+    return [(k, ops[k]) for k in sorted(chosen)]
+
+
+def _read(local: dict, env: dict, r, piece=None):
+    """A value as a bucket's equations read it: a literal, this bucket's own, or one
+    computed before (cut to the piece's region when the bucket is a piece)."""
+    if isinstance(r, tuple):
+        return r[1]
+    if r in local:
+        return local[r]
+    return env[r] if piece is None else piece.cut(env[r])
+
+
+def _run(some_ops, local: dict, env: dict, piece=None) -> None:
+    """Equations into ``local`` (reading ``local``, then ``env``)."""
+    for _, (eqn, ins, outs) in some_ops:
+        vals = [_read(local, env, r, piece) for r in ins]
+        got = _bind(eqn, vals) if piece is None else piece.bind(eqn, vals)
+        for o, val in zip(outs, got):
+            local[o] = val
+
+
+def _load(plan, operands: list, b: int, tie, env: dict, piece) -> dict:
+    """Bucket ``b``'s offloaded inputs (its piece of them) onto the device, after
+    ``tie`` (an optimization barrier); returns where the bucket's values go (``env``
+    for whole groups, a dict of its own for a piece)."""
+    members = plan.buckets[b]
+    ins = [operands[i] if piece is None else piece.cut(operands[i], host=True)
+           for i in members]
+    if tie:
+        ins, _ = jax.lax.optimization_barrier((ins, tie))
+    local = env if piece is None else {}
+    ins = [to_device(x) for x in ins]
+    if piece is not None:  # a buffer of its own, as a whole leaf's (see _Pieces.cut)
+        ins = jax.lax.optimization_barrier(ins)
+    local.update(zip(members, ins))
+    return local
+
+
+def _first_sweep(plan, ops, operands, env, by_bucket, cross_ops) -> None:
+    """Sweep 1 of an update that reads a cross value (see :class:`_Plan`): each bucket
+    computes only what the cross values need, keeps its small values and drops the rest.
+    A piece of a cut group computes no small value (its equations are elementwise): it
+    is not loaded."""
+    need = {r for _, (_, ins, _) in cross_ops for r in ins if not isinstance(r, tuple)}
+    needed: set = set()
+    for k in range(len(ops) - 1, -1, -1):
+        _, ins, outs = ops[k]
+        if any(o in need for o in outs) and plan.bucket(outs[0]) not in (-1, CROSS):
+            needed.add(k)
+            need.update(r for r in ins if not isinstance(r, tuple))
+    kept: dict = {}
+    for b in range(len(plan.buckets)):
+        mine = [(k, op) for k, op in by_bucket.get(b, []) if k in needed]
+        if plan.regions[b] is not None:
+            continue
+        _load(plan, operands, b, kept.get(b - 2), env, None)
+        _run(mine, env, env)
+        kept[b] = [env[o] for _, (_, _, outs) in mine for o in outs if plan.is_small(o)]
+        for _, (_, _, outs) in mine:  # recomputed in sweep 2: not kept alive
+            for o in outs:
+                if not plan.is_small(o):
+                    env.pop(o, None)
+        for i in plan.buckets[b]:
+            env.pop(i)
 
 
 def _size(x) -> int:
