@@ -22,8 +22,9 @@ def _run(mesh, steps=STEPS, **options):
     opt = zerojax.zero(optax.adamw(1e-2), mesh, **options)
     state = opt.init_state(awkward_params())
     step = opt.train_step(awkward_loss)
+    k = options.get("accum_steps", 1)
     for b in regression_batches(steps):
-        state, _ = step(state, b)
+        state, _ = step(state, tuple(x.reshape(k, -1, *x.shape[1:]) for x in b) if k > 1 else b)
     return jax.tree.map(np.asarray, (opt.full_params(state), state.opt_state))
 
 
@@ -35,11 +36,13 @@ def _same(a, b) -> list:
 
 
 @pytest.mark.parametrize("axes, options", [
-    # fp32 at stage 1; fp16 params with fp32 master weights and dynamic loss scaling, the
-    # params offloaded too, on a model axis at stage 3
+    # fp32 at stage 1; bf16 params over fp32 master weights with micro-batches at stage
+    # 2; fp16 params with fp32 master weights and dynamic loss scaling, the params
+    # offloaded too, on a model axis at stage 3
     (dict(data=8), dict(stage=1)),
+    (dict(data=8), dict(stage=2, param_dtype=jnp.bfloat16, accum_steps=2)),
     (dict(data=4, model=2), dict(stage=3, param_dtype=jnp.float16, offload_params=True)),
-], ids=["stage1_fp32", "stage3_fp16_model"])
+], ids=["stage1_fp32", "stage2_bf16_accum", "stage3_fp16_model"])
 def test_a_leaf_ten_times_the_bucket_trains_bitwise(monkeypatch, axes, options):
     """dense2's kernel (64 x 37, with its master and moments 7,104 offloaded elements) in
     buckets of about 710: cut into pieces, bitwise the whole-leaf buckets of before issue
