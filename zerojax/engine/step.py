@@ -1332,10 +1332,12 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     out_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
                 + [params_host] * (n_own if mixed else 0))
 
-    # the axes split over a mesh axis, never cut into pieces; the leaves' names
-    sharded = offload.sharded_axes(
-        jax.tree.leaves(part_sh if stage > 0 else shardings(mesh, specs.params))
-        + jax.tree.leaves(inner_sh)) + [None] * (len(flat) - n_own - n_inner + 1)
+    # the axes split over a mesh axis, never cut into pieces (the gradients: the owned
+    # values' layout); the leaves' names
+    own_split = offload.sharded_axes(jax.tree.leaves(
+        part_sh if stage > 0 else shardings(mesh, specs.params)))
+    sharded = (own_split + offload.sharded_axes(jax.tree.leaves(inner_sh))
+               + (own_split if n_grads == n_own else [None] * n_grads) + [None])
     names = [("opt_state.master" if mixed else "params") + jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_flatten_with_path(owned)[0]]
     names += [("opt_state.inner" if mixed else "opt_state") + jax.tree_util.keystr(p) for p, _ in
