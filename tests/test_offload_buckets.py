@@ -15,7 +15,7 @@ from helpers import awkward_loss, awkward_params, regression_batches
 import zerojax
 from zerojax.tiers import buckets as B, offload
 
-STEPS = 3
+STEPS = 2  # FMA contraction shows from step 2 (the moments nonzero)
 
 
 def _run(mesh, steps=STEPS, **options):
@@ -128,6 +128,28 @@ def test_the_buckets_do_not_grow_with_the_largest_leaf():
     # the same tensors come to the device: an (8, 32) piece (global; 8 x 4 a device)
     assert moved["one_leaf_10x"] == moved["ten_leaves_1x"] == ["tensor<8x32xf32>",
                                                                "tensor<i32>"]
+
+
+def test_the_step_lowered_for_a_gpu_moves_pieces_never_a_whole_large_leaf(monkeypatch):
+    """The stage-3 step (fp32 Adam, mu and nu offloaded, buckets of 704 elements), lowered
+    for CUDA from the CPU: what moves between host and device memory is pieces of at
+    most one bucket's share (mu's and nu's pieces: 352 elements each) and the small
+    leaves; dense2's kernel (64 x 37, 2,368 elements) never moves whole, and its new
+    values are written into a host buffer made as a scan's host stack is (no device
+    zeros moved to the host)."""
+    monkeypatch.setattr(offload, "DEFAULT_BUCKET_PER_DEVICE", 88)  # x 8 devices: 704
+    opt = zerojax.zero(optax.adamw(1e-2), zerojax.make_mesh(data=8), stage=3,
+                       offload_optimizer=True)
+    state = opt.init_state(awkward_params())
+    step = opt.train_step(awkward_loss)
+    text = step.jitted.trace(state, step.place_batch(regression_batches(1)[0]), None).lower(
+        lowering_platforms=("cuda",)).as_text()
+    moves = re.findall(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = "
+                       r"\"(\w+)\".*?: \(tensor<([^>]*)>\)", text)
+    sizes = {int(np.prod([int(d) for d in t.split("x")[:-1]] or [1])) for _, t in moves}
+    assert max(sizes) <= 704 // 2, sorted(sizes)
+    assert {w for w, _ in moves} == {"device", "pinned_host"}
+    assert "dynamic_update_slice" in text
 
 
 # -- what is refused, what is kept whole ----------------------------------------------

@@ -233,3 +233,24 @@ def to_memory_space(x, host: bool):
     from jax._src.sharding_impls import TransferToMemoryKind  # jax < 0.6
 
     return jax.device_put(x, TransferToMemoryKind("pinned_host" if host else "device"))
+
+
+def zeros_in_memory(shape, dtype, host: bool):
+    """Inside ``jit``: zeros of ``shape`` to write pieces into (``dynamic_update_slice``),
+    in host memory with ``host``. Made as ``jax.lax.scan`` makes its host-offloaded
+    stacked outputs (``lax.empty2`` in host memory, broadcast; no placement
+    annotation): XLA's host offloader turns that broadcast into a buffer allocated in
+    host memory (the GPU notes of 2026-11-28: an ``AllocateBuffer`` in ``S(5)``), where
+    ``device_put`` of device zeros would make the zeros on the device and copy them."""
+    import jax.numpy as jnp
+
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    try:
+        from jax._src.lax.lax import empty2
+    except ImportError:  # pragma: no cover - a JAX without it: device zeros, moved
+        empty2 = None
+    if not host:
+        return jnp.zeros(shape, dtype)
+    if empty2 is None or space is None:
+        return to_memory_space(jnp.zeros(shape, dtype), host=True)
+    return jax.lax.broadcast(empty2(jnp.dtype(dtype), memory_space=space.Host), tuple(shape))

@@ -450,9 +450,7 @@ class _Pieces:
         """``x`` (this piece of an output of ``shape``) into ``buf`` (None: a new buffer
         of zeros, in host memory with ``host``)."""
         if buf is None:
-            buf = jax.numpy.zeros(shape, x.dtype)
-            if host:
-                buf = to_host(buf)
+            buf = compat.zeros_in_memory(shape, x.dtype, host)
         return jax.lax.dynamic_update_slice(buf, x, self._box(x)[0])
 
 
