@@ -167,11 +167,10 @@ def test_donated_offloaded_state_is_refused_and_donate_false_keeps_it(mesh):
 
 
 # -- buckets ---------------------------------------------------------------------------
-def _plan(tx, capacity, params=None, min_size=16, detail=False):
-    """Buckets of ``tx``'s update with params and state offloaded, gradients on the
-    device (``params``: by default three leaves of 512, 128 and 128 elements)."""
-    if params is None:
-        params = {"a": jnp.ones((64, 8)), "b": jnp.ones((128,)), "c": jnp.ones((32, 4))}
+def update_parts(tx, params):
+    """``(fn, operands, on_host)``: ``tx``'s update of ``params`` as the offloaded update
+    takes it, a flat function of the params (offloaded), the state (offloaded) and the
+    gradients (on the device); its outputs the new params and state."""
     state = tx.init(params)
     flat_p, flat_s = jax.tree.leaves(params), jax.tree.leaves(state)
     n_p, n_s = len(flat_p), len(flat_s)
@@ -183,9 +182,17 @@ def _plan(tx, capacity, params=None, min_size=16, detail=False):
         updates, s = tx.update(g, s, p)
         return jax.tree.leaves((optax.apply_updates(p, updates), s))
 
-    on_host = [True] * (n_p + n_s) + [False] * n_p
-    return offload.bucket_plan(fn, [*flat_p, *flat_s, *flat_p], on_host, capacity,
-                               min_size=min_size, detail=detail)
+    return fn, [*flat_p, *flat_s, *flat_p], [True] * (n_p + n_s) + [False] * n_p
+
+
+def _plan(tx, capacity, params=None, min_size=16, detail=False):
+    """Buckets of ``tx``'s update with params and state offloaded, gradients on the
+    device (``params``: by default three leaves of 512, 128 and 128 elements)."""
+    if params is None:
+        params = {"a": jnp.ones((64, 8)), "b": jnp.ones((128,)), "c": jnp.ones((32, 4))}
+    fn, operands, on_host = update_parts(tx, params)
+    return offload.bucket_plan(fn, operands, on_host, capacity, min_size=min_size,
+                               detail=detail)
 
 
 def test_buckets_group_what_the_update_reads_together():

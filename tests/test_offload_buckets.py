@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import awkward_loss, awkward_params, regression_batches
+from test_offload import update_parts
 
 import zerojax
 from zerojax.tiers import buckets as B, offload
@@ -75,24 +76,11 @@ def test_a_leaf_ten_times_the_bucket_trains_bitwise(monkeypatch, axes, options):
 
 
 # -- bounds ---------------------------------------------------------------------------
-def _adam_update(params):
-    """An Adam update with master weights and moments offloaded (bucket_plan's and
-    update_in_buckets' operands) for ``params``."""
-    tx = optax.adam(1e-2)
-    state = tx.init(params)
-    flat_p, flat_s = jax.tree.leaves(params), jax.tree.leaves(state)
-    n_p, n_s = len(flat_p), len(flat_s)
-
-    def fn(*xs):
-        p = jax.tree.unflatten(jax.tree.structure(params), xs[:n_p])
-        s = jax.tree.unflatten(jax.tree.structure(state), xs[n_p:n_p + n_s])
-        g = jax.tree.unflatten(jax.tree.structure(params), xs[n_p + n_s:])
-        updates, s = tx.update(g, s, p)
-        return jax.tree.leaves((optax.apply_updates(p, updates), s))
-
-    operands = [*flat_p, *flat_s, *flat_p]
-    on_host = [True] * (n_p + n_s) + [False] * n_p
-    return fn, operands, on_host, [True] * (n_p + n_s)
+def _adam_update(params, tx=None):
+    """``(fn, operands, on_host, out_to_host)``: an Adam update (or ``tx``'s) of
+    ``params`` with the params and state offloaded (test_offload.update_parts)."""
+    fn, operands, on_host = update_parts(tx or optax.adam(1e-2), params)
+    return fn, operands, on_host, [h for h in on_host if h]
 
 
 ROWS, COLS, CAP = 8, 32, 3 * 8 * 32  # a bucket: one (8, 32) leaf with its moments
@@ -170,19 +158,7 @@ def test_a_bucket_smaller_than_a_row_is_refused_naming_the_leaf_and_its_row():
 @pytest.mark.parametrize("tx", [optax.lamb(1e-2), optax.adafactor(1e-2, min_dim_size_to_factor=8)],
                          ids=["lamb", "adafactor"])
 def test_an_update_reading_across_a_leaf_keeps_it_whole_and_says_so(tx):
-    params = MODELS["one_leaf_10x"]
-    state = tx.init(params)
-    flat_p, flat_s = jax.tree.leaves(params), jax.tree.leaves(state)
-
-    def fn(*xs):
-        p = jax.tree.unflatten(jax.tree.structure(params), xs[:1])
-        s = jax.tree.unflatten(jax.tree.structure(state), xs[1:1 + len(flat_s)])
-        g = jax.tree.unflatten(jax.tree.structure(params), xs[1 + len(flat_s):])
-        u, s = tx.update(g, s, p)
-        return jax.tree.leaves((optax.apply_updates(p, u), s))
-
-    operands = [*flat_p, *flat_s, *flat_p]
-    on_host = [True] * (1 + len(flat_s)) + [False]
+    fn, operands, on_host, out_host = _adam_update(MODELS["one_leaf_10x"], tx)
     names = ["params['big']"] + [f"opt_state{i}" for i in range(len(operands) - 1)]
     plan = offload.bucket_plan(fn, operands, on_host, CAP, 16, names=names, detail=True)
     big = [p for p in plan if 0 in p["members"]]
@@ -190,5 +166,4 @@ def test_an_update_reading_across_a_leaf_keeps_it_whole_and_says_so(tx):
     with pytest.warns(UserWarning, match=r"params\['big'\]'s optimizer state .* larger than "
                       r"bucket_size=768.*brought to the device whole"):
         jax.make_jaxpr(lambda *xs: offload.update_in_buckets(
-            fn, list(xs), on_host, [True] * (len(operands) - 1), CAP, 16, names=names))(
-                *operands)
+            fn, list(xs), on_host, out_host, CAP, 16, names=names))(*operands)
