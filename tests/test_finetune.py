@@ -173,6 +173,9 @@ LOADER_CASES = {  # name: (change to the checkpoint folder, extra flags, key wor
     "missing shard": (_shards_one_missing, [], [
         "model.safetensors.index.json", "model-00002-of-00002.safetensors", "holding e.g."]),
     "truncated": (_truncated, [], ["model.safetensors is truncated", "its tensor"]),
+    "another model's config": (_edit_config(intermediate_size=48), [], [
+        "the files do not fit", "shape(s) that differ",
+        "mlp.gate_proj.weight (file (64, 32), config (48, 32))", "config.json belongs"]),
     "vocab over --mp": (_edit_config(vocab_size=66), ["--mp", "4"],
                         ["vocab_size=66", "--mp 4", "the nearest is 2", "--mp 2"]),
 }

@@ -102,11 +102,16 @@ def test_a_missing_tensor_is_named_never_a_placeholder(ckpt, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3)
-    with pytest.raises(ValueError, match=r"tensor\(s\) in the file that `like` lacks: "
-                                         r"model.extra.weight"):
+    # in the checkpoint's terms (issue 51), before any read
+    with pytest.raises(ValueError, match=r"the files do not fit the model of its config "
+                                         r".*1 tensor\(s\) the config needs that no file "
+                                         r"holds: model.norm.weight \(for decoder/"
+                                         r"decoder_norm/scale\); 1 file tensor\(s\) this "
+                                         r"llama model has no place for: model.extra.weight"):
         zerojax.load_hf(tmp_path, opt)
-    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) for leaves .* "
-                                         r"decoder.decoder_norm.scale"):
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) the config needs that no file "
+                                         r"holds: model.norm.weight \(for decoder/"
+                                         r"decoder_norm/scale\)\. Check"):
         zerojax.load_hf(tmp_path, opt, strict=False)
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="has no config.json"):

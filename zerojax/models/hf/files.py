@@ -18,7 +18,7 @@ import numpy as np
 from zerojax.io.formats import checkpoint_files, read_region
 from zerojax.models.gpt import init_variables
 from zerojax.models.hf.config import notice
-from zerojax.models.hf.tensors import hf_from_params, hf_rename
+from zerojax.models.hf.tensors import hf_from_params, hf_llama_mapping, hf_rename
 
 
 def _dummy_tokens(model) -> jax.Array:
@@ -56,6 +56,8 @@ def load_hf_llama(path: str | os.PathLike, model, *, shardings: Any = None,
         _check_model_split(like, specs, shardings)
     rename = hf_rename(model.config)
     rename.update(dropped_tensors(path, model.config))
+    check_files(path, model.config, {n for n, into in rename.items() if into is None},
+                strict)
     return ld.load_params(path, like, shardings=shardings, rename=rename,
                           strict=strict, **load_options)
 
@@ -125,6 +127,42 @@ def dropped_tensors(path: str | os.PathLike, config) -> dict:
                "the duplicate is not read, as transformers ties it to the embedding",
                stacklevel=4)
     return out
+
+
+def _some(names: list) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_files(path: str | os.PathLike, config, skipped: set, strict: bool) -> None:
+    """Refuse, before any read, files that do not fit ``config`` in the checkpoint's own
+    terms: the tensors the config needs that no file holds, the file tensors it has no
+    place for (``strict``; not those :func:`dropped_tensors` skips) and the shapes that
+    differ, each named (the usual cause: a ``config.json`` of another model)."""
+    infos = checkpoint_files(path)
+    mapping = hf_llama_mapping(config)
+    names = {e.name for e in mapping}
+    missing = [f"{e.name} (for {'/'.join(e.path)})" for e in mapping if e.name not in infos]
+    extra = sorted(n for n in infos if n not in names and n not in skipped)
+    shapes = [f"{e.name} (file {tuple(infos[e.name].shape)}, config {e.hf_shape})"
+              for e in mapping if e.name in infos and tuple(infos[e.name].shape) != e.hf_shape]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the config needs that no file holds: "
+                        + _some(missing))
+    if strict and extra:
+        problems.append(f"{len(extra)} file tensor(s) this {config.family} model has no "
+                        "place for: " + _some(extra))
+    if shapes:
+        problems.append(f"{len(shapes)} shape(s) that differ: " + _some(shapes))
+    if problems:
+        c = config
+        raise ValueError(
+            f"{os.fspath(path)}: the files do not fit the model of its config "
+            f"({c.family}: layers={c.layers}, hidden={c.hidden}, heads={c.heads}, "
+            f"kv_heads={c.kv_heads}, mlp_hidden={c.mlp_hidden}, vocab={c.vocab}, "
+            f"tie_embeddings={c.tie_embeddings}): " + "; ".join(problems) + ". Check that "
+            "config.json belongs to these files and that every file is complete; nothing "
+            "was read.")
 
 
 def _axis_dim_names(path: str, c) -> str:
