@@ -166,8 +166,8 @@ def cli_env() -> dict:
 
 def sigterm_at_first_step(argv: list, timeout: float = 300) -> tuple[int, str]:
     """Run ``python -m zerojax.cli ARGV`` (a training command with --no-progress), send
-    it SIGTERM once its first step's line ("  step     0") is printed; its exit status
-    and output."""
+    it SIGTERM once its first step's line ("  step     1", steps counted from 1) is
+    printed; its exit status and output."""
     import signal
     import subprocess
     import sys
@@ -178,6 +178,53 @@ def sigterm_at_first_step(argv: list, timeout: float = 300) -> tuple[int, str]:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("  step     0"):  # the loop runs (and asks each step)
+        if line.startswith("  step     1"):  # the loop runs (and asks each step)
             proc.send_signal(signal.SIGTERM)
     return proc.wait(timeout=timeout), "".join(lines)
+
+
+# --- issue 51: which weights a Hugging Face folder holds --------------------------------
+
+def transformers_weights(folder) -> list[str]:
+    """The weight files ``transformers``' ``from_pretrained(folder)`` loads: the rule of
+    ``_get_resolved_checkpoint_files`` in transformers/modeling_utils.py (5.x; 4.x has the
+    same order), for a local folder and the default ``use_safetensors=None``: the
+    config's ``transformers_weights`` if set, else ``model.safetensors``, else
+    ``model.safetensors.index.json`` (the files of its weight_map), else
+    ``pytorch_model.bin``, else its index. So a ``model.safetensors`` beside an index
+    wins over the index."""
+    import json
+    import pathlib
+
+    folder = pathlib.Path(folder)
+    config = folder / "config.json"
+    explicit = json.loads(config.read_text()).get("transformers_weights") \
+        if config.exists() else None
+    for name in ([explicit] if explicit else []) + ["model.safetensors",
+                                                    "model.safetensors.index.json",
+                                                    "pytorch_model.bin",
+                                                    "pytorch_model.bin.index.json"]:
+        if (folder / name).is_file():
+            if name.endswith(".index.json"):
+                index = json.loads((folder / name).read_text())
+                return sorted(set(index["weight_map"].values()))
+            return [name]
+    return []
+
+
+def weight_files(folder) -> list[str]:
+    import os
+
+    from zerojax.io.outdir import WEIGHT_FILES
+
+    return sorted(f for f in os.listdir(folder) if WEIGHT_FILES.fullmatch(f))
+
+
+def one_layout(folder) -> list[str]:
+    """The folder's weight files, asserted to be exactly one layout: what transformers
+    loads (and the index naming it), nothing else."""
+    files = weight_files(folder)
+    loaded = transformers_weights(folder)
+    index = ["model.safetensors.index.json"] if loaded != ["model.safetensors"] else []
+    assert files == sorted(loaded + index), (files, loaded)
+    return loaded

@@ -3,6 +3,7 @@
 Runs ``zerojax.cli.main`` in-process (the suite's 8 simulated devices), except one
 run of the installed console script."""
 
+import functools
 import re
 import shutil
 import subprocess
@@ -746,6 +747,14 @@ ISSUE42_ERRORS = [
       "test_cli:wrong_shape_mapping"], ["--mapping test_cli:wrong_shape_mapping",
                                         "shape(s) that differ", "w (mapping (4, 16), params "
                                         "(8, 8))", "Pass the --mapping"]),
+    # issue 51: an export that would write over what it reads, or beside another model
+    (["export", "{ckpt}", "{ckpt}", "--format", "hf"],
+     ["OUT", "is the checkpoint directory", "Name another directory"]),
+    (["export", "{ckpt}", "{ckpt}/hf", "--format", "hf"],
+     ["OUT", "is inside the checkpoint directory"]),
+    (["export", "{ckpt}", "{foreign}", "--format", "hf"],
+     ["OUT", "pytorch_model.bin", "--overwrite"]),
+    (["export", "{ckpt}", "{foreign}/model.safetensors"], ["pytorch_model.bin", "--overwrite"]),
 ]
 LIBRARY_WORDS = ("`like`", "like's", "rename", "strict=False", "dtype=", "max_shard_size")
 
@@ -768,9 +777,12 @@ def wrong_shape_mapping():
                          ids=[" ".join(a)[:60] for a, _ in ISSUE42_ERRORS])
 def test_issue42_each_case_is_a_clear_error(argv, words, tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "pytorch_model.bin").write_bytes(b"x")
     fill = {"{ckpt}": str(tiny_checkpoint), "{out}": str(tmp_path / "hf"),
-            "{missing}": str(tmp_path / "missing.json"), "{notjson}": str(tmp_path / "bad.json")}
-    argv = [fill.get(a, a) for a in argv]
+            "{missing}": str(tmp_path / "missing.json"), "{notjson}": str(tmp_path / "bad.json"),
+            "{foreign}": str(tmp_path / "foreign")}
+    argv = [functools.reduce(lambda a, kv: a.replace(*kv), fill.items(), a) for a in argv]
     code, out, err = _exit_code(argv, capsys)
     assert code == 2, (code, out[-2000:], err)
     assert "Traceback" not in err + out
@@ -1023,3 +1035,54 @@ def test_issue51_readme_use_commands_run_as_written():
             assert argv[1:] == ["--help"]
         else:
             build_parser().parse_args(argv)
+
+
+# --- issue 51: a diverged run stops with exit 3; a growing loss warns -------------------
+
+TINY_TRAIN = ["train", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
+              "--batch", "8", "--corpus-mb", "0.2", "--png", "", "--sample", "0",
+              "--no-summary", "--no-progress"]
+
+
+def test_train_that_diverges_exits_3_and_keeps_only_finite_checkpoints(tmp_path, capsys):
+    """--lr 1e6 (the issue's run ended at loss 1e13 or NaN with exit 0): the loss or the
+    gradient norm turns NaN/inf at some step K; the run stops there, exit 3, one message
+    naming K and what to try; the checkpoints of steps before K stay (all finite),
+    none after; no report (held-out loss, sample) of a diverged model."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    import zerojax
+
+    ck = tmp_path / "ckpt"
+    code, out, err = _exit_code([*TINY_TRAIN, "--steps", "8", "--lr", "1e6", "--ckpt-dir",
+                                 str(ck), "--save-every", "2"], capsys)
+    assert code == 3 == demo.DIVERGED, (out, err)
+    match = re.search(r"zerojax train: the run diverged at step (\d+) of 8: ", err)
+    assert match and len(err.strip().splitlines()) == 1, err
+    at = int(match.group(1))
+    assert "Try a lower --lr (this run's is 1e+06; e.g. 100000)" in err
+    assert "--max-grad-norm 1.0" in err and "final training loss" not in out
+    steps = zerojax.CheckpointManager(ck).all_steps()
+    assert steps == list(range(2, at, 2))[-2:], (steps, err)  # train keeps the last 2
+    if steps:
+        f = zerojax.export_params(ck, tmp_path / "last.safetensors")
+        assert all(np.isfinite(x).all() for x in load_file(f).values())
+
+
+def test_train_whose_loss_grows_far_above_its_start_warns(capsys):
+    """--lr 3: the loss stays finite but climbs to hundreds of nats: a warning (once)
+    when it has been 1 nat above both its start and log(vocab), the uniform guess's
+    loss, for 5 steps in a row; the run ends normally (exit 0)."""
+    import math
+
+    code, out, err = _exit_code([*TINY_TRAIN, "--steps", "8", "--lr", "3"], capsys)
+    assert code == 0, err
+    warnings = re.findall(r"zerojax train: warning: the loss is (\S+) at step (\d+), above "
+                          r"([\d.]+) for (\d+) step\(s\) in a row", err)
+    assert len(warnings) == 1, err
+    loss, step, limit, run = warnings[0]
+    start = float(re.search(r"step +1  loss ([\d.]+)", out).group(1))
+    uniform = math.log(len(demo.load_corpus(0.2).chars))
+    assert float(limit) == pytest.approx(max(start, uniform) + 1, abs=1e-3)
+    assert float(loss) > float(limit) and int(run) == 5 and "--lr" in err

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import child_env
+from helpers import child_env, one_layout, transformers_weights, weight_files
 from safetensors.numpy import load_file
 
 import zerojax
@@ -237,3 +237,86 @@ def test_export_on_process_0_of_two_does_not_hang(tmp_path):
     for name in ("zero", "all"):
         _same(load_params(tmp_path / f"{name}.safetensors", like=params), params)
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+# --- issue 51: an export folder holds one layout, never half an export -----------------
+
+def test_hf_export_replaces_another_layout_and_is_never_half_written(tmp_path):
+    """export_params(format="hf") into a folder holding a model.safetensors (which
+    transformers loads before an index: the new export would be shadowed) and a
+    previous export's index and 2 shards: afterwards only the new layout is there and
+    both transformers' rule and zerojax.load_params read the new weights; other files
+    stay. A foreign weight file is refused, naming it, unless overwrite=True. A
+    failed export leaves the folder as it was; a one-file model.safetensors export
+    replaces an index and its shards."""
+    from safetensors.numpy import save_file
+
+    from zerojax.io import outdir
+
+    new = {"w": jnp.arange(64.0).reshape(8, 8), "b": jnp.ones(8)}
+    old = jax.tree.map(lambda x: -x - 1, new)
+    out = tmp_path / "hf"
+    export_params(old, out, format="hf", max_shard_size=100)  # a previous export
+    assert len(weight_files(out)) == 3  # 2 shards and the index
+    save_file({k: np.asarray(v) for k, v in old.items()}, str(out / "model.safetensors"))
+    (out / "README.md").write_text("mine")
+    assert transformers_weights(out) == ["model.safetensors"]  # what shadowed exports
+
+    export_params(new, out, format="hf", max_shard_size=300)
+    loaded = one_layout(out)
+    assert loaded == ["model-00001-of-00001.safetensors"]
+    _same(load_file(out / loaded[0]), {k: np.asarray(v) for k, v in new.items()})
+    _same(load_params(out, like=new), new)
+    assert (out / "README.md").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".zerojax")]
+
+    (out / "pytorch_model.bin").write_bytes(b"x")
+    before = sorted(os.listdir(out))
+    with pytest.raises(outdir.OutDirError, match=r"pytorch_model\.bin.*overwrite=True"):
+        export_params(old, out, format="hf")
+    assert sorted(os.listdir(out)) == before
+    with pytest.raises(RuntimeError, match="disk full"):  # killed half way
+        with outdir.staged(out, overwrite=True) as tmp:
+            (pathlib.Path(tmp) / "model-00001-of-00002.safetensors").write_bytes(b"half")
+            raise RuntimeError("disk full")
+    assert sorted(os.listdir(out)) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".zerojax")]
+    export_params(old, out, format="hf", overwrite=True)
+    assert one_layout(out) == ["model-00001-of-00001.safetensors"]
+    _same(load_params(out, like=old), old)
+
+    export_params(new, out / "model.safetensors")  # one file: the index goes
+    assert one_layout(out) == ["model.safetensors"]
+    _same(load_params(out, like=new), new)
+    assert sorted(os.listdir(out)) == ["README.md", "model.safetensors"]
+
+
+def test_hf_export_into_its_checkpoint_is_refused(tmp_path):
+    params = {"w": jnp.ones((8, 8))}
+    _save(tmp_path / "ckpt", params)
+    from zerojax.io.outdir import OutDirError
+
+    for out, words in ((tmp_path / "ckpt", "is the checkpoint directory"),
+                       (tmp_path / "ckpt" / "hf", "is inside the checkpoint directory")):
+        with pytest.raises(OutDirError, match=words):
+            export_params(tmp_path / "ckpt", out, format="hf")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["0"]
+
+
+def test_a_nonfinite_state_is_never_saved(tmp_path):
+    """CheckpointManager.save of params holding NaN (a diverged run) raises, naming the
+    leaf, and writes nothing: the latest step stays the last finite one."""
+    from zerojax.checkpoint import NonFiniteStateError
+
+    params = {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=8), stage=3, min_shard_size=4)
+    state = opt.init_state(params)
+    bad = state.replace(params={**state.params, "b": state.params["b"] * np.float32("nan")})
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, state)
+        with pytest.raises(NonFiniteStateError, match=r"step=2.*\['b'\] holds NaN or inf.*"
+                                                      r"stays 1.*check_finite=False"):
+            mgr.save(2, bad)
+        assert mgr.all_steps() == [1]
+        mgr.save(2, bad, check_finite=False)  # asked for
+        assert mgr.all_steps() == [1, 2]

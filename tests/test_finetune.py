@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 
 import jax
@@ -14,6 +15,8 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from helpers import one_layout, transformers_weights
+from safetensors.numpy import load_file
 
 import zerojax
 from zerojax.cli.command import main
@@ -32,8 +35,12 @@ def hf_dir(tmp_path_factory):
 
 
 def test_finetune_trains_and_exports_the_hf_layout_in_the_files_dtype(hf_dir, capsys):
+    """(issue 51: --out holding a copy of the base model's model.safetensors, which
+    transformers would load before the export's index, gets the export alone.)"""
     root, ckpt, cfg = hf_dir
     out, ck, png = root / "tuned", root / "ckpt", root / "loss.png"
+    out.mkdir()
+    shutil.copyfile(ckpt / "model.safetensors", out / "model.safetensors")
     assert main(["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out),
                  "--steps", "30", "--batch", "8", "--seq", "32", "--lr", "1e-2", "--mp", "2",
                  "--ckpt-dir", str(ck), "--png", str(png), "--no-progress",
@@ -53,6 +60,8 @@ def test_finetune_trains_and_exports_the_hf_layout_in_the_files_dtype(hf_dir, ca
     assert (out / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # several files
+    assert one_layout(out) == sorted(set(index["weight_map"].values()))  # what transformers loads
+    assert "replaced the previous model.safetensors" in printed
     written = llama.read_hf_checkpoint(out)
     assert {str(x.dtype) for x in written.values()} == {"bfloat16"}
     # the trained params, as the last checkpoint holds them (fp32), rounded to bf16:
@@ -230,3 +239,90 @@ def test_finetune_prints_the_loaders_notices(hf_dir, tmp_path, capsys):
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=8), stage=3)
     model, _ = finetune.load(args, opt, llama.load_hf, ignore_keys=("frobnicate",))
     assert model.config.vocab == 64
+
+
+# --- issue 51: a diverged run stops (exit 3), the export has one layout ----------------
+
+@pytest.fixture(scope="module")
+def diverged(hf_dir, tmp_path_factory):
+    """``finetune --lr 1e9`` saving every step: (its exit status, stderr, the
+    checkpoint directory, --out)."""
+    root, ckpt, _ = hf_dir
+    tmp = tmp_path_factory.mktemp("diverged")
+    out, ck = tmp / "tuned", tmp / "ckpt"
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out),
+                     "--steps", "6", "--batch", "8", "--seq", "16", "--lr", "1e9",
+                     "--ckpt-dir", str(ck), "--save-every", "1", "--png", "",
+                     "--no-progress"])
+    return code, err.getvalue(), ck, out
+
+
+def test_finetune_that_diverges_exits_3_and_saves_nothing_after(diverged):
+    """lr 1e9: the loss or gradient norm turns NaN/inf at some step K; the run stops
+    there with exit status 3 and one message naming K and what to try, exports nothing,
+    and keeps the checkpoints of steps 1..K-1, every one finite."""
+    code, err, ck, out = diverged
+    assert code == 3, err
+    match = re.search(r"zerojax finetune: the run diverged at step (\d+) of 6", err)
+    assert match, err
+    at = int(match.group(1))
+    assert "Try a lower --lr (this run's is 1e+09" in err and "--max-grad-norm" in err
+    assert not out.exists()
+    mgr = zerojax.CheckpointManager(ck)
+    assert mgr.all_steps() == list(range(1, at)), err
+    if at > 1:
+        assert f"The last checkpoint, step {at - 1} in" in err
+    for step in mgr.all_steps():
+        f = zerojax.export_params(ck, ck.parent / f"{step}.safetensors", step=step)
+        assert all(np.isfinite(x).all() for x in load_file(f).values()), step
+
+
+def test_export_hf_copies_the_tokenizer_and_refuses_its_checkpoint(hf_dir, diverged,
+                                                                   tmp_path, capsys):
+    """zerojax export --format hf --mapping llama --hf-config: config.json and the
+    tokenizer files beside it go into OUT with the weights; a model.safetensors
+    already in OUT is replaced (one layout, what transformers loads); OUT equal to or
+    inside the checkpoint, or holding a foreign pytorch_model.bin, is refused (exit 2)
+    before anything is read."""
+    _, ckpt, _ = hf_dir
+    ck = diverged[2]
+    out = tmp_path / "hf"
+    out.mkdir()
+    shutil.copyfile(ckpt / "model.safetensors", out / "model.safetensors")
+    base = ["export", str(ck), str(out), "--format", "hf", "--mapping", "llama",
+            "--hf-config", str(ckpt / "config.json"), "--dtype", "bfloat16"]
+    assert main(base) == 0
+    printed = capsys.readouterr().out
+    assert "replaced the previous model.safetensors" in printed
+    assert "copied tokenizer.json from" in printed
+    assert (out / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+    assert one_layout(out) == ["model-00001-of-00001.safetensors"]
+    assert transformers_weights(out) != transformers_weights(ckpt)
+    for bad, words in ((str(ck), "is the checkpoint directory"),
+                       (str(ck / "x"), "is inside the checkpoint directory")):
+        assert main([*base[:2], bad, *base[3:]]) == 2
+        assert words in capsys.readouterr().err
+    (out / "pytorch_model.bin").write_bytes(b"x")
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "pytorch_model.bin" in err and "--overwrite" in err, err
+    assert main([*base, "--overwrite"]) == 0
+    assert one_layout(out) == ["model-00001-of-00001.safetensors"]
+
+
+def test_finetune_refuses_its_checkpoint_as_out_before_training(hf_dir, capsys):
+    root, ckpt, _ = hf_dir
+    before = sorted(p.name for p in ckpt.iterdir())
+    for out, words in ((ckpt, "is the checkpoint"), (ckpt / "tuned", "is inside the checkpoint")):
+        with pytest.raises(SystemExit) as e:
+            main(["finetune", str(ckpt), str(root / "data.txt"), "--out", str(out),
+                  "--steps", "1", "--png", ""])
+        captured = capsys.readouterr()
+        assert e.value.code == 2 and words in captured.err, captured.err
+        assert "loaded" not in captured.out  # refused before the model is read
+    assert sorted(p.name for p in ckpt.iterdir()) == before

@@ -178,7 +178,7 @@ def test_zerojax_train_stops_for_preemption_and_resumes(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from step {at} of" in again.stdout
-    assert "checkpoint: step 600 in" in again.stdout and "step   599  loss" in again.stdout
+    assert "checkpoint: step 600 in" in again.stdout and "step   600  loss" in again.stdout
     print(f"zerojax train: stopped at step {at} ({took1:.1f} s), resumed to 600 "
           f"({time.monotonic() - t0:.1f} s)")
 

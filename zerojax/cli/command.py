@@ -653,7 +653,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_checkpoint(args: argparse.Namespace) -> int:
     from zerojax.io.checkpoint import CheckpointError, CheckpointManager
-    from zerojax.io.export import export_params
+    from zerojax.io.outdir import OutDirError
 
     if not os.path.isdir(args.ckpt_dir):
         print(f"zerojax export: {args.ckpt_dir} is not a directory (pass the directory "
@@ -690,6 +690,10 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
             print(f"zerojax export: --hf-config {args.hf_config!r}: {problem}; pass the "
                   "model's Hugging Face config.json", file=sys.stderr)
             return 2
+    problem = _export_out_problem(args)
+    if problem:
+        print(f"zerojax export: OUT {problem}", file=sys.stderr)
+        return 2
     try:
         step = CheckpointManager(args.ckpt_dir, max_to_keep=None)._step(args.step)
     except (FileNotFoundError, CheckpointError) as e:  # no complete step, a damaged marker
@@ -702,13 +706,10 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
         print(f"zerojax export: --mapping {args.mapping}: {_one_line(e)}", file=sys.stderr)
         return 2
     try:
-        out = export_params(args.ckpt_dir, args.out, step=step, format=args.format,
-                            mapping=mapping, dtype=args.dtype,
-                            max_shard_size=round(args.max_shard_size))
-        if args.hf_config is not None and args.format == "hf":
-            from zerojax.io.formats import write_hf_config
-
-            write_hf_config(args.hf_config, args.out, args.dtype or "float32")
+        out = _write_export(args, step, mapping)
+    except OutDirError as e:  # appeared in OUT meanwhile
+        print(f"zerojax export: OUT {_one_line(e)}", file=sys.stderr)
+        return 2
     except CheckpointError as e:  # damaged, truncated, unreadable: the input's fault
         print(f"zerojax export: could not read the checkpoint {args.ckpt_dir!r}: "
               f"{_one_line(e)}", file=sys.stderr)
@@ -744,6 +745,70 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     size = os.path.getsize(out)
     print(f"wrote {out} ({size / 2**20:.1f} MiB, {args.dtype or 'fp32'} params of step {step})")
     return 0
+
+
+def _export_out_problem(args: argparse.Namespace) -> str | None:
+    """Why OUT cannot take the export (checked before anything is read): --format hf
+    into the checkpoint directory or a folder holding weight files zerojax does not
+    write (without --overwrite); or None."""
+    from zerojax.io.outdir import OutDirError, check_out_dir
+
+    folder = (args.out if args.format == "hf" else
+              os.path.dirname(os.path.abspath(args.out))
+              if os.path.basename(args.out) == "model.safetensors" else None)
+    if folder is None:
+        return None
+    try:
+        check_out_dir(folder, {"checkpoint directory": args.ckpt_dir}
+                      if args.format == "hf" else None, overwrite=args.overwrite,
+                      flag="--overwrite")
+    except OutDirError as e:
+        return _one_line(e)
+    return None
+
+
+def _write_export(args: argparse.Namespace, step: int, mapping) -> str:
+    """The file or index written, saying the weight files it replaced and the
+    tokenizer files copied: --format hf writes the weights, --hf-config's config.json
+    and the tokenizer files beside it in a fresh folder moved into OUT
+    (zerojax.io.outdir)."""
+    import shutil
+
+    from zerojax.io import outdir
+    from zerojax.io.export import export_params
+    from zerojax.io.formats import write_hf_config
+
+    replaced: list[str] = []
+    if args.format != "hf":
+        before = set(outdir.check_out_dir(os.path.dirname(os.path.abspath(args.out)),
+                                          overwrite=args.overwrite, flag="--overwrite")) \
+            if os.path.basename(args.out) == "model.safetensors" else set()
+        out = export_params(args.ckpt_dir, args.out, step=step, format=args.format,
+                            mapping=mapping, dtype=args.dtype,
+                            max_shard_size=round(args.max_shard_size), overwrite=args.overwrite)
+        replaced = sorted(f for f in before if f != "model.safetensors")
+        if replaced:
+            print(f"replaced the previous {outdir.describe(replaced)} in "
+                  f"{os.path.dirname(args.out) or '.'}")
+        return out
+    copied = []
+    with outdir.staged(args.out, overwrite=args.overwrite, replaced=replaced,
+                       inputs={"checkpoint directory": args.ckpt_dir},
+                       flag="--overwrite") as tmp:
+        export_params(args.ckpt_dir, tmp, step=step, format="hf", mapping=mapping,
+                      dtype=args.dtype, max_shard_size=round(args.max_shard_size))
+        if args.hf_config is not None:
+            write_hf_config(args.hf_config, tmp, args.dtype or "float32")
+            source = os.path.dirname(os.path.abspath(args.hf_config))
+            for f in outdir.TOKENIZER_FILES:  # the tokenizer beside the config
+                if os.path.isfile(os.path.join(source, f)):
+                    shutil.copyfile(os.path.join(source, f), os.path.join(tmp, f))
+                    copied.append(f)
+    if replaced:
+        print(f"replaced the previous {outdir.describe(replaced)} in {args.out}")
+    if copied:
+        print(f"copied {', '.join(copied)} from {os.path.dirname(args.hf_config) or '.'}")
+    return os.path.join(args.out, "model.safetensors.index.json")
 
 
 class _MappingError(ValueError):
@@ -1092,8 +1157,12 @@ def _export_command(command) -> None:
         "paths (blocks.0.qkv.kernel; an nnx State's linear.kernel); zerojax.load_params "
         "reads the file back into a params tree. --format hf writes the Hugging Face "
         "sharded layout (model.safetensors.index.json and model-0000k-of-0000n.safetensors) "
-        "into OUT, with --mapping's tensor names and layouts (llama: LlamaForCausalLM's). "
-        "Reads files only: run it on one machine of a multi-process job.")
+        "into OUT, with --mapping's tensor names and layouts (llama: LlamaForCausalLM's), "
+        "--hf-config's config.json and the tokenizer files beside it (tokenizer.json, "
+        "tokenizer_config.json, ...), all written in a fresh folder beside OUT and moved "
+        "into place: OUT never holds a half-written export or two weight layouts (a "
+        "previous model.safetensors, which transformers would load before the index, is "
+        "removed). Reads files only: run it on one machine of a multi-process job.")
     export.add_argument("ckpt_dir", help="the directory given to zerojax.CheckpointManager")
     export.add_argument("out", help="the .safetensors file to write (--format hf: the "
                         "directory)")
@@ -1114,6 +1183,11 @@ def _export_command(command) -> None:
     export.add_argument("--max-shard-size", type=byte_size, default="5GiB", metavar="SIZE",
                         help="largest file of --format hf, e.g. 2GB (default: 5GiB, 5 x "
                              "2**30 bytes)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="also remove weight files in OUT that zerojax does not write "
+                             "(pytorch_model*.bin, tf_model.h5, ...; refused, named, without "
+                             "it). A previous export's model.safetensors, shards and index "
+                             "are always replaced")
     export.set_defaults(func=_export)
 
 

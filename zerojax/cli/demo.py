@@ -49,6 +49,9 @@ HELD_OUT = 0.05        # fraction of the corpus kept for the held-out loss
 LOSS_RTOL = 1e-4       # --stage all: stages must agree on the final loss to this
 ADAMW_BYTES = 8        # fp32 Adam moments per parameter: the paper's K with fp32 params
 MiB = 2**20
+DIVERGED = 3           # exit status of a run whose loss or params became NaN or inf
+LOSS_MARGIN = 1.0      # nats: a loss this far above max(start, log(vocab)) ...
+GROWTH_STEPS = 5       # ... for this many steps in a row warns that the run diverges
 
 
 # --- arguments -------------------------------------------------------------------------
@@ -103,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="global batch in sequences (a multiple of the data degree)")
     g.add_argument("--lr", type=learning_rate, default=5e-3,
                    help="peak adamw learning rate (warm-up, then cosine decay)")
+    g.add_argument("--max-grad-norm", type=finite_float, default=None, metavar="NORM",
+                   help="clip the global gradient norm to this (zero(max_grad_norm=); "
+                        "default: no clipping)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init, batches and sample")
     g.add_argument("--corpus-mb", type=float, default=2.0,
                    help="megabytes of standard-library source to read")
@@ -196,6 +202,9 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                      f"{args.data} (each device takes batch / data sequences)")
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}; write e.g. 5e-3")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        parser.error(f"--max-grad-norm must be positive, got {args.max_grad_norm:g}; "
+                     "write e.g. 1.0")
     if not 0 < args.corpus_mb <= 64:
         parser.error(f"--corpus-mb must be in (0, 64], got {args.corpus_mb}")
     if args.sample < 0:
@@ -278,6 +287,10 @@ examples:
   zerojax train --data 4 --mp 2 --layers 4       # ZeRO over 4, Megatron over 2
   zerojax train --steps 20 --sample 0 --png ''   # quick check, no outputs
   zerojax train --ckpt-dir ckpt --save-every 100 # resumable; SIGTERM saves and exits 0
+
+exit status: 0 trained (or saved at a SIGTERM); 1 --stage all's stages disagree;
+2 bad arguments; 3 the run diverged (a NaN or inf loss, gradient norm or params):
+stopped at that step, nothing saved after it, the step and what to try printed.
 """
 
 
@@ -393,7 +406,8 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
 
     import zerojax
 
-    opt = zerojax.zero(make_optimizer(args), mesh, stage=stage)
+    opt = zerojax.zero(make_optimizer(args), mesh, stage=stage,
+                       max_grad_norm=getattr(args, "max_grad_norm", None))
     state = opt.init_sharded(init_fn, jax.random.key(args.seed))  # model split: from metadata
     step = opt.train_step(loss_fn)
     first = 0
@@ -403,49 +417,157 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
         print(f"resumed from step {first} of {mgr.directory}")
     state, losses, times, preempted = run_steps(
         step, state, lambda i: train_batch(corpus.train, i, args),
-        first, args, mgr, f"stage {stage} ({STAGE_NAMES[stage]})")
+        first, args, mgr, f"stage {stage} ({STAGE_NAMES[stage]})",
+        uniform=math.log(len(corpus.chars)))
     return {"stage": stage, "opt": opt, "state": state, "step": step, "losses": losses,
             "times": times, "first": first, "preempted": preempted}
 
 
-def run_steps(step, state, batch_of, first: int, args, mgr, desc: str) -> tuple:
+class Diverged(Exception):
+    """:func:`run_steps` stopped: the loss, the gradient norm or the params became NaN
+    or inf. ``step``: the steps done when it was seen; nothing was saved after the last
+    finite state (the message says which checkpoint is kept and what to try)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class LossWatch:
+    """The warning for a run that is diverging with a finite loss: once the loss has
+    stayed more than ``LOSS_MARGIN`` nats above both its first value and the uniform
+    guess's loss ``log(vocab)`` for ``GROWTH_STEPS`` steps in a row (or the run's last
+    loss is there), one line on stderr. Above ``log(vocab)`` the model gives the right
+    token less probability than guessing every token alike; 1 nat more is ``e`` times
+    less, which no learning run visits for long."""
+
+    def __init__(self, uniform: float | None, args, write):
+        self.uniform, self.args, self.write = uniform, args, write
+        self.start = self.limit = None
+        self.above = 0
+        self.warned = False
+
+    def see(self, step: int, loss: float, last: bool = False) -> None:
+        if self.start is None:
+            self.start = loss
+            self.limit = max(loss, -math.inf if self.uniform is None else self.uniform) \
+                + LOSS_MARGIN
+        self.above = self.above + 1 if loss > self.limit else 0
+        if not self.warned and self.above and (self.above >= GROWTH_STEPS or last):
+            self.warned = True
+            ref = (f"log(vocab) = {self.uniform:.3f}, the uniform guess's loss"
+                   if self.uniform is not None else "")
+            self.write(
+                f"zerojax {getattr(self.args, 'command', None) or 'train'}: warning: "
+                f"the loss is {loss:.4g} at step {step}, above {self.limit:.3f} "
+                f"for {self.above} step(s) in a row ({LOSS_MARGIN:g} nat over the larger "
+                f"of its start {self.start:.4f} and {ref}): the run is diverging. Try a "
+                f"lower --lr (this run's is {self.args.lr:g}) or --max-grad-norm 1.0.")
+
+
+def _step_figures(metrics) -> tuple[float, bool]:
+    """(loss, whether the step left the state finite) from the step's metrics: the loss
+    (which waits for the step, as before) and the gradient norm the step computed
+    anyway, two scalars fetched (about 10 us each on the host; a step skipped by loss
+    scaling left the state as it was)."""
+    loss = float(metrics["loss"])
+    norm = float(metrics["grad_norm"]) if "grad_norm" in metrics else 0.0
+    if "skipped" in metrics and bool(metrics["skipped"]):
+        return loss, True
+    return loss, math.isfinite(loss) and math.isfinite(norm)
+
+
+def _diverged(args, mgr, step: int, why: str, losses: list, first: int) -> Diverged:
+    """The error of a run found non-finite at ``step``: what, the losses before it, the
+    checkpoint kept, what to try."""
+    seen = [f"{x:.4g} at step {first + k + 1}" for k, x in enumerate(losses)
+            if math.isfinite(x)]
+    before = f"; the loss was {seen[0]}" + (f", {seen[-1]}" if len(seen) > 1 else "") \
+        if seen else ""
+    kept = ""
+    if mgr is not None:
+        mgr.wait()  # the saves before it, finite, on disk
+        latest = mgr.latest_step()
+        kept = (f" The last checkpoint, step {latest} in {mgr.directory}, is kept (a "
+                "resume starts there)." if latest is not None else
+                f" No checkpoint was saved in {mgr.directory} before it.")
+    clip = getattr(args, "max_grad_norm", None)
+    return Diverged(
+        f"the run diverged at step {step} of {args.steps}: {why}{before}. Stopped: nothing "
+        f"is saved or exported after it.{kept} Try a lower --lr (this run's is "
+        f"{args.lr:g}; e.g. {args.lr / 10:g})"
+        + (f" or a smaller --max-grad-norm (this run's is {clip:g})." if clip else
+           ", or clip the gradient norm with --max-grad-norm 1.0."), step)
+
+
+def run_steps(step, state, batch_of, first: int, args, mgr, desc: str,
+              uniform: float | None = None) -> tuple:
     """The training loop of ``zerojax train`` and ``zerojax finetune``: steps ``first``
     to ``args.steps`` on ``batch_of(i)`` with a progress bar (or ``--no-progress``
     lines); with a CheckpointManager ``mgr``: each step asks ``mgr.reached_preemption``
     (SIGTERM -> save that step and stop), saves every ``args.save_every`` steps and at
     the end, and waits for the saves. Returns ``(state, losses, times, preempted)``
-    (``preempted``: the step saved at a preemption, else None)."""
+    (``preempted``: the step saved at a preemption, else None).
+
+    A step whose loss or gradient norm is NaN or inf (read with the loss, which every
+    step fetches anyway), or params found non-finite where a state is saved or at the
+    end (one on-device reduction there), raises :class:`Diverged` before anything
+    after it is saved; a loss far above its start warns (:class:`LossWatch`, with
+    ``uniform``: the loss of a uniform guess, ``log(vocab)``)."""
     from tqdm.auto import tqdm
+
+    from zerojax.core.state import nonfinite_leaves
 
     tokens_per_step = args.batch * args.seq
     losses, times, preempted = [], [], None
     bar = tqdm(range(first, args.steps), desc=desc, unit="step", disable=not args.progress,
                dynamic_ncols=True, mininterval=0.5, file=sys.stderr, initial=first,
                total=args.steps)
+    watch = LossWatch(uniform, args, lambda text: tqdm.write(text, file=sys.stderr))
     log_every = max(1, args.steps // 5)
     start = time.perf_counter()
+
+    def stop(done, why):
+        bar.close()
+        return _diverged(args, mgr, done, why, losses, first)
+
+    def save(done, state):
+        bad = nonfinite_leaves(state.params)
+        if bad:
+            raise stop(done, f"params leaf {bad[0]}" + (f" and {len(bad) - 1} more"
+                                                         if len(bad) > 1 else "")
+                       + f" hold NaN or inf after step {done} (its loss {losses[-1]:.4g})")
+        if mgr is not None:
+            mgr.save(done, state, check_finite=False)  # checked just above
+
     for i in bar:
+        done = i + 1
         state, metrics = step(state, batch_of(i))
-        losses.append(float(metrics["loss"]))  # waits for the step
+        loss, finite = _step_figures(metrics)  # waits for the step
+        losses.append(loss)
         now = time.perf_counter()
         times.append(now - start)
         start = now
+        if not finite:
+            raise stop(done, f"its loss is {loss:.4g}" if not math.isfinite(loss) else
+                       f"its gradient norm is not finite (loss {loss:.4g})")
+        watch.see(done, loss, last=done == args.steps)
         tps = tokens_per_s(times, tokens_per_step)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=tps, refresh=False)
         if mgr is not None:  # asked before the step's line: a SIGTERM after the first
-            done = i + 1     # line is always a preemption notice, never fatal
+            # line is always a preemption notice, never fatal
             if mgr.reached_preemption(done):
-                mgr.save(done, state)
+                save(done, state)
                 preempted = done
             elif args.save_every and done % args.save_every == 0 and done < args.steps:
-                mgr.save(done, state)
+                save(done, state)
         if not args.progress and (i % log_every == 0 or i == args.steps - 1):
-            print(f"  step {i:5d}  loss {losses[-1]:.4f}  {tps} tokens/s", flush=True)
+            print(f"  step {done:5d}  loss {losses[-1]:.4f}  {tps} tokens/s", flush=True)
         if preempted is not None:
             break
     bar.close()
-    if mgr is not None and preempted is None and first < args.steps:
-        mgr.save(args.steps, state)
+    if preempted is None and first < args.steps:
+        save(args.steps, state)  # the end: checked (and saved with mgr)
     if mgr is not None:
         mgr.wait()  # on disk before anything is reported
     return state, losses, times, preempted
@@ -649,7 +771,13 @@ def run(args: argparse.Namespace) -> int:
 
         preemption.install()  # SIGTERM: save the step, exit 0 (CheckpointManager does too)
         mgr = zerojax.CheckpointManager(args.ckpt_dir, max_to_keep=2)
-    results = _train_stages(args, mesh, init_fn, like, corpus, loss_fn, mgr)
+    try:
+        results = _train_stages(args, mesh, init_fn, like, corpus, loss_fn, mgr)
+    except Diverged as e:
+        if mgr is not None:
+            mgr.close()
+        print(f"zerojax train: {e}", file=sys.stderr, flush=True)
+        return DIVERGED
     if isinstance(results, int):  # stopped for preemption, or nothing left
         return results
     ok = _report(args, results, model, corpus, unigram, uniform)

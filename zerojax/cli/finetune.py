@@ -22,23 +22,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
+import sys
 
 import numpy as np
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+EXIT_STATUS = """
+exit status: 0 exported (or saved at a SIGTERM, the export left for the resumed run);
+1 an error; 2 bad arguments or input; 3 the run diverged (a NaN or inf loss, gradient
+norm or params): stopped at that step, nothing saved or exported after it.
+"""
 
 EPILOG = """\
 examples:
   zerojax finetune llama-dir data.txt --out tuned --steps 200
   zerojax finetune llama-dir data.jsonl --out tuned --mp 2 --stage 3 --dtype bfloat16
   zerojax finetune llama-dir data.txt --out tuned --ckpt-dir ckpt --save-every 50
-"""
+""" + EXIT_STATUS
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,13 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         non_negative_int,
         positive_int,
     )
+    from zerojax.cli.demo import finite_float
 
     p.add_argument("checkpoint", help="the Hugging Face checkpoint directory (config.json, "
                    "safetensors files, tokenizer.json)")
     p.add_argument("data", help="a text file, or a .jsonl file (one JSON object a line)")
     p.add_argument("--out", required=True,
                    help="the directory the fine-tuned model is exported to (Hugging Face "
-                        "layout, config.json and tokenizer files beside it)")
+                        "layout, config.json and tokenizer files beside it), written in a "
+                        "fresh folder beside it and moved into place at the end; a "
+                        "previous export's weight files there are replaced (other "
+                        "files kept); not the checkpoint directory or inside it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="also remove weight files in --out that zerojax does not write "
+                        "(pytorch_model*.bin, tf_model.h5, ...; refused, named, without it)")
     p.add_argument("--text-key", default="text", help="the JSONL field holding the text")
     p.add_argument("--ignore-key", action="append", default=None, metavar="KEY",
                    help="a config.json key you know changes nothing in transformers "
@@ -74,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
     g.add_argument("--lr", type=learning_rate, default=1e-4,
                    help="peak AdamW learning rate (10%% warm-up, then cosine to a tenth)")
+    g.add_argument("--max-grad-norm", type=finite_float, default=None, metavar="NORM",
+                   help="clip the global gradient norm to this (default: no clipping)")
     g.add_argument("--seed", type=int, default=0, help="seed of the batches")
     g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the dtype the model computes in (params and master stay float32)")
@@ -117,10 +132,22 @@ def _check(args: argparse.Namespace) -> None:
                        "tokenizer.json")
     if not os.path.isfile(args.data):
         args.error(f"data {args.data!r} is not a file")
-    if os.path.isfile(args.out):
-        args.error(f"--out {args.out!r} is a file; name a directory")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        args.error(f"--max-grad-norm must be positive, got {args.max_grad_norm:g}; write "
+                   "e.g. 1.0")
+    from zerojax.io.outdir import OutDirError, check_out_dir
+
+    try:  # before any training: what the export will refuse at the end
+        check_out_dir(args.out, _inputs(args), overwrite=args.overwrite, flag="--overwrite")
+    except OutDirError as e:
+        args.error(f"--out {e}")
     if args.png and not args.png.lower().endswith(".png"):
         args.error(f"--png {args.png!r} must end in .png")
+
+
+def _inputs(args) -> dict:
+    """The folders --out must not be or be inside."""
+    return {"checkpoint": args.checkpoint, "--ckpt-dir": args.ckpt_dir}
 
 
 def documents(path: str, text_key: str) -> list[str]:
@@ -251,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import zerojax
-    from zerojax.io.formats import write_hf_config
+    from zerojax.io.outdir import OutDirError
     from zerojax.models import gpt, llama
 
     if len(jax.devices()) != args.devices:
@@ -267,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
         args.error(f"{args.data} holds {len(ids)} tokens, fewer than --seq + 2 = "
                    f"{args.seq + 2}; give more text or a shorter --seq")
     mesh = zerojax.make_mesh(data=args.devices // args.mp, model=args.mp)
-    opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage)
+    opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage,
+                       max_grad_norm=args.max_grad_norm)
     model, params = load(args, opt, llama.load_hf, seq=args.seq,
                          dtype=jnp.dtype(args.compute_dtype),
                          ignore_keys=tuple(args.ignore_key or ()))
@@ -289,9 +317,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"resumed from step {first} of {args.ckpt_dir}")
     del params
     step = opt.train_step(gpt.lm_loss(model))
-    state, losses, times, preempted = demo.run_steps(
-        step, state, lambda i: demo.batch_at(ids, i, args.batch, args.seq, args.seed),
-        first, args, mgr, f"finetune stage {args.stage}")
+    try:
+        state, losses, times, preempted = demo.run_steps(
+            step, state, lambda i: demo.batch_at(ids, i, args.batch, args.seq, args.seed),
+            first, args, mgr, f"finetune stage {args.stage}", uniform=math.log(config.vocab))
+    except demo.Diverged as e:
+        if mgr is not None:
+            mgr.close()
+        print(f"zerojax finetune: {e}", file=sys.stderr, flush=True)
+        return demo.DIVERGED
     if preempted is not None:
         mgr.close()
         print(f"zerojax finetune: stopped for preemption (SIGTERM) at step {preempted}; "
@@ -309,16 +343,36 @@ def run(args: argparse.Namespace) -> int:
         if args.png:
             save_plot(args.png, losses, first, args)
             print(f"wrote {args.png}")
-    dtype = args.dtype or load(args, None, lambda path, _: files_dtype(path))
-    os.makedirs(args.out, exist_ok=True)
-    index = zerojax.export_params(opt.full_params(state, "split"), args.out, format="hf",
-                                  mapping=llama.hf_llama_mapping(config),
-                                  dtype=jnp.dtype(dtype),
-                                  max_shard_size=round(args.max_shard_size))
-    write_hf_config(hf, args.out, dtype)
-    for f in TOKENIZER_FILES:
-        src = os.path.join(args.checkpoint, f)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(args.out, f))
-    print(f"exported {index} ({dtype}; config.json says {dtype})")
+    try:
+        _export(args, opt, state, config, hf)
+    except OutDirError as e:  # something appeared in --out during the run
+        print(f"zerojax finetune: --out {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _export(args, opt, state, config, hf) -> None:
+    """The trained params, config.json and the tokenizer's files into --out, written
+    in a fresh folder and moved into place (zerojax.io.outdir)."""
+    import jax.numpy as jnp
+
+    import zerojax
+    from zerojax.io import outdir
+    from zerojax.io.formats import write_hf_config
+    from zerojax.models import llama
+
+    dtype = args.dtype or load(args, None, lambda path, _: files_dtype(path))
+    replaced: list[str] = []
+    with outdir.staged(args.out, overwrite=args.overwrite, inputs=_inputs(args),
+                       replaced=replaced, flag="--overwrite") as tmp:
+        zerojax.export_params(opt.full_params(state, "split"), tmp, format="hf",
+                              mapping=llama.hf_llama_mapping(config), dtype=jnp.dtype(dtype),
+                              max_shard_size=round(args.max_shard_size))
+        write_hf_config(hf, tmp, dtype)
+        for f in outdir.TOKENIZER_FILES:
+            src = os.path.join(args.checkpoint, f)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(tmp, f))
+    index = os.path.join(args.out, "model.safetensors.index.json")
+    print(f"exported {index} ({dtype}; config.json says {dtype})"
+          + (f"; replaced the previous {outdir.describe(replaced)}" if replaced else ""))

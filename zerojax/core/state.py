@@ -68,3 +68,32 @@ class TrainState:
 
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)
+
+
+def _device_resident(x) -> bool:
+    """Whether ``x`` is a jax array of floats in device memory (what
+    :func:`nonfinite_leaves` checks: every process holds the same view of it)."""
+    if not isinstance(x, jax.Array) or not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+        return False
+    kind = getattr(x.sharding, "memory_kind", None)
+    return kind is None or kind == "device"
+
+
+@jax.jit
+def _finite_flags(leaves):  # scalars: replicated on every device, whatever the mesh
+    return [jax.numpy.all(jax.numpy.isfinite(x)) for x in leaves]
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """The key paths (``jax.tree_util.keystr``) of ``tree``'s leaves that hold a NaN or
+    an inf: float jax arrays in device memory, checked on the devices where they live
+    (one compiled reduction, one flag a leaf fetched: no leaf comes to the host).
+    Leaves elsewhere (host memory, numpy arrays, integers) are not checked. Collective
+    in a multi-process job: every process calls it with the same tree."""
+    flat = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if _device_resident(x)]
+    if not flat:
+        return []
+    # a flag spans every process's devices: read this process's copy of it
+    ok = [bool(f.addressable_data(0)) for f in _finite_flags([x for _, x in flat])]
+    return [jax.tree_util.keystr(p) for (p, _), good in zip(flat, ok) if not good]

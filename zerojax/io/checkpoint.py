@@ -69,7 +69,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zerojax.core.state import TrainState
+from zerojax.core.state import TrainState, nonfinite_leaves
 from zerojax.io import checkpoint_state
 from zerojax.io.checkpoint_nvme import restore_nvme
 from zerojax.io.checkpoint_publish import (  # noqa: F401 (_OWNER, _HOST, _write_json: tests' names)
@@ -113,6 +113,16 @@ from zerojax.tiers import nvme
 # opening, sealing, publishing and pruning a step StepPublisher's (checkpoint_publish), what a
 # step's state/ holds and how it is read back the handlers' (checkpoint_state: the sharded
 # TrainState; checkpoint_nvme: the NVMe tier's streamed restore).
+
+
+class NonFiniteStateError(ValueError):
+    """:meth:`CheckpointManager.save` of a state whose params hold NaN or inf (nothing
+    written): ``step``, and ``leaves``, their key paths."""
+
+    def __init__(self, message: str, step: int, leaves: list[str]):
+        super().__init__(message)
+        self.step = step
+        self.leaves = leaves
 
 
 def _finish_at_exit(manager: CheckpointManager) -> None:
@@ -232,7 +242,7 @@ class CheckpointManager(CheckpointReader):
 
     # -- save -----------------------------------------------------------------------
     def save(self, step: int, state: TrainState, extra: Any = None, *,
-             overwrite: bool = False) -> None:
+             overwrite: bool = False, check_finite: bool = True) -> None:
         """Save ``state`` as step ``step`` (each device writes its own shards). Collective:
         every process calls it with the same step.
 
@@ -244,6 +254,12 @@ class CheckpointManager(CheckpointReader):
         and every newer step is deleted (a rollback: training resumed from an earlier
         step owns the steps after it; the newer steps of the abandoned run stay until
         the new step is on disk).
+
+        ``check_finite``: a state whose params hold a NaN or an inf (a diverged run) is
+        refused with :class:`NonFiniteStateError` naming the leaves, before anything is
+        written, so a diverged state never becomes the latest step (the params in device
+        memory are checked, on the devices: one reduction, one flag a leaf fetched).
+        ``False`` saves it anyway.
         """
         distributed.note_progress()
         if self._closed:
@@ -262,8 +278,19 @@ class CheckpointManager(CheckpointReader):
                 "one step's gradient. Save from an optimizer without delayed_update, or "
                 "train with delayed_update=False where checkpoints are needed.")
         store = getattr(state.opt_state, "store", None)  # the NVMe tier's files
-        state = nvme.materialized(state)
         step = _check_step(step)
+        if check_finite:
+            bad = nonfinite_leaves(state.params)
+            if bad:
+                raise NonFiniteStateError(
+                    f"save(step={step}): params leaf {bad[0]}"
+                    + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                    + " holds NaN or inf: the run diverged; not saved (the latest step in "
+                    f"{self.directory} stays {self.latest_step()}). Lower the learning "
+                    "rate, clip gradients (zero(..., max_grad_norm=1.0)) or, computing in "
+                    "float16, scale the loss (loss_scale='dynamic'); check_finite=False "
+                    "saves it anyway.", step=step, leaves=bad)
+        state = nvme.materialized(state)
         self._check_names(state.params)
         try:
             extra_json = json.dumps(extra)

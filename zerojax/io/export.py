@@ -27,10 +27,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.io import load as ld
+from zerojax.io import load as ld, outdir
 from zerojax.io.checkpoint_reader import CheckpointReader, resolve
 from zerojax.io.formats import (  # noqa: F401 (tensor_names, load_params, *hf_config*: re-exported)
     _RESERVED,
+    INDEX_NAME,
     _check_stored,
     _check_unique,
     _first,
@@ -262,7 +263,8 @@ def _file_tensor(info, parts, read) -> np.ndarray:
 
 def export_params(directory: Any, out: str | os.PathLike, step: int | None = None, *,
                   verify: bool = True, format: str = "safetensors", mapping: Any = None,
-                  dtype: Any = None, max_shard_size: int = 5 << 30) -> str:
+                  dtype: Any = None, max_shard_size: int = 5 << 30,
+                  overwrite: bool = False) -> str:
     """Write the whole fp32 params of a checkpoint (the master weights when saved, else
     the params; padding removed) to safetensors, a few leaves at a time.
 
@@ -274,7 +276,15 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
     Hugging Face sharded layout into the directory ``out``: files
     ``model-0000k-of-0000n.safetensors`` of at most ``max_shard_size`` bytes and
     ``model.safetensors.index.json`` (:func:`zerojax.load_params` and ``transformers``'
-    ``from_pretrained`` read it).
+    ``from_pretrained`` read it), written in a fresh folder beside ``out`` and moved
+    into place (:mod:`zerojax.io.outdir`): ``out`` never holds a half-written export,
+    and weight files of another layout there (a ``model.safetensors`` that
+    ``transformers`` would load instead of the index, the shards of a previous export)
+    are removed first; weight files of layouts zerojax does not write
+    (``pytorch_model*.bin``, ...) are refused, named, unless ``overwrite=True``. An
+    ``out`` equal to or inside the checkpoint directory is refused. A one-file
+    ``out`` named ``model.safetensors`` is put in its folder the same way (an index and
+    shards there removed).
 
     ``mapping``: the file's own layout, a list of :class:`FileTensor` (or
     :class:`zerojax.models.llama.HFTensor`, e.g. ``hf_llama_mapping(config)``): each
@@ -329,7 +339,8 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
             if format == "safetensors" and dtype is None:  # each leaf as it is read
                 entries = [(x.name, x.dtype, x.shape) for x in leaves]
                 arrays = (x for _, x in source.read(leaves))
-                return write_file(out, entries, arrays, meta)
+                return _write(out, format, entries, arrays, meta, max_shard_size,
+                              overwrite, directory)
         mapping = file_tensors(mapping)
         files, by_file = _pieces_by_file(mapping, leaves, dtype, source.where)
         index = {x.name: k for k, x in enumerate(leaves)}
@@ -346,11 +357,29 @@ def export_params(directory: Any, out: str | os.PathLike, step: int | None = Non
                                    lambda name, region: source.region(by_name[name], region))
                 hostmem.release_freed_memory()
 
-        if format == "hf":
-            return write_sharded(out, entries, arrays(), max_shard_size, meta)
-        return write_file(out, entries, arrays(), meta)
+        return _write(out, format, entries, arrays(), meta, max_shard_size, overwrite,
+                      directory)
     finally:
         source.close()
+
+
+def _write(out: str, format: str, entries, arrays, meta, max_shard_size: int,
+           overwrite: bool, directory) -> str:
+    """Write the file (``format="safetensors"``) or the folder (``"hf"``), through a
+    fresh folder moved into place where the result is a Hugging Face folder
+    (:mod:`zerojax.io.outdir`). Returns the file's or the index's path."""
+    if format == "hf":
+        inputs = ({"checkpoint directory": os.fspath(directory)}
+                  if isinstance(directory, (str, os.PathLike)) else None)
+        with outdir.staged(out, overwrite=overwrite, inputs=inputs) as tmp:
+            write_sharded(tmp, entries, arrays, max_shard_size, meta)
+        return os.path.join(out, INDEX_NAME)
+    if os.path.basename(out) != "model.safetensors":
+        return write_file(out, entries, arrays, meta)
+    with outdir.staged(os.path.dirname(os.path.abspath(out)), overwrite=overwrite,
+                       inside=True) as tmp:  # a Hugging Face folder's one file
+        write_file(os.path.join(tmp, "model.safetensors"), entries, arrays, meta)
+    return out
 
 
 class _CheckpointSource:
