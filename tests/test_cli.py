@@ -748,6 +748,7 @@ ISSUE42_ERRORS = [
                                         "shape(s) that differ", "w (mapping (4, 16), params "
                                         "(8, 8))", "Pass the --mapping"]),
     # issue 51: an export that would write over what it reads, or beside another model
+    (["train", "--max-grad-norm", "0"], ["--max-grad-norm", "positive", "1.0"]),
     (["export", "{ckpt}", "{ckpt}", "--format", "hf"],
      ["OUT", "is the checkpoint directory", "Name another directory"]),
     (["export", "{ckpt}", "{ckpt}/hf", "--format", "hf"],

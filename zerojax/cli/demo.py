@@ -107,8 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lr", type=learning_rate, default=5e-3,
                    help="peak adamw learning rate (warm-up, then cosine decay)")
     g.add_argument("--max-grad-norm", type=finite_float, default=None, metavar="NORM",
-                   help="clip the global gradient norm to this (zero(max_grad_norm=); "
-                        "default: no clipping)")
+                   help="clip the global gradient norm to NORM (zero(max_grad_norm=); "
+                        "none when not given)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init, batches and sample")
     g.add_argument("--corpus-mb", type=float, default=2.0,
                    help="megabytes of standard-library source to read")

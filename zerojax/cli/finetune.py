@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=learning_rate, default=1e-4,
                    help="peak AdamW learning rate (10%% warm-up, then cosine to a tenth)")
     g.add_argument("--max-grad-norm", type=finite_float, default=None, metavar="NORM",
-                   help="clip the global gradient norm to this (default: no clipping)")
+                   help="clip the global gradient norm to NORM (none when not given)")
     g.add_argument("--seed", type=int, default=0, help="seed of the batches")
     g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the dtype the model computes in (params and master stay float32)")
