@@ -15,6 +15,8 @@ bucket), and compiles the programs (:mod:`zerojax.tiers.nvme_programs`). Its dic
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,17 @@ def build(opt, state, params, owned, grads, finite, grad_norm, scale) -> dict:
     # whole-leaf groups: the tier's files are read and written a leaf at a time (issue
     # 50's pieces are the host tier's only, for now: docs/architecture.md "Known gaps")
     plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg), cut=False)
+    for g in plan.whole:  # a group beyond the buffer: held whole (not cut, as yet)
+        leaf = next((index[m] for m in sorted(plan.buckets[plan.bucket(g.key)])
+                     if index.get(m) is not None), None)
+        name = "opt_state" + by_leaf[leaf]["path"] if leaf in by_leaf else "a leaf"
+        warnings.warn(
+            f"offload_optimizer='nvme': {name}'s state ({g.elements} elements with its "
+            "moments) is larger than "
+            f"nvme_buffer_size={cfg.nvme_buffer_size} bytes: the NVMe tier reads, updates "
+            "and writes it whole (cutting a leaf into pieces is the host tier's only, for "
+            "now), so host memory holds more than nvme_buffer_count x nvme_buffer_size "
+            "while it is in flight. Raise nvme_buffer_size to bound it.", stacklevel=3)
     if plan.reads_cross or any(plan.bucket(o[2][0]) == offload.CROSS for o in ops if o[2]):
         raise NotImplementedError(
             f"offload_optimizer='nvme' with {type(opt.inner).__name__} whose update reads a "
