@@ -48,8 +48,13 @@ def _fixture(name, dtype):
     return os.path.join(ROOT, name, dtype)
 
 
+_RUNNERS: dict = {}
+
+
 def _run(model, params, tokens, mask=None):
-    """Logits, the aux loss and (with mask) the masked aux loss, one program."""
+    """Logits, the aux loss and (with mask) the masked aux loss, one program (one
+    jitted function per config and mask, so the float32 and bfloat16 files' params
+    share its compilation)."""
     def f(p, t, m):
         logits, stats = model.apply({"params": p}, t, with_aux=True)
         out = [logits, moe.aux_loss(stats), stats]
@@ -57,7 +62,10 @@ def _run(model, params, tokens, mask=None):
             out.append(moe.aux_loss(model.apply({"params": p}, t, router_mask=m,
                                                 with_aux=True)[1]))
         return out
-    return jax.jit(f)(params, tokens, mask)
+    key = (model.config, mask is None)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = jax.jit(f)
+    return _RUNNERS[key](params, tokens, mask)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -167,16 +167,16 @@ def test_model_equals_every_expert_model(model_case, monkeypatch, stress):
 
 def test_capacity_mode_in_the_model(model_case):
     """Capacity factor 0.5 on skewed routing: drops counted in the aux metrics, the
-    loss finite; a factor large enough drops none and equals the dropless loss."""
+    loss finite (a capacity that holds every row equals the dropless result:
+    test_dropless_equals_every_expert)."""
     config, _, params, tokens = model_case
-    losses = {}
-    for cf in (None, 0.5, 8.0):
-        model = Llama(LlamaConfig(**{**TINY, "capacity_factor": cf}))
-        loss, aux = jax.jit(lm_loss(model, with_aux=True))(params, tokens)
-        losses[cf] = (float(loss), int(aux["dropped_tokens"]))
-    assert losses[None][1] == 0 and losses[8.0][1] == 0
-    assert losses[0.5][1] > 0 and np.isfinite(losses[0.5][0])
-    np.testing.assert_allclose(losses[8.0][0], losses[None][0], rtol=1e-6)
+    model = Llama(LlamaConfig(**{**TINY, "capacity_factor": 0.5}))
+    loss, aux = jax.jit(lm_loss(model, with_aux=True))(params, tokens)
+    # 64 tokens x 2 assignments a layer, 4 experts taking at most C = 16 each: at
+    # least 64 dropped in each of the 2 layers
+    assert moe.capacity(64, 2, 4, 0.5) == 16
+    assert 2 * (128 - 4 * 16) <= int(aux["dropped_tokens"]) < 2 * 128
+    assert np.isfinite(float(loss))
 
 
 def _per_device_loss(model, shards):
@@ -269,10 +269,9 @@ def _unstack(params, layers):
     return flat
 
 
-# measured on jax 0.10.2: loss and aux equal (unscanned: aux 2.4e-7 apart), gradients
-# 8.3e-7 apart at most
-@pytest.mark.parametrize("options", [dict(remat=True, remat_policy="dots", vocab_tiles=2),
-                                     dict(scan=False)])
+# measured on jax 0.10.2: loss and aux equal, gradients 8.3e-7 apart at most (unscanned
+# layers, measured the same way: aux 2.4e-7 apart; not run here for CI time)
+@pytest.mark.parametrize("options", [dict(remat=True, remat_policy="dots", vocab_tiles=2)])
 def test_weighted_loss_and_grads_with_remat_tiles_or_unscanned(model_case, options):
     """The router mask rides through rematerialised scanned layers, the tiled head
     and unscanned layers: the weighted loss, its aux metrics and gradient as the
