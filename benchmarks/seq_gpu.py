@@ -104,7 +104,8 @@ def largest(args, devices) -> None:
     mesh = zerojax.make_mesh(data=1, seq=n, devices=devices) if n > 1 else \
         zerojax.make_mesh(data=1, devices=devices)
     opt = zerojax.zero(optax.adamw(1e-5), mesh, stage=3, param_dtype=jnp.bfloat16,
-                       offload_optimizer=True, remat_policy="partitioned_host")
+                       offload_optimizer=True, offload_gradients=True,
+                       remat_policy="partitioned_host")
     start = time.perf_counter()
     if n > 1:
         batch = (jax.ShapeDtypeStruct((1, S), jnp.int32),) * 2
@@ -116,8 +117,8 @@ def largest(args, devices) -> None:
     print(f"Llama {args.layers} x {args.hidden} (Psi = {psi:,}), {n} device(s) of "
           f"{args.card_gb:g} GB at fraction {args.fraction:g} (usable {usable / 1e9:.2f} GB); "
           f"ALST's option set (tiled MLP and loss, {tiles} tiles of {S // n // tiles} tokens, "
-          f"checkpoints on host, stage 3 + offload_optimizer, bf16 params over fp32 "
-          f"master); jax {jax.__version__}, {devices[0].device_kind}")
+          f"checkpoints on host, stage 3 + offload_optimizer + offload_gradients, bf16 "
+          f"params over fp32 master); jax {jax.__version__}, {devices[0].device_kind}")
     print(f"planner's longest sequence: {row.seq:,} tokens; compiled at S = {S:,} "
           f"({S // n:,} per device) in {took:.1f} s")
     print("| peak per device predicted (GB) | compiled (GB) | compiled / predicted | "

@@ -10,7 +10,8 @@ all-to-all bytes against compiled zerojax steps on the CPU's simulated devices.
 
 ``largest``: ``zerojax.analysis.plan.largest_seq`` for the llama3-8b preset on 1, 8 and
 32 H100s of 80 GB (one node, four nodes of 8), sequence degree = the device count,
-stage 3 + offload_optimizer, at JAX's default memory fraction (0.75) and at 0.95, host
+stage 3 + offload_optimizer + offload_gradients, at JAX's default memory fraction
+(0.75) and at 0.95, host
 memory 2 TB per node (a DGX H100's); ALST's figures (arXiv:2506.13996) beside.
 
 ``compiled``: the reference GPT (2 layers x 64, 4 heads, vocab 256, explicit float32
@@ -206,7 +207,8 @@ def main() -> None:
     use_simulated_devices(args.devices)
     if args.only in (None, "largest"):
         print("longest sequence for llama3-8b (zerojax.analysis.plan.largest_seq; stage 3 "
-              "+ offload_optimizer, P = the device count, 2 TB host memory per node, "
+              "+ offload_optimizer + offload_gradients, P = the device count, 2 TB host "
+              "memory per node, "
               "80 GB cards):")
         print(largest_table())
     if args.only in (None, "compiled"):

@@ -436,19 +436,84 @@ def test_readme_llama2_70b_figures_are_what_the_named_command_prints(capsys):
     rows = {re.split(r"\s{2,}", ln.strip())[0]: ln for ln in out.splitlines()
             if ln.strip().startswith("stage 3 + offload_optimizer")}
     host = rows["stage 3 + offload_optimizer"]
-    params = rows["stage 3 + offload_optimizer + offload_params"]
+    grads = rows["stage 3 + offload_optimizer + offload_gradients"]
+    params = rows["stage 3 + offload_optimizer + offload_gradients + offload_params"]
     nvme = rows["stage 3 + offload_optimizer=nvme"]
     both = rows["stage 3 + offload_optimizer=nvme + offload_params=nvme"]
 
     def step_s(line):  # the step (ms) column, the first after the label
         return float(re.split(r"\s{2,}", line.strip())[1].replace(",", "")) / 1e3
 
-    assert "119.05" in params and "119.05 GB" in readme and "119.05" in host
-    assert " no " in host and "827.72" in host and "828 GB of state" in readme
-    assert " yes " in nvme and "8.59" in nvme and "8.6 GB of host buffers" in readme
+    assert ("stage 3 + offload_optimizer 45.41 GB on the device, + offload_gradients "
+            "28.30 GB, + offload_params too 11.61 GB" in readme)
+    assert "45.41" in host and "28.30" in grads and "11.61" in params
+    assert all("no: host" in r for r in (host, grads, params))
+    assert "827.72" in host and "1,103.63" in params
+    assert "(828 GB of state; 1,104 GB with the gradients and params)" in readme
+    assert " yes " in nvme and "45.41" in nvme and "8.59" in nvme
+    assert "fits at the same 45.41 GB with 8.6 GB of host buffers" in readme
     assert round(step_s(nvme)) == 380 and "380 s" in readme
     assert round(step_s(both)) == 442 and "442 s/step" in readme
-    assert "965.67" in both and "966 GB per node" in readme
+    assert "965.67" in both and "146.54" in both and "28.73" in both
+    assert "147 GB per node" in readme and "28.73 GB at the peak): 966 GB per node" in readme
+
+
+def _largest_row(out: str, label: str) -> str:
+    """The ``--largest`` table's line for ``label`` (the last table of the output)."""
+    lines = out[out.index("largest model that fits"):].splitlines()
+    return next(ln for ln in lines if re.split(r"\s{2,}", ln.strip())[0] == label)
+
+
+def test_readme_offload_fits_where_figures_are_what_the_named_commands_print(capsys):
+    """Issue 50's planner figures in the README's offload section, each from the command
+    named beside it: the largest model with offload on one V100 and on one 80 GB card
+    with 2 TB of host memory (bounded by the host memory: 16 bytes a parameter), and
+    Llama-3-8B on one 80 GB card (every offload row fits, no NVMe row below its host
+    row's device peak, a fitting recommendation)."""
+    from zerojax.cli import main
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    v100 = ("zerojax plan --accelerator v100 --devices 1 --memory 32GB --mem-fraction 1 "
+            "--seq 1024 --batch-per-device 4 --param-dtype bf16 --optimizer adam --largest")
+    h100 = ("zerojax plan --devices 1 --memory 80GB --host-memory 2TB --seq 2048 "
+            "--batch-per-device 1 --param-dtype bf16 --largest")
+    llama = ("zerojax plan --devices 1 --memory 80GB --seq 2048 --batch-per-device 1 "
+             "--model llama3-8b --param-dtype bf16")
+    for command in (v100, h100, llama):
+        assert command in readme, command
+    psi = lambda line: line.split()[-1]  # noqa: E731
+    assert main(v100.split()[1:]) == 0
+    out = capsys.readouterr().out
+    og = "stage 3 + offload_optimizer + offload_gradients"
+    assert psi(_largest_row(out, "stage 3 + offload_optimizer")) == "6.65B"
+    assert psi(_largest_row(out, og)) == "12.8B"
+    assert psi(_largest_row(out, og + " + offload_params")) == "62.3B"
+    assert ("6.65B with offload_optimizer, 12.8B with offload_gradients (the bf16 params "
+            "on the device), 62.3B with offload_params too" in readme)
+    assert main(h100.split()[1:]) == 0
+    out = capsys.readouterr().out
+    assert psi(_largest_row(out, "stage 3 + offload_optimizer")) == "13.8B"
+    assert psi(_largest_row(out, og)) == "26.4B"
+    assert psi(_largest_row(out, og + " + offload_params")) == "121B"
+    assert ("13.8B with offload_optimizer, 26.4B with offload_gradients, 121B with "
+            "offload_params too" in readme)
+    assert main(llama.split()[1:]) == 0
+    out = capsys.readouterr().out
+    rows = {re.split(r"\s{2,}", ln.strip())[0]: re.split(r"\s{2,}", ln.strip())
+            for ln in out.splitlines() if ln.strip().startswith("stage ")}
+    offload = {k: v for k, v in rows.items() if "offload" in k}
+    assert len(offload) == 13 and all(v[9] == "yes" for v in offload.values()), offload
+    for label, cells in offload.items():
+        if "=nvme" in label:  # the peak column
+            assert float(cells[8]) >= float(rows[label.replace("=nvme", "")][8]), label
+    assert "21.92" in rows["stage 3 + offload_optimizer + offload_gradients"][8]
+    assert "8.83" in rows["stage 3 + offload_optimizer + offload_gradients + "
+                          "offload_params"][8]
+    assert "recommendation: stage 2 + offload_optimizer: the fastest" in out
+    assert "2,070 ms/step" in out and "peak 35.88 GB" in out
+    assert ("stage 3 + offload_optimizer + offload_gradients 21.92 GB, + offload_params "
+            "8.83 GB" in readme)
+    assert "stage 2 + offload_optimizer (35.88 GB, 2,070 ms/step" in readme
 
 
 def test_readme_plan_figures_are_what_the_named_commands_print(capsys, monkeypatch):
@@ -466,9 +531,10 @@ def test_readme_plan_figures_are_what_the_named_commands_print(capsys, monkeypat
         monkeypatch.delenv(name, raising=False)
     assert main(fastchat.split()[1:]) == 0
     out = capsys.readouterr().out
-    assert ("stage 3 + offload_optimizer: the fastest" in out and "1,274 ms/step" in out
-            and "peak 20.48 GB of 29.00 GB per device" in out and "(29%) headroom" in out)
-    assert "29.00 GB planned, stage 3 + offload_optimizer at 20.48 GB (29% headroom" in readme
+    assert ("stage 3 + offload_optimizer: the fastest" in out and "907 ms/step" in out
+            and "peak 9.87 GB of 29.00 GB per device" in out and "(66%) headroom" in out)
+    assert ("29.00 GB planned, stage 3 + offload_optimizer at 9.87 GB (66% headroom" in
+            readme and "predicted 907 ms/step" in readme and "too, 3.60 GB)" in readme)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     assert main(fastchat.split()[1:]) == 0
     out = capsys.readouterr().out
@@ -480,4 +546,7 @@ def test_readme_plan_figures_are_what_the_named_commands_print(capsys, monkeypat
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines()
                 if ln.strip().startswith("stage 3 + offload_optimizer + offload_params"))
-    assert "2,444.47" in line and "no " in line and ": 2,444 GB)" in readme
+    assert "2,444.47" in line and "no " in line and ": 2,444 GB with the optimizer" in readme
+    assert "2,794 GB with the gradients too" in readme and "2,793.68" in next(
+        ln for ln in out.splitlines() if ln.strip().startswith(
+            "stage 3 + offload_optimizer + offload_gradients + offload_params"))

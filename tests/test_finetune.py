@@ -326,3 +326,36 @@ def test_finetune_refuses_its_checkpoint_as_out_before_training(hf_dir, capsys):
         assert e.value.code == 2 and words in captured.err, captured.err
         assert "loaded" not in captured.out  # refused before the model is read
     assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_finetune_takes_the_planners_offload_options(hf_dir, tmp_path, capsys):
+    """``--offload-optimizer host --offload-gradients --offload-params`` (stage 3: the
+    state, the gradients and the param shards in host memory, the option set ``zerojax
+    plan`` prints as "stage 3 + offload_optimizer + offload_gradients +
+    offload_params"): the same losses as the run without offload
+    (the offloaded update is bitwise the device's); combinations zero() refuses are
+    refused before anything loads, naming the flag."""
+    root, ckpt, _ = hf_dir
+    base = ["finetune", str(ckpt), str(root / "data.txt"), "--steps", "2", "--batch", "8",
+            "--seq", "16", "--png", "", "--no-progress"]
+    losses = []
+    for extra in ([], ["--offload-optimizer", "host", "--offload-gradients",
+                       "--offload-params"]):
+        assert main([*base, "--out", str(tmp_path / f"o{len(extra)}"), *extra]) == 0
+        losses.append(re.search(r"loss ([\d.]+ -> [\d.]+)", capsys.readouterr().out)[1])
+    assert losses[0] == losses[1], losses
+    for extra, words in (
+            (["--offload-params", "--stage", "2", "--offload-optimizer", "host"],
+             "--offload-params needs --stage 3"),
+            (["--offload-params"], "--offload-params needs --offload-optimizer"),
+            (["--offload-gradients", "--offload-optimizer", "host", "--stage", "1"],
+             "--offload-gradients needs --offload-optimizer host at --stage 2 or 3"),
+            (["--offload-optimizer", "nvme"], "needs --nvme-path DIR"),
+            (["--nvme-path", str(tmp_path)], "is for --offload-optimizer nvme"),
+            (["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "none")],
+             "is not a directory")):
+        with pytest.raises(SystemExit) as e:
+            main([*base, "--out", str(tmp_path / "x"), *extra])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (extra, err)

@@ -392,7 +392,10 @@ def test_plan_model_returns_the_table_as_data():
     # offload moves the optimizer state (12 bytes per parameter / N) to host memory
     off = p.row("stage 3 + offload_optimizer")
     assert off.states.optimizer_state < 100 and off.states.host_optimizer_state > 0
+    # the state in and out; offload_gradients: the gradient shard out and back in
     assert off.host_traffic_bytes == 2 * off.states.host
+    og = p.row("stage 3 + offload_optimizer + offload_gradients")
+    assert og.host_traffic_bytes == 2 * (og.states.host + og.states.grads)
     assert p.recommendation is not None and p.recommendation.fits
     # the fastest that fits (issue 32; was the least traffic), the memory-leanest beside
     reason = plan_text.recommendation(p)
@@ -404,8 +407,11 @@ def test_plan_model_returns_the_table_as_data():
     sgd = zerojax.plan(model=ModelShape(48, 1600, 25), dp=8, budget_bytes=80 * 10**9,
                        seq=1024, batch=8, optimizer="sgd")
     assert sgd.row("stage 0").peak < p.row("stage 0").peak
+    # gpt3-175b fits 8 x 80 GB only with the params fetched a layer at a time, whose
+    # state and gradients (2.8 TB) a 1 TB node does not hold, nor its 1 TB disk the
+    # NVMe tier's 2.4 TB
     nothing = zerojax.plan(model="gpt3-175b", dp=8, budget_bytes=80 * 10**9, seq=2048,
-                           batch=8)
+                           batch=8, host_memory_bytes=10**12, disk_bytes=10**12)
     assert nothing.recommendation is None and nothing.fitting == ()
     assert plan_text.recommendation(nothing).startswith("nothing fits")
     with pytest.raises(ValueError, match="not a preset"):
@@ -937,12 +943,11 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
     """An offload row whose node's offloaded state exceeds host_memory_bytes does not
     fit (its bytes: the per-device host state x the node's devices); a seq beyond a
     preset's learned positions is refused. gpt3-175b on 16 x 110 GB (8 per node): the
-    stage-3 offload rows fit the device (offload_params at the peak of offload_optimizer
-    alone: the step brings the param shards to the device; 108.9 GB, most of it the
-    update's two buckets of whole scanned stacks after the backward, which 75 GB cards
-    do not hold) and need 1.05 / 1.22 TB of host memory per node, over a 1 TB node's
-    (whose 1 TB disk the NVMe rows' 1.05 TB of state exceeds too): nothing fits. No
-    compile."""
+    stage-3 offload rows fit the device (56.2 GB; offload_params fetched a layer at a
+    time 34.9 GB, fetched whole at the step's start the peak of offload_optimizer
+    alone; with offload_gradients too 13.1 GB) and need 1.05-1.40 TB of host memory per
+    node, over a 1 TB node's (whose 1 TB disk the NVMe rows' 1.05 TB of state exceeds
+    too): nothing fits. No compile."""
     from zerojax.analysis.plan import plan_model
 
     kw = dict(devices=16, budget_bytes=int(110e9), seq=2048, batch=1)
@@ -951,15 +956,18 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
     label = "stage 3 + offload_optimizer + offload_params"
     row, checked = free.row(label), tight.row(label)
     assert row.fits and row.host_fits and row.host_bytes == 8 * row.states.host > 1e12
-    # the param shards (host memory between steps) are on the device for the step
+    # the param shards (host memory between steps) come to the device a layer at a
+    # time; fetched whole, they are all on the device for the step
     off = free.row("stage 3 + offload_optimizer")
+    whole = free.row(label + " + param_fetch=whole")
     assert row.states.params == 0 and row.states.host_params == off.states.params > 0
-    assert row.peak == off.peak
+    assert row.peak < off.peak - 0.8 * off.states.params and whole.peak == off.peak
     assert not checked.fits and not checked.host_fits and checked.peak == row.peak
     assert tight.recommendation is None
-    # the smallest device peak is the NVMe row's (buckets of nvme_buffer_size): its disk
-    assert "the smallest, stage 3 + offload_optimizer=nvme," in plan_text.recommendation(tight)
-    assert "of disk per node of 1,000.00 GB" in plan_text.recommendation(tight)
+    # the smallest device peak is the gradients' and params' row: its host memory named
+    assert ("the smallest, stage 3 + offload_optimizer + offload_gradients + "
+            "offload_params, needs") in plan_text.recommendation(tight)
+    assert "of host memory per node of 1,000.00 GB" in plan_text.recommendation(tight)
     assert all(r.fits == f.fits for r, f in zip(tight.rows, free.rows) if not r.options)
     with pytest.raises(ValueError, match="beyond gpt2-1.5b's 1024 learned positions"):
         plan_model("gpt2-1.5b", **kw)
@@ -968,14 +976,12 @@ def test_offload_rows_check_host_memory_and_seq_the_positions():
 def test_nvme_rows_count_disk_buffers_and_the_disk_time():
     """Issue 34's planner: llama2-70b on 8 x 80 GB with 512 GB of host memory per node.
     Stage 3 + offload_optimizer needs the node's 12 Psi of Adam state + master weights
-    in host memory, and its update's buckets (whole leaves) more than the device. The
-    NVMe row fits: the states' device bytes, that state on disk (12 Psi / 8 per device,
-    12 Psi per node), only the buffers (4 x 2**28 per process, one per device) in host
-    memory, and a step longer by the disk's read and write at the stated bandwidth,
-    overlapped with the PCIe transfers. Its update's device working memory is its
-    buckets (nvme_buffer_count + 1 of nvme_buffer_size bytes of state, with their new
-    bf16 params), not bucket_size's (host offload: its two largest consecutive buckets,
-    after the backward). No compile."""
+    in host memory, more than the node has. The NVMe row fits: the host row's device
+    bytes (the same update through the device: two buckets of bucket_size state), that
+    state on disk (12 Psi / 8 per device, 12 Psi per node), only the buffers (4 x 2**28
+    per process, one per device) in host memory, and a step longer by the disk's read
+    and write at the stated bandwidth, overlapped with the update's PCIe transfers. No
+    compile."""
     from zerojax.analysis.cost import ACCELERATORS, step_time
     from zerojax.analysis.memory import nvme_buffer_bytes
     from zerojax.analysis.plan import plan_model
@@ -986,18 +992,17 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
     psi = p.num_params
     off, nv = p.row("stage 3 + offload_optimizer"), p.row("stage 3 + offload_optimizer=nvme")
     assert not off.host_fits and not off.fits
-    assert " no " in [ln for ln in plan_text.format_model_plan(p).splitlines()
-                      if ln.strip().startswith(off.label + " ")][0]
+    assert "no: host" in [ln for ln in plan_text.format_model_plan(p).splitlines()
+                          if ln.strip().startswith(off.label + " ")][0]
+    assert off.peak <= p.budget_bytes and not off.host_fits
     assert nv.nvme and not off.nvme and nv.fits and nv.host_fits
-    # the NVMe tier's buffers are on the device throughout the step; the host tier's
-    # buckets after the backward, beside the gradients: two whole scanned MLP stacks
-    # (80 x 8192 x 28672 / 8 devices each), 18 bytes a parameter (fp32 master and
-    # moments, the gradient cast to fp32, the new bf16 param), so it needs 119 GB
-    assert nv.step.batch - off.step.batch == pytest.approx(5 * 2**28 * (1 + 2 / 12),
-                                                           rel=1e-3)
-    assert off.step.end - nv.step.end == pytest.approx(2 * 80 * 8192 * 28672 // 8 * 18,
-                                                       rel=1e-9)
-    assert off.peak == off.step.states + off.step.batch + off.step.end > p.budget_bytes
+    # the same device work: the update's two buckets of 2**24 state values a device
+    # after the backward (3 values an element: 2**24 / 3 elements, each 12 bytes of
+    # state, its gradient's float32 cast and its new bf16 param), beside the bf16
+    # gradient shard
+    assert nv.step == off.step and nv.peak == off.peak
+    assert off.step.end == pytest.approx(2 * -(-psi // 8) + 2 * -(-2**24 // 3) * 18,
+                                         rel=1e-6)
     assert nv.states.host == 0 and nv.states.disk == off.states.host
     assert 12 * psi / 8 <= nv.states.disk <= 12 * psi / 8 * 1.001
     assert nv.disk_bytes == 8 * nv.states.disk and off.disk_bytes == 0
@@ -1011,30 +1016,40 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
 
     def working(**o):
         return gpt_step_prediction(cfg, 8, 3, 16, tx=optax.adam(1e-3), platform="gpu",
-                                   offload_optimizer="nvme", **o).peak
+                                   offload_optimizer="nvme", **o).end
 
-    assert working(bucket_size=2**10) == working()
-    assert (working(nvme_buffer_count=4, nvme_buffer_size=2**18)
-            - working(nvme_buffer_count=2, nvme_buffer_size=2**18)) == pytest.approx(
-        2 * 2**18 * 1.5, abs=2)
+    # the buckets follow bucket_size (fp32 Adam: 2 values an element, each element 8
+    # bytes of state and its new fp32 param: 12): the device's whole state at the
+    # default (2 x 2**24 x 8 / 2 elements a device, more than its 2**18 or so), 2 x 64
+    # elements at 2**10 values; the NVMe buffers are host memory only
+    elements = -(-sum(x.size for x in jax.tree.leaves(gpt_param_shapes(cfg))) // 8)
+    assert working() - working(bucket_size=2**10) == pytest.approx(
+        (elements - 2 * 64) * 12, abs=12)
+    assert working(nvme_buffer_count=4, nvme_buffer_size=2**18) == working(
+        nvme_buffer_count=2, nvme_buffer_size=2**18)
     assert nv.host_traffic_bytes == off.host_traffic_bytes == 2 * nv.states.disk
     h100 = ACCELERATORS["h100"]
     disk = nv.disk_bytes / h100.disk_read_bw + nv.disk_bytes / h100.disk_write_bw
     assert nv.time.disk == pytest.approx(disk) and disk > 100  # one SSD: minutes
     assert nv.step_time == pytest.approx(off.step_time - off.time.host + disk)
+    # the state in and out at once, each direction at the PCIe rate
+    assert off.time.host == pytest.approx(off.states.host / h100.pcie_bw)
     assert p.recommendation is nv
     # + offload_params=nvme: the param shards on disk too, 0 on the device between
     # steps; read onto it for the step (the same peak), their read and write in its time
     nvp = p.row("stage 3 + offload_optimizer=nvme + offload_params=nvme")
     assert nvp.nvme and nvp.fits and nvp.states.params == nvp.states.host == 0
-    assert nvp.states.disk_params == nv.states.params > 0 and nvp.peak == nv.peak
-    # and the host tier's offload_params row the same way: its peak is its
-    # offload_optimizer row's (was 17.24 GB lower, the param shard left out)
+    assert nvp.states.disk_params == nv.states.params > 0
+    # and the host tier's offload_params row the same way: fetched a layer at a time
+    # (the leaves outside the scan and two layers' shards on the device), or whole
     hp = p.row("stage 3 + offload_optimizer + offload_params")
     assert hp.states.params == 0 and hp.states.host_params == off.states.params
-    assert hp.peak == off.peak
+    assert nvp.peak == hp.peak < off.peak
+    assert p.row(hp.label + " + param_fetch=whole").peak == off.peak
     assert nvp.states.disk == nv.states.disk + nv.states.params
-    assert nvp.disk_bytes == 8 * nvp.states.disk and nvp.host_bytes == nv.host_bytes
+    # (per-layer fetch: the shards read from disk into host memory for the step)
+    assert nvp.disk_bytes == 8 * nvp.states.disk
+    assert nvp.host_bytes == nv.host_bytes + 8 * nvp.states.disk_params
     assert nvp.time.disk - nv.time.disk == pytest.approx(
         8 * nv.states.params * (1 / h100.disk_read_bw + 1 / h100.disk_write_bw))
     # a fast disk array hides under the PCIe transfers: the host row's time

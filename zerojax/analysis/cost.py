@@ -11,12 +11,23 @@ step of a configuration is predicted as::
                carry one device's volume; HSDP/hpZ's per-device shards share them)
                (+ Megatron's activation all-reduces when mp > 1, inside the node)
     exposed  = the part of comm the stage cannot hide under compute
-    host     = offloaded state in and out over PCIe / pcie_bw (not hidden)
+    PCIe     = offload's transfers (:class:`PcieTraffic`), each direction at
+               pcie_bw (full duplex: host-to-device and device-to-host overlap):
+      under    = the streamed gradients (device to host, under the backward;
+                 offload_gradients) and, where they overlap compute, the per-layer
+                 param fetches (host to device; 2 x accum_steps x the shards):
+                 max(fetch, gradients) / pcie_bw
+      host     = what nothing hides: the fetches that do not overlap (the
+                 whole-shard fetch at the step's start; the per-layer fetch too, as
+                 measured: plan.FETCH_OVERLAPS_COMPUTE), a global norm's second pass
+                 over host gradients, and the update's (state in with the
+                 gradients, state out with the new params, after the backward; no
+                 delayed update): fetch / pcie_bw + max(update in, update out) / pcie_bw
     disk     = NVMe tier (offload_optimizer="nvme"): the node's state (with
                offload_params="nvme" its param shards too) read once and written
                once per step, read / disk_read_bw + write / disk_write_bw (one disk
                serves both), overlapped with the buckets' PCIe transfers
-    step     = compute + exposed + max(host, disk)
+    step     = max(compute, under) + exposed + max(host, disk)
 
 ``6 Psi`` per token is the forward (2 Psi) and backward (4 Psi) matmuls; ``12 L h s``
 the attention's two ``s x s`` matmuls (``QK^T`` and ``AV``: 4 s h per token and layer
@@ -35,7 +46,9 @@ so all of its traffic may hide under the whole step's compute. Tensor parallelis
 all-reduces sit on the critical path (exposed). ``overlap=False`` exposes all (the
 planner passes it for stage 3 with ``prefetch=False``). Not modelled: bucket sizes,
 collective latency (bandwidth only), small-GEMM efficiency, the host's optimizer
-compute under offload (only its PCIe transfers).
+compute under offload (only its PCIe transfers), the update's device arithmetic
+(bandwidth-bound: hidden under its own transfers), several GPUs sharing a PCIe
+switch (each device is given its own x16 link at ``pcie_bw``).
 
 The disk bandwidths (per node, bytes/s) default to one local PCIe Gen4 NVMe SSD:
 the Samsung PM1733 datasheet's 7.0 GB/s sequential read and 3.8 GB/s sequential
@@ -56,8 +69,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["ACCELERATORS", "Accelerator", "StepTime", "accelerator", "link_traffic",
-           "model_flops", "step_time"]
+__all__ = ["ACCELERATORS", "Accelerator", "PcieTraffic", "StepTime", "accelerator",
+           "link_traffic", "model_flops", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +164,45 @@ def model_flops(num_params: int, tokens: int, *, layers: int = 0, hidden: int = 
 
 
 @dataclasses.dataclass(frozen=True)
+class PcieTraffic:
+    """Offload's device <-> host bytes per device per step, by when they move.
+
+    ``fetch``: param shards host to device (``offload_params``); ``fetch_hidden``: under
+    the layers' compute (a per-layer fetch that overlaps it), else exposed (the
+    whole-shard fetch before the forward; a per-layer fetch that does not overlap).
+    ``grads_out``: the gradient shards device to host during the backward (streamed
+    gradients, under the backward; ``grads_in``: with ``accum_steps``, the host
+    accumulator's layers read back there, host to device). ``update_in`` /
+    ``update_out``: the update's, after the backward: the offloaded state (and the
+    streamed gradients) in; the state (and, with ``offload_params``, the new params)
+    out. ``other``: exposed bytes moved one after the other (Pa+cpu's checkpoints, out
+    in the forward and back in the backward; a global norm's pass over host gradients).
+    """
+
+    fetch: int = 0
+    fetch_hidden: bool = True
+    grads_out: int = 0
+    grads_in: int = 0  # host to device in the backward: the host accumulator's layers
+    update_in: int = 0
+    update_out: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every byte crossing PCIe per step, both directions."""
+        return (self.fetch + self.grads_out + self.grads_in + self.update_in
+                + self.update_out + self.other)
+
+    def seconds(self, bandwidth: float) -> tuple[float, float]:
+        """``(under compute, exposed)`` seconds at ``bandwidth`` bytes/s per direction."""
+        under = max((self.fetch if self.fetch_hidden else 0) + self.grads_in,
+                    self.grads_out) / bandwidth
+        exposed = ((0 if self.fetch_hidden else self.fetch)
+                   + max(self.update_in, self.update_out) + self.other) / bandwidth
+        return under, exposed
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTime:
     """One predicted step (seconds, per device; every device runs the same)."""
 
@@ -163,6 +215,7 @@ class StepTime:
     host: float  # PCIe seconds (offload), exposed
     tokens: int  # tokens per step over the whole job
     disk: float = 0.0  # NVMe tier: the node's reads and writes, overlapped with host
+    under: float = 0.0  # PCIe seconds under compute (per-layer fetch, streamed gradients)
 
     @property
     def io(self) -> float:
@@ -171,7 +224,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed + self.io
+        return max(self.compute, self.under) + self.exposed + self.io
 
     @property
     def tokens_per_s(self) -> float:
@@ -186,7 +239,7 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
               param_bytes: int = 2, overlap: bool = True, disk_bytes: int = 0,
               disk_bandwidth: tuple[float, float] | None = None,
               alltoall_bytes: int = 0, seq_parallel: int = 1,
-              **link_options: Any) -> StepTime:
+              pcie: PcieTraffic | None = None, **link_options: Any) -> StepTime:
     """The predicted step of ``devices`` data-parallel devices (x ``mp`` model), each
     with ``tokens_per_device`` tokens (batch x seq per data shard), at ZeRO ``stage``.
 
@@ -195,8 +248,11 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
     (``hpz``, ``replica_axis``, ``quantize_weights``, ``quantize_gradients``,
     ``quantize_gradients_block``) on
     ``devices // per_node`` nodes (``per_node``: data devices per node, default the
-    preset's devices per node / mp). ``host_bytes``: offloaded state in and out over
-    PCIe per step. ``disk_bytes``: with ``offload_optimizer="nvme"``, the NVMe tier's
+    preset's devices per node / mp). ``host_bytes``: offloaded bytes over PCIe per
+    step moved one after the other, exposed; ``pcie``: offload's transfers by when
+    they move (:class:`PcieTraffic`: the per-layer fetches and streamed gradients
+    under compute, the rest exposed, each direction at the preset's ``pcie_bw``).
+    ``disk_bytes``: with ``offload_optimizer="nvme"``, the NVMe tier's
     state of the node (every device's shard), read once and written once per step at
     ``disk_bandwidth`` = ``(read, write)`` bytes/s per node (default the preset's
     ``disk_read_bw``, ``disk_write_bw``): ``disk = disk_bytes / read + disk_bytes /
@@ -263,12 +319,13 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
             share = (total - gather) / total if total else 0.0
             exposed = max(0.0, comm * share - backward) + comm * (1 - share)
     exposed += tensor
-    host = host_bytes / acc.pcie_bw
+    under, host = (0.0, 0.0) if pcie is None else pcie.seconds(acc.pcie_bw)
+    host += host_bytes / acc.pcie_bw
     read, write = (disk_bandwidth if disk_bandwidth is not None
                    else (acc.disk_read_bw, acc.disk_write_bw))
     disk = disk_bytes / read + disk_bytes / write if disk_bytes else 0.0
     return StepTime(flops, compute, inside, across, tensor, exposed, host,
-                    tokens_per_device * devices, disk)
+                    tokens_per_device * devices, disk, under)
 
 
 def _gather_share(psi: int, param_bytes: int, devices: int) -> int:

@@ -20,8 +20,10 @@ __all__ = [
     "estimate_activations",
     "estimate_buffers",
     "estimate_memory",
+    "fetch_mode",
     "nvme_buffer_bytes",
     "state_bytes",
+    "streams_gradients",
 ]
 
 
@@ -323,6 +325,37 @@ def _param_structs(params: Any, model_specs: Any, mp: int) -> tuple[Any, Any]:
         model_specs = jax.tree.map(lambda s: P(*(None,) * len(tuple(s))), model_specs,
                                    is_leaf=lambda x: isinstance(x, P))
     return structs, model_specs
+
+
+# ZeroConfig.param_fetch: how offload_params brings the stage-3 param shards to the
+# device, "layer" (ZeRO-Infinity's per-layer fetch inside the scan body, the default)
+# or "whole" (every shard moved at the step's start)
+FETCH_OPTION = "param_fetch"
+
+
+def fetch_mode(options: dict, stage: int, scanned: bool = True) -> str | None:
+    """How ``offload_params`` (host or ``"nvme"``, stage 3) brings the param shards to
+    the device (``ZeroConfig.param_fetch``): ``"layer"`` (each scanned layer's shard
+    inside the scan body, for the forward and again for the rematerialised backward:
+    the device holds about two layers' shards and the leaves outside the scan),
+    ``"whole"`` (every shard at the step's start: the device holds the whole stage-3
+    shard; a model whose layers are not scanned is fetched so), None without
+    ``offload_params``."""
+    if not options.get("offload_params") or stage != 3:
+        return None
+    mode = options.get(FETCH_OPTION, "layer")
+    return mode if scanned else "whole"
+
+
+def streams_gradients(options: dict, stage: int) -> bool:
+    """ZeRO-Offload's gradient stream (``ZeroConfig.offload_gradients``, with
+    ``offload_optimizer=True`` at stages 2-3): each partitioned leaf's reduced gradient
+    shard moves to host memory inside the backward as it is produced (a scanned
+    stack's layer by layer), so the device never holds the whole gradient (nor, with
+    ``accum_steps``, the accumulator: host memory's), and the update reads it from host
+    memory bucket by bucket."""
+    return (options.get("offload_gradients") is True
+            and options.get("offload_optimizer") is True and stage in (2, 3))
 
 
 def _is_nvme(options: dict, name: str = "offload_optimizer") -> bool:

@@ -36,18 +36,22 @@ from typing import Any, NamedTuple
 # recommendation, as data) imports them, never the other way; zerojax.cli.plan_text (the
 # text) imports this module, never the other way (tests/test_planner.py checks both).
 from zerojax.analysis.cost import (  # noqa: F401 (link_traffic re-exported)
+    PcieTraffic,
     StepTime,
     accelerator as _accelerator,
     link_traffic,
     step_time,
 )
 from zerojax.analysis.memory import (
+    FETCH_OPTION,
     MemoryEstimate,
     _count,
     _per_param,
     estimate_activations,
     estimate_memory,
+    fetch_mode,
     nvme_buffer_bytes,
+    streams_gradients,
 )
 from zerojax.analysis.report import comm_elements
 from zerojax.core.modelspec import DecoderFamily, Shape, check_int, check_vocab_tiles
@@ -522,6 +526,7 @@ def make_optimizer(name: str):
     return makers[name]()
 
 
+_OG = {"offload_optimizer": True, "offload_gradients": True}
 # (label, zero() options) planned for each stage
 OPTION_SETS = (
     ("stage 0", 0, {}),
@@ -531,8 +536,16 @@ OPTION_SETS = (
     ("stage 1 + offload_optimizer", 1, {"offload_optimizer": True}),
     ("stage 2 + offload_optimizer", 2, {"offload_optimizer": True}),
     ("stage 3 + offload_optimizer", 3, {"offload_optimizer": True}),
+    # ZeRO-Offload's gradient stream: each reduced gradient shard to host memory
+    ("stage 2 + offload_optimizer + offload_gradients", 2, _OG),
+    ("stage 3 + offload_optimizer + offload_gradients", 3, _OG),
+    # offload_params: each scanned layer's shard fetched in the scan body, or all at once
     ("stage 3 + offload_optimizer + offload_params", 3,
      {"offload_optimizer": True, "offload_params": True}),
+    ("stage 3 + offload_optimizer + offload_gradients + offload_params", 3,
+     {**_OG, "offload_params": True}),
+    ("stage 3 + offload_optimizer + offload_params + param_fetch=whole", 3,
+     {"offload_optimizer": True, "offload_params": True, FETCH_OPTION: "whole"}),
     # ZeRO-Infinity's NVMe tier: the optimizer state on the node's disk, host buffers
     ("stage 1 + offload_optimizer=nvme", 1, {"offload_optimizer": "nvme"}),
     ("stage 2 + offload_optimizer=nvme", 2, {"offload_optimizer": "nvme"}),
@@ -540,6 +553,8 @@ OPTION_SETS = (
     # ... and the stage-3 param shards beside it between steps
     ("stage 3 + offload_optimizer=nvme + offload_params=nvme", 3,
      {"offload_optimizer": "nvme", "offload_params": "nvme"}),
+    ("stage 3 + offload_optimizer=nvme + offload_params=nvme + param_fetch=whole", 3,
+     {"offload_optimizer": "nvme", "offload_params": "nvme", FETCH_OPTION: "whole"}),
 )
 
 @dataclasses.dataclass(frozen=True)
@@ -550,22 +565,25 @@ class PlanRow:
     state and fp32 master weights in files: ``disk_bytes`` per node (the node's
     devices' shards, 0 on the device and in host memory), whose host memory holds only
     the buffers, ``nvme_buffer_count x nvme_buffer_size`` per process (one process per
-    device counted; ``buffer_bytes``, in ``host_bytes``); their update's device working
-    memory is those buckets too (``nvme_buffer_count + 1`` of ``nvme_buffer_size``
-    bytes of state with their new params, in the peak; ``bucket_size``'s for the host
-    offload rows). :func:`plan_model`'s ``disk_bytes``: the disk per node (None:
+    device counted; ``buffer_bytes``, in ``host_bytes``), and the streamed gradients;
+    their update's device work is the host rows' (two buckets of ``bucket_size`` state,
+    :func:`zerojax.analysis.report._offload_working`), so no NVMe row's peak is below
+    its host row's. :func:`plan_model`'s ``disk_bytes``: the disk per node (None:
     unchecked); a row whose state exceeds it does not fit (``disk_fits``). Their step
     reads and writes that state once at ``disk_bandwidth`` (``(read, write)`` bytes/s
     per node, or one figure for both; default the accelerator preset's local NVMe),
     overlapped with its PCIe transfers (:func:`zerojax.analysis.cost.step_time`). The
     ``offload_params=nvme`` row keeps the stage-3 param shards there too
-    (``MemoryEstimate.disk_params``: 0 in the params column, the device's memory
-    between steps; in ``disk_bytes``): the step reads them into device memory before
-    the gradient, so its peak is the ``=nvme`` row's, and its disk time adds their read
-    and write. The host tier's ``offload_params`` row counts its shards the same way
-    (``MemoryEstimate.host_params``: 0 in the params column, in the peak): the step
-    brings them to the device whole, so its peak is the ``stage 3 +
-    offload_optimizer`` row's; it saves device memory between steps.
+    (``MemoryEstimate.disk_params``: 0 in the params column; in ``disk_bytes``), and
+    its disk time adds their read and write. Both tiers' ``offload_params`` rows fetch
+    the shards a scanned layer at a time (:func:`~zerojax.analysis.memory.fetch_mode`:
+    the leaves outside the scan and two layers' shards on the device, the shards over
+    PCIe twice per micro-batch), or whole at the step's start (the
+    ``param_fetch=whole`` rows: every shard in the peak, once over PCIe); the
+    recommendation, the fastest fitting row, chooses. With ``offload_gradients`` the
+    gradient shards stream to host memory in the backward
+    (:func:`~zerojax.analysis.memory.streams_gradients`), in ``host_bytes`` and, out and
+    back, in ``host_traffic_bytes`` (the PCIe bytes of :func:`_pcie_traffic`).
 
     :func:`plan_model`'s ``accelerator``: a preset of
     :data:`zerojax.analysis.cost.ACCELERATORS` (h100, h200, a100, v100, tpu-v5e) or an
@@ -725,19 +743,24 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     alltoall = ulysses_bytes(config, batch, sp, value_bytes=compute, mp=mp,
                              remat=rematerialised and policy not in ("dots", "projections"))
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
-    # offloaded state (host memory or disk) crosses PCIe in and out once per step
-    host = 2 * (states.host + states.disk)
     # Pa+cpu: every layer's checkpoint in host memory (written in the forward, read back
     # in the backward); one layer's working set stays on the device
     ckpt_host = (config.layers * math.ceil(config.hidden * batch * local / mp) * compute
                  if rematerialised and policy == "partitioned_host" else 0)
-    host += 2 * ckpt_host
+    streamed = streams_gradients(opts, stage)
+    fetch = fetch_mode(opts, stage, config.scan)
+    pcie = _pcie_traffic(states, fetch, streamed, opts, 2 * ckpt_host)
+    host = pcie.total
     peak = step.peak + reserve
-    # offloaded state stays in pinned host memory, one shard per device of the node;
-    # the NVMe tier's on the node's disk, its buffers in host memory (one process per
-    # device counted: a process per node holds one set)
+    # offloaded state stays in pinned host memory, one shard per device of the node
+    # (with the streamed gradient shards); the NVMe tier's on the node's disk, its
+    # buffers in host memory (one process per device counted: a process per node
+    # holds one set)
     buffers = nvme_buffer_bytes(**opts) * host_devices
-    host_bytes = (states.host + ckpt_host) * host_devices + buffers
+    # (the NVMe tier's per-layer fetch reads the param shards into host memory first)
+    staged = states.disk_params if fetch == "layer" else 0
+    host_bytes = ((states.host + ckpt_host + (states.grads if streamed else 0) + staged)
+                  * host_devices + buffers)
     disk_bytes = states.disk * host_devices
     host_fits = host_budget is None or host_bytes <= host_budget
     disk_fits = disk_budget is None or disk_bytes <= disk_budget
@@ -747,7 +770,7 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     time = step_time(psi, stage=stage, tokens_per_device=batch * local,
                      devices=devices * replicas, accel=accel, layers=shape.layers,
                      hidden=shape.hidden, seq=seq, mp=mp,
-                     per_node=devices if replicas > 1 else per_node, host_bytes=host,
+                     per_node=devices if replicas > 1 else per_node, pcie=pcie,
                      remat=remat, remat_policy=opts.get("remat_policy"),
                      param_bytes=compute,
                      # stage 3 without prefetch: each gather waits for its layer
@@ -757,6 +780,39 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     return PlanRow(label, stage, options, states, step, reserve,
                    peak <= budget and host_fits and disk_fits, traffic, host, host_bytes,
                    host_fits, time, disk_bytes, buffers, disk_fits, alltoall, sp)
+
+
+# The per-layer fetch's copies overlap the layers' compute: not yet. Measured on one
+# H200 (jax 0.11.2, 2026-11-28, docs/architecture.md "offload_params"): the in-body
+# move is an asynchronous DMA at 0.87x of device_put's rate, not overlapped with the
+# previous layer's compute; so the planner exposes it (True once measured overlapped).
+FETCH_OVERLAPS_COMPUTE = False
+
+
+def _pcie_traffic(states: MemoryEstimate, fetch: str | None, streamed: bool,
+                  options: dict, other: int) -> PcieTraffic:
+    """Offload's PCIe bytes per device per step (:class:`~zerojax.analysis.cost.
+    PcieTraffic`): the param shards ``offload_params`` keeps off the device (host or
+    disk) fetched twice per micro-batch a layer at a time (``fetch="layer"``: the
+    forward and the rematerialised backward; under compute if
+    ``FETCH_OVERLAPS_COMPUTE``) or once whole (``"whole"``, before the forward); the
+    streamed gradient shards (``offload_gradients``) out during the backward, each
+    micro-batch's added to the host accumulator (its layers read back in the backward
+    after the first), then in for the update, and once more before it with a global
+    norm to take (``max_grad_norm``, ``loss_scale``: a second pass over the host
+    gradients); the offloaded optimizer state (host or disk) in and out for the
+    update; the new params out with ``offload_params``; ``other`` (Pa+cpu's
+    checkpoints) exposed."""
+    accum = max(1, int(options.get("accum_steps", 1)))
+    params = states.host_params + states.disk_params
+    opt = states.host_optimizer_state + states.disk_optimizer_state
+    grads = states.grads if streamed else 0
+    norm = grads if options.get("max_grad_norm") or options.get("loss_scale") else 0
+    fetch_bytes = params * (2 * accum if fetch == "layer" else 1)
+    return PcieTraffic(fetch=fetch_bytes if params else 0,
+                       fetch_hidden=fetch == "layer" and FETCH_OVERLAPS_COMPUTE,
+                       grads_out=accum * grads, grads_in=(accum - 1) * grads,
+                       update_in=opt + grads, update_out=opt + params, other=other + norm)
 
 
 def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_bytes: int,
@@ -1118,9 +1174,10 @@ def largest_seq(model: ModelShape | str, *, devices: int, budget_bytes: int,
     """The longest sequence each option set fits: ``devices`` devices (data x seq, x
     ``mp`` model) of ``budget_bytes`` usable each, ``seq_parallel`` = P (default: all
     ``devices``, one sequence over every device), ``batch`` sequences per data rank,
-    ZeRO ``stage`` with ``zero_options`` (default ``{"offload_optimizer": True}``:
-    stage 3 with the optimizer state in host memory, what leaves the device the most
-    room for activations), each option set of ``option_sets`` (default
+    ZeRO ``stage`` with ``zero_options`` (default ``{"offload_optimizer": True,
+    "offload_gradients": True}``: stage 3 with the optimizer state and the gradients in
+    host memory, ZeRO-Offload as DeepSpeed runs it, what leaves the device the most room
+    for activations with the params' shards on it), each option set of ``option_sets`` (default
     :data:`SEQ_OPTION_SETS`) on top. A sequence fits when :func:`plan_model`'s row
     does (the step's predicted peak within the budget, the node's pinned host memory
     ``host_memory_bytes`` (None: unchecked) holding the offloaded state and, with
@@ -1155,7 +1212,8 @@ def largest_seq(model: ModelShape | str, *, devices: int, budget_bytes: int,
         limit = min(limit, model.positions)
     tile = model.hidden if tile_tokens is None else _count(
         "tile_tokens", tile_tokens, minimum=1, hint="tokens per tile")
-    zero_options = {"offload_optimizer": True} if zero_options is None else dict(zero_options)
+    zero_options = ({"offload_optimizer": True, "offload_gradients": True}
+                    if zero_options is None else dict(zero_options))
     if host_memory_bytes is not None:
         host_memory_bytes = _count("host_memory_bytes", host_memory_bytes, minimum=1,
                                    hint="pinned host memory per node")

@@ -29,6 +29,8 @@ from zerojax.analysis.memory import (
     compiled_memory,
     estimate_activations,
     estimate_memory,
+    fetch_mode,
+    streams_gradients,
 )
 from zerojax.core.modelspec import DecoderFamily, DecoderSpec, Shape, shape_of
 
@@ -1007,13 +1009,11 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     planner says ``"gpu"``): on ``"cpu"`` with jax 0.10, bf16/fp16 gradients in flight
     and a layer's internal activations count 4 bytes, as that XLA:CPU holds them (its
     float normalization; its collectives run in float32); newer XLA:CPU keeps them in
-    bf16, as GPUs do. Offloaded state adds the update's working memory on the device:
-    host offload's two largest consecutive buckets of whole leaves after the backward
-    (in ``end``, :func:`_offload_working`; none on the CPU), or the NVMe tier's own
-    buckets of ``nvme_buffer_size`` bytes (in ``batch``, :func:`_nvme_working`); with
-    ``offload_params`` the param shards, in host memory (or on disk, ``"nvme"``) between
-    steps, are on the device for the step (brought there before the gradient), so they
-    stay in the peak (:func:`_step_states`).
+    bf16, as GPUs do. Offload (:func:`_offloaded_step`, none of it on the CPU): the
+    update's two buckets of ``bucket_size`` state after the backward, both tiers; the
+    gradient shards streamed off the device with ``offload_gradients``
+    (:func:`~zerojax.analysis.memory.streams_gradients`); ``offload_params``' shards
+    fetched a layer at a time or whole (:func:`_step_states`).
 
     Hierarchical sharding (``replica_axis=...``, HSDP / MiCS, or ``hpz=True``, ZeRO++
     hpZ): ``dp`` is the data axis D inside a replica and ``replicas`` = R the replica
@@ -1050,8 +1050,6 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     platform = jax.default_backend() if platform is None else platform
     grad = _grad_bytes(options, param_dtype or jnp.float32, platform)
     accum = options.get("accum_steps", 1)
-    working, update = _update_bytes(config, e, math.ceil(psi / dp), dp, mp, compute, grad,
-                                    platform, options)
     inter = 4 if _widens_bf16(platform) and compute < 4 else None
     policy = options.get("remat_policy")
     remat = config.remat and policy != "none"
@@ -1062,16 +1060,18 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     step = predict_step_memory(
         psi, dp, stage, layer_params=layer, scanned=config.scan, hidden=h, batch=b, seq=s,
         layers=L, vocab=v, heads=config.heads, remat=remat, prefetch=prefetch,
-        activations=acts, batch_bytes=b * (seq_local(s, sp) + 1) * 4 + working,
-        # offload_params (host or "nvme"): every param shard on the device for the step
-        states=_step_states(e), param_bytes=compute, grad_bytes=grad,
+        activations=acts, batch_bytes=b * (seq_local(s, sp) + 1) * 4,
+        # offload_params (host or "nvme"): the shards fetched per layer, or whole
+        states=_step_states(e, None if platform == "cpu" else
+                            fetch_mode(options, stage, config.scan), layer, psi, L),
+        param_bytes=compute, grad_bytes=grad,
         activation_bytes=compute, accum_steps=accum,
         mixed_stack=L * layer if param_dtype is not None and config.scan
         and _widens_bf16(platform) else 0,
         intermediate_bytes=inter, largest_leaf=max(v * h, L * f * h),
         collective_bytes=_collective_bytes(grad, platform))
-    if update:  # the update runs after the backward: beside the gradients, not the activations
-        step = dataclasses.replace(step, end=step.end + update)
+    step = _offloaded_step(step, e, dp, mp, stage, layer, psi, L, compute, grad, platform,
+                           options)
     if not remat:
         return step
     # ZeRO++ qgZ quantizes each gradient leaf from float32: a 16-bit gradient's largest
@@ -1082,110 +1082,100 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
                              widened=inter is not None, prefetch=prefetch, quantized=quant)
 
 
-def _update_bytes(config, e: MemoryEstimate, elements: int, dp: int, mp: int, compute: int,
-                  grad: int, platform: str, options: dict) -> tuple[int, int]:
-    """The offloaded update's device bytes, ``(working, update)``: the NVMe tier's
-    buckets (:func:`_nvme_working`, in the step's batch term) or the host tier's
-    (:func:`_offload_working`: after the backward, beside the gradients)."""
-    if _is_nvme(options):
-        return _nvme_working(e.disk_optimizer_state, elements, compute, options), 0
-    if options.get("offload_optimizer") or options.get("offload_params"):
-        return 0, _offload_working(config, dp, mp, e.host_optimizer_state, elements,
-                                   compute, grad, platform, options)
-    return 0, 0
+def _offloaded_step(step: StepPrediction, e: MemoryEstimate, dp: int, mp: int, stage: int,
+                    layer: int, psi: int, layers: int, compute: int, grad: int,
+                    platform: str, options: dict) -> StepPrediction:
+    """``step`` with the offload's terms: the streamed gradients and the offloaded
+    update's two buckets after the backward, beside the gradients, not the activations.
+    Streamed gradients (``offload_gradients``) leave the device as the backward makes
+    them: the end holds none, the backward the layer's and (conservatively) the
+    shard of the leaves outside the layers, the float32 accumulator of ``accum_steps``
+    none (host memory's). On the CPU XLA ignores memory spaces: what moves to "host
+    memory" stays in the one memory (the gradients in place, the params whole:
+    :func:`_step_states`' ``"whole"``)."""
+    streamed = streams_gradients(options, stage) and platform != "cpu"
+    if streamed:
+        shard = math.ceil(psi / dp)
+        acc = 4 * shard if options.get("accum_steps", 1) > 1 else 0
+        off = grad * (shard - math.ceil((psi - layers * layer) / dp)) + acc
+        step = dataclasses.replace(step, end=step.end - grad * shard - acc,
+                                   grads_in_flight=step.grads_in_flight - off)
+    update = _update_bytes(e, math.ceil(psi / dp), dp, mp, compute, grad, platform,
+                           options, streamed)
+    return dataclasses.replace(step, end=step.end + update) if update else step
 
 
-def _offload_working(config, dp: int, mp: int, host: int, elements: int,
-                     compute: int, grad: int, platform: str, options: dict) -> int:
-    """Device bytes of the host-offloaded update (``offload_optimizer`` /
-    ``offload_params``, :func:`zerojax.tiers.offload.update_in_buckets`), held after the
-    backward beside the gradients (``StepPrediction.end``), not beside the activations.
+def _update_bytes(e: MemoryEstimate, elements: int, dp: int, mp: int, compute: int,
+                  grad: int, platform: str, options: dict, streamed: bool) -> int:
+    """The offloaded update's device bytes (:func:`_offload_working`), held after the
+    backward beside what is left of the gradients: the same for both tiers. The NVMe
+    tier (``offload_optimizer="nvme"``) reads its state from disk into host buffers
+    (``nvme_buffer_count x nvme_buffer_size``, host memory only) and streams it through
+    the device in the host tier's buckets, so its rows' device peak is the host rows'."""
+    if not (options.get("offload_optimizer") or options.get("offload_params")):
+        return 0
+    state = e.disk_optimizer_state if _is_nvme(options) else e.host_optimizer_state
+    return _offload_working(dp, mp, state, elements, compute, grad, platform, options,
+                            streamed)
 
-    The update brings its host operands to the device bucket by bucket, and a bucket
-    waits for the one two before it to be back in host memory: two consecutive buckets
-    are on the device at once. A bucket is whole leaves (:func:`offload_buckets`): a
-    param leaf's offloaded optimizer state (master, moments: ``host``, the device's host
-    state bytes, per parameter / 4 values) is one group, never split, so a leaf whose
-    state exceeds ``bucket_size`` (global; default 2**24 per device) is a bucket of its
-    own. The working memory is the largest pair of consecutive buckets, not ``2 x
-    bucket_size``: on one device, Llama-3-8B's scanned MLP stacks of 1.88e9 elements
-    each make 67.6 GB, where ``2 x 2**24`` elements said 0.47 GB. Each parameter element
-    of a bucket holds its state (``host / elements`` bytes; the new values are written
-    over it, elementwise), its gradient cast to float32 (4 bytes, when ``grad`` is
-    narrower) and its new param in the compute dtype. On the CPU XLA ignores memory
-    spaces: the moves compile to nothing and the update runs on the arguments in place
-    (the compiled temporaries equal those without offload at 1, 2 and 8 devices,
-    tests/test_plan_seq.py): 0."""
-    from zerojax.api.config import ZeroConfig
 
+def _offload_working(dp: int, mp: int, host: int, elements: int, compute: int, grad: int,
+                     platform: str, options: dict, streamed: bool = False) -> int:
+    """Device bytes of the offloaded update (``offload_optimizer`` / ``offload_params``,
+    :func:`zerojax.tiers.offload.update_in_buckets`), held after the backward
+    (``StepPrediction.end``), not beside the activations: two buckets of constant size.
+
+    The update brings its offloaded operands to the device bucket by bucket, and a
+    bucket waits for the one two before it to be back in host memory: two buckets are
+    on the device at once. A bucket is ``bucket_size`` offloaded values (global; default
+    2**24 per device), a row-slice of a leaf where the leaf is larger (the update is
+    elementwise), so the working set does not grow with the largest leaf. Each
+    parameter element of a bucket carries ``v`` offloaded values (its state, ``host /
+    elements`` bytes, / 4; Adam with fp32 master: 3, plus its gradient when the
+    gradients are in host memory, ``streamed``): a bucket is ``bucket_size / v``
+    elements of the global params, ``/ (dp mp)`` per device. On the device each holds
+    its state (the new values written over it), its gradient (``grad`` bytes when
+    streamed; cast to float32, 4 bytes, when ``grad`` is narrower) and its new param in
+    the compute dtype. ``min(2 buckets, elements)``: a device whose state is smaller is
+    one bucket. (Whole-leaf buckets, before: on one device, Llama-3-8B's scanned MLP
+    stacks made 67.6 GB where two buckets of 2**24 values make 0.2 GB.) On the CPU XLA
+    ignores memory spaces: the moves compile to nothing and the update runs on the
+    arguments in place (the compiled temporaries equal those without offload at 1, 2
+    and 8 devices, tests/test_plan_seq.py): 0."""
     if platform == "cpu" or not host or not elements:
         return 0
-    per_param = host / elements  # state bytes per parameter (Adam: 12)
-    buckets = offload_buckets(
-        [x.size for x in jax.tree.leaves(gpt_param_shapes(config))], per_param / 4,
-        options.get("bucket_size") or 2**24 * dp,  # global state elements
-        int(options.get("min_shard_size", ZeroConfig.min_shard_size)))
-    pair = max(a + b for a, b in zip(buckets, buckets[1:] + [0]))
-    per_element = per_param + (4 if grad < 4 else 0) + compute
-    return int(math.ceil(pair / (dp * mp)) * per_element)
+    per_param = host / elements  # state bytes per parameter element (Adam: 12)
+    values = per_param / 4 + (1 if streamed else 0)  # offloaded values per element
+    capacity = options.get("bucket_size") or 2**24 * dp  # global offloaded values
+    bucket = math.ceil(capacity / values / (dp * mp))  # param elements per device
+    per_element = (per_param + (4 if grad < 4 else 0) + compute
+                   + (grad if streamed else 0))
+    return int(math.ceil(min(2 * bucket, elements) * per_element))
 
 
-def offload_buckets(sizes: list, state_per_param: float, capacity: int | None,
-                    min_size: int) -> list:
-    """The parameter elements of each bucket of the host-offloaded update, in order:
-    :func:`zerojax.tiers.offload.bucket_plan`'s packing of an elementwise update (Adam's),
-    for param leaves of ``sizes`` elements in tree order, each with
-    ``state_per_param`` offloaded values per element (Adam with fp32 master: 3), in
-    buckets of ``capacity`` offloaded values (None: one bucket). A leaf's values are
-    one group, never split; leaves below ``max(min_size, 2)`` elements join none."""
-    small = max(min_size, 2)
-    buckets: list = []
-    filled = 0.0
-    for n in sizes:
-        if n < small:
-            continue
-        state = n * state_per_param
-        if buckets and (capacity is None or filled + state <= capacity):
-            buckets[-1] += n
-            filled += state
-        else:
-            buckets.append(n)
-            filled = state
-    return buckets
-
-
-def _step_states(e: MemoryEstimate) -> int:
+def _step_states(e: MemoryEstimate, fetch: str | None = None, layer: int = 0,
+                 psi: int = 0, layers: int = 0) -> int:
     """The model-state bytes on the device through a step: the device's params and
-    optimizer state, plus the param shards ``offload_params`` keeps off it between
-    steps (``e.host_params``, or ``e.disk_params`` with ``"nvme"``): the step brings
-    them to the device whole at its start (:func:`zerojax.offload.to_device`; the NVMe
-    tier reads them before the gradient) and writes the new ones back at its end, so
-    they are in its peak (on one H100 the peak with ``offload_params`` was the one
-    with ``offload_optimizer`` alone, :mod:`zerojax.offload`). Offloaded optimizer
-    state is not: it comes to the device in buckets (the update's working memory)."""
-    return e.params + e.host_params + e.disk_params + e.optimizer_state
+    optimizer state, plus what the step brings of the param shards ``offload_params``
+    keeps off it between steps (``e.host_params``, or ``e.disk_params`` with
+    ``"nvme"``; ``fetch``: :func:`~zerojax.analysis.memory.fetch_mode`):
 
+    * ``"whole"``: every shard, brought at the step's start and written back at its
+      end, so the whole stage-3 shard is in the peak;
+    * ``"layer"``: ZeRO-Infinity's per-layer fetch: the shards of the leaves outside
+      the scan (embedding, head, final norm) for the step, and a scanned layer's shard
+      inside the scan body with the next one's prefetched: two layers' shards, the
+      offloaded bytes x ``(psi - layers x layer + 2 layer) / psi`` (``layer`` = Psi_l,
+      ``psi`` = Psi per device of the model axis). The gathered layer it becomes is the
+      step's working copy, counted as without offload.
 
-def _nvme_working(disk: int, elements: int, compute: int, options: dict) -> int:
-    """Device bytes of the NVMe tier's update (``offload_optimizer="nvme"``,
-    :mod:`zerojax.nvme`): its buckets, not ``bucket_size``'s. Each bucket is about
-    ``nvme_buffer_size`` bytes of the state on disk, read onto the device; at most
-    ``nvme_buffer_count`` buckets are between their read and the end of their write
-    (read ahead, updated, written back), and the bucket being updated holds its input
-    and its output (the new state, the same bytes, and its new params in the compute
-    dtype) at once: ``min(count + 1, buckets + 1)`` buckets of ``min(size, disk)``
-    bytes, each with ``compute`` bytes more per ``disk / elements`` of state. ``disk``:
-    the device's state bytes on disk, ``elements``: its parameter elements."""
-    from zerojax.api.config import ZeroConfig
-
-    count = int(options.get("nvme_buffer_count", ZeroConfig.nvme_buffer_count))
-    size = int(options.get("nvme_buffer_size", ZeroConfig.nvme_buffer_size))
-    if not disk or not elements:
-        return 0
-    bucket = min(size, disk)
-    buckets = -(-disk // bucket)
-    per_element = disk / elements  # state bytes per parameter element (Adam: 12)
-    return int(min(count + 1, buckets + 1) * bucket * (1 + compute / per_element))
+    Offloaded optimizer state is not here: it comes to the device in buckets (the
+    update's working memory)."""
+    fetched = e.host_params + e.disk_params
+    if fetch == "layer" and fetched and psi:
+        outside = max(0, psi - layers * layer) + 2 * layer
+        fetched = math.ceil(fetched * min(1.0, outside / psi))
+    return e.params + fetched + e.optimizer_state
 
 
 def _at_largest_phase(step: StepPrediction, ph: GPTPhases, scan: bool, stage: int,

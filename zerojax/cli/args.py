@@ -491,3 +491,80 @@ def device_memory(args: argparse.Namespace, cpu_devices: int) -> tuple[int, str]
     except (ValueError, OSError, AttributeError):
         return 0, ""
     return host // cpu_devices, f"host memory / {cpu_devices} simulated devices"
+
+
+# --- offload flags (zerojax finetune): zero()'s offload options -------------------------
+
+
+def offload_arguments(group) -> None:
+    """``--offload-optimizer {host,nvme}``, ``--offload-gradients``, ``--offload-params``,
+    ``--param-fetch``, ``--nvme-path`` on an argument group: ZeRO-Offload /
+    ZeRO-Infinity as ``zerojax plan``'s offload rows name them (:func:`offload_options`
+    makes zero()'s options of them)."""
+    group.add_argument("--offload-optimizer", dest="offload_optimizer", default=None,
+                       choices=("host", "nvme"),
+                       help="keep the optimizer state and fp32 master weights off the "
+                            "device between steps: host (pinned host memory, ZeRO-Offload; "
+                            "stages 1-3) or nvme (files under --nvme-path, ZeRO-Infinity); "
+                            "zerojax plan's offload rows say what fits where")
+    group.add_argument("--offload-gradients", dest="offload_gradients",
+                       action="store_true",
+                       help="stages 2-3 with --offload-optimizer host: each reduced gradient "
+                            "shard streamed to host memory as the backward makes it (the "
+                            "device never holds the whole gradient)")
+    group.add_argument("--offload-params", dest="offload_params", action="store_true",
+                       help="stage 3: the param shards too, where --offload-optimizer keeps "
+                            "the state (host memory or the NVMe files)")
+    group.add_argument("--param-fetch", dest="param_fetch", default=None,
+                       choices=("layer", "whole"),
+                       help="with --offload-params: each scanned layer's shard fetched in "
+                            "the loop (layer, the default) or every shard at the step's "
+                            "start (whole)")
+    group.add_argument("--nvme-path", dest="nvme_path", default=None, metavar="DIR",
+                       help="--offload-optimizer nvme: an existing, writable directory on a "
+                            "local disk for the state's files")
+
+
+def offload_options(args: argparse.Namespace, stage: int) -> dict:
+    """zero()'s offload options from :func:`offload_arguments`' flags; a ValueError
+    naming the flag and the fix for a combination zero() would refuse."""
+    tier = getattr(args, "offload_optimizer", None)
+    path = getattr(args, "nvme_path", None)
+    if getattr(args, "offload_params", False):
+        if stage != 3:
+            raise ValueError(f"--offload-params needs --stage 3 (got --stage {stage}): only "
+                             "stage 3 splits the params; use --stage 3, or --offload-optimizer "
+                             "alone at this stage")
+        if tier is None:
+            raise ValueError("--offload-params needs --offload-optimizer host or nvme (the "
+                             "params go where the optimizer state goes)")
+    if getattr(args, "offload_gradients", False) and (tier != "host" or stage not in (2, 3)):
+        raise ValueError(f"--offload-gradients needs --offload-optimizer host at --stage 2 "
+                         f"or 3 (got --stage {stage}"
+                         + (f", --offload-optimizer {tier}" if tier else "") + ")")
+    if getattr(args, "param_fetch", None) is not None and not getattr(args, "offload_params",
+                                                                    False):
+        raise ValueError(f"--param-fetch {args.param_fetch} chooses how --offload-params "
+                         "fetches the param shards: add --offload-params, or drop it")
+    if tier is not None and stage == 0:
+        raise ValueError("--offload-optimizer needs --stage 1, 2 or 3 (stage 0 keeps a whole "
+                         "optimizer state on every device)")
+    if tier == "nvme" and path is None:
+        raise ValueError("--offload-optimizer nvme needs --nvme-path DIR (a directory on a "
+                         "local disk for the state's files)")
+    if path is not None and tier != "nvme":
+        raise ValueError(f"--nvme-path {path!r} is for --offload-optimizer nvme; add it, or "
+                         "drop --nvme-path")
+    if tier is None:
+        return {}
+    value = True if tier == "host" else "nvme"
+    options = {"offload_optimizer": value}
+    if getattr(args, "offload_gradients", False):
+        options["offload_gradients"] = True
+    if getattr(args, "offload_params", False):
+        options["offload_params"] = value
+    if getattr(args, "param_fetch", None) is not None:
+        options["param_fetch"] = args.param_fetch
+    if tier == "nvme":
+        options["nvme_path"] = path
+    return options

@@ -599,7 +599,8 @@ def _check_train_plan(args: argparse.Namespace) -> None:
         step = gpt_step_prediction(dataclasses.replace(config), args.data, stage,
                                    args.batch, tx=make_optimizer(args), mp=args.model,
                                    seq_parallel=sp,
-                                   mlp_tiles=getattr(args, "mlp_tiles", None))
+                                   mlp_tiles=getattr(args, "mlp_tiles", None),
+                                   **getattr(args, "zero_options", {}))
         peak = step.peak
         if peak > budget and (worst is None or peak > worst[1]):
             worst = (stage, peak, step)

@@ -59,6 +59,8 @@ GROWTH_STEPS = 5       # ... for this many steps in a row warns that the run div
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's flags, on ``parser`` (``zerojax train`` and ``examples/demo.py``)."""
+    from zerojax.cli.args import offload_arguments
+
     g = parser.add_argument_group("parallelism")
     g.add_argument("--stage", default="3", choices=["0", "1", "2", "3", "all"],
                    help="ZeRO stage: 0 plain data parallel, 1 + split optimizer state, "
@@ -83,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="ALST's tiled MLP: each block's MLP computed in T tiles of the "
                         "seq / P tokens a device holds, each recomputed in the backward "
                         "(GPTConfig(mlp_tiles=T)); T must divide seq / --seq-parallel")
+    offload_arguments(parser.add_argument_group("offload (ZeRO-Offload, ZeRO-Infinity)"))
     g = parser.add_argument_group("model and training")
     g.add_argument("--steps", type=positive_int, default=600, help="training steps")
     g.add_argument("--layers", type=positive_int, default=2, help="decoder blocks")
@@ -230,6 +233,24 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
             parser.error(f"--ckpt-dir {args.ckpt_dir!r} is a file, not a directory")
     args.stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
+    _check_offload(args, parser)
+
+
+def _check_offload(args, parser) -> None:
+    """``args.zero_options``: zero()'s offload options of every stage run (refused,
+    naming the flag, where zero() would refuse them)."""
+    from zerojax.cli.args import offload_options
+
+    try:
+        for stage in args.stages:
+            args.zero_options = offload_options(args, stage)
+    except ValueError as e:
+        parser.error(str(e) + (" (--stage all runs stage 0 too)" if args.stage == "all"
+                               else ""))
+    path = getattr(args, "nvme_path", None)
+    if path is not None and not os.path.isdir(path):
+        parser.error(f"--nvme-path {path!r} is not a directory; create it on a local disk "
+                     "first")
 
 
 def finite_float(text: str) -> float:
@@ -407,7 +428,8 @@ def train_stage(stage: int, args, mesh, init_fn, like, corpus, loss_fn,
     import zerojax
 
     opt = zerojax.zero(make_optimizer(args), mesh, stage=stage,
-                       max_grad_norm=getattr(args, "max_grad_norm", None))
+                       max_grad_norm=getattr(args, "max_grad_norm", None),
+                       **getattr(args, "zero_options", {}))
     state = opt.init_sharded(init_fn, jax.random.key(args.seed))  # model split: from metadata
     step = opt.train_step(loss_fn)
     first = 0

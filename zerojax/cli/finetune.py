@@ -16,6 +16,9 @@ curve written as a PNG, and the params exported to ``OUT`` in the Hugging Face l
 (the model's own tensor names, files of at most ``--max-shard-size``,
 ``model.safetensors.index.json``) in the dtype the checkpoint's files have (``--dtype``
 to choose), with ``config.json`` saying it and the tokenizer files copied beside them.
+``--offload-optimizer {host,nvme}``, ``--offload-params`` and ``--nvme-path`` are
+zero()'s offload options (:func:`zerojax.cli.args.offload_options`), the option sets
+``zerojax plan``'s offload rows plan.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ examples:
   zerojax finetune llama-dir data.txt --out tuned --steps 200
   zerojax finetune llama-dir data.jsonl --out tuned --mp 2 --stage 3 --dtype bfloat16
   zerojax finetune llama-dir data.txt --out tuned --ckpt-dir ckpt --save-every 50
+  zerojax finetune llama-dir data.txt --out tuned --stage 3 --offload-optimizer host \
+      --offload-params        # what fits where: zerojax plan --model llama3-8b ...
 """ + EXIT_STATUS
 
 
@@ -53,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         device_count,
         learning_rate,
         non_negative_int,
+        offload_arguments,
         positive_int,
     )
     from zerojax.cli.demo import finite_float
@@ -80,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "uses all of jax's devices")
     g.add_argument("--mp", type=positive_int, default=1,
                    help="tensor-parallel (Megatron) degree M: data = devices / M")
+    offload_arguments(p.add_argument_group("offload (ZeRO-Offload, ZeRO-Infinity)"))
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=100, help="training steps")
     g.add_argument("--batch", type=positive_int, default=8,
@@ -111,6 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from zerojax.cli.args import offload_options
+
     if not 0 <= args.seed < 2**32:
         args.error(f"--seed {args.seed} must be in [0, 2**32) (numpy's seeds); write e.g. 0")
     if args.devices % args.mp:
@@ -143,6 +152,13 @@ def _check(args: argparse.Namespace) -> None:
         args.error(f"--out {e}")
     if args.png and not args.png.lower().endswith(".png"):
         args.error(f"--png {args.png!r} must end in .png")
+    try:
+        args.zero_options = offload_options(args, args.stage)
+    except ValueError as e:
+        args.error(str(e))
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        args.error(f"--nvme-path {args.nvme_path!r} is not a directory; create it on a "
+                   "local disk first")
 
 
 def _inputs(args) -> dict:
@@ -294,8 +310,11 @@ def run(args: argparse.Namespace) -> int:
         args.error(f"{args.data} holds {len(ids)} tokens, fewer than --seq + 2 = "
                    f"{args.seq + 2}; give more text or a shorter --seq")
     mesh = zerojax.make_mesh(data=args.devices // args.mp, model=args.mp)
-    opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage,
-                       max_grad_norm=args.max_grad_norm)
+    try:
+        opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage,
+                           max_grad_norm=args.max_grad_norm, **args.zero_options)
+    except ValueError as e:
+        args.error(str(e))
     model, params = load(args, opt, llama.load_hf, seq=args.seq,
                          dtype=jnp.dtype(args.compute_dtype),
                          ignore_keys=tuple(args.ignore_key or ()))

@@ -364,13 +364,15 @@ def _plan_columns(p: ModelPlan, nvme: bool) -> str:
             if p.accelerator is not None else (float("nan"),) * 2)
         disk_note = (
             "; =nvme rows (ZeRO-Infinity's NVMe tier): the optimizer state and fp32 master "
-            "weights (+ offload_params=nvme: and the param shards, on the device only "
-            "during the step) in files on the node's disk, disk/node (the node's "
+            "weights (+ offload_params=nvme: and the param shards, fetched to the device "
+            "as the host rows fetch them) in files on the node's disk, disk/node (the node's "
             f"{p.node_devices} devices' shards; "
             + (f"disk {_size(p.disk_bytes)} per node, 'no: disk' beyond it"
                if p.disk_bytes is not None else "disk not checked: --disk") + "), "
             "host/node only their buffers, nvme_buffer_count x nvme_buffer_size per "
-            "process (one process per device counted); their step adds the state read "
+            "process (one process per device counted; with the per-layer fetch the param "
+            "shards read from disk too); their device work the host rows' (the same "
+            "buckets); their step adds the state read "
             f"once at {read / GB:.1f} GB/s and written once at {write / GB:.1f} GB/s per "
             "node" + (" (--disk-bandwidth)" if p.disk_bandwidth else
                       " (one local NVMe SSD; a RAID of k drives: --disk-bandwidth)")
@@ -378,11 +380,16 @@ def _plan_columns(p: ModelPlan, nvme: bool) -> str:
     return ("\n(peak = params + optim + act + other; grads is not added in: the gradient's "
             "bytes at the peak are inside other. params/optim: what init_state places on "
             "the device; grads: the gradient handed to the update; other: gradients in "
-            "flight, working copies, the batch and --reserve at the step's peak (+ "
-            "offload_params: the param shards, brought to the device for the step); host: "
-            "offloaded state moved in and out per step; host/node: the pinned host memory "
-            f"the node's offloaded state takes ({host_note}); 'no: host': fits the device, "
-            f"not the host{disk_note})")
+            "flight, working copies, the offloaded update's two buckets of bucket_size "
+            "state, the batch and --reserve at the step's peak (+ offload_params: the "
+            "param shards the step fetches: the leaves outside the scan and two layers' "
+            "shards, or every shard with param_fetch=whole); offload_gradients: each "
+            "gradient shard streamed to host memory in the backward (grads then in host "
+            "memory, not on the device); host: bytes over PCIe per step (the state in and "
+            "out, the streamed gradients out and back, the fetched params: per-layer "
+            "fetch twice per micro-batch); host/node: the pinned host memory the node's "
+            f"offloaded state and streamed gradients take ({host_note}); 'no: host': fits "
+            f"the device, not the host{disk_note})")
 
 
 def _plan_assumptions(p: ModelPlan) -> str:
@@ -395,7 +402,9 @@ def _plan_assumptions(p: ModelPlan) -> str:
                 f"x {a.achievable:.1%} achievable, collectives at {a.intra_bw / GB:.0f} GB/s "
                 f"in a node and {a.inter_bw / GB:.2f} GB/s across nodes per device, hidden "
                 "under compute as the stage allows, offload at "
-                f"{a.pcie_bw / GB:.0f} GB/s PCIe; tokens/s of the whole job)")
+                f"{a.pcie_bw / GB:.0f} GB/s PCIe each way (the streamed gradients under "
+                "the backward; the fetches, as measured, and the update's transfers after "
+                "the backward, in and out at once, exposed); tokens/s of the whole job)")
     if sp > 1:
         a2a = p.rows[0].alltoall_bytes
         out += (f"\n(sequence parallel, Ulysses over {sp} devices (arXiv:2309.14509): "
