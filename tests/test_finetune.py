@@ -328,22 +328,49 @@ def test_finetune_refuses_its_checkpoint_as_out_before_training(hf_dir, capsys):
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
-def test_finetune_takes_the_planners_offload_options(hf_dir, tmp_path, capsys):
+def test_finetune_takes_the_planners_offload_options(hf_dir, tmp_path, capsys,
+                                                     monkeypatch):
     """``--offload-optimizer host --offload-gradients --offload-params`` (stage 3: the
     state, the gradients and the param shards in host memory, the option set ``zerojax
     plan`` prints as "stage 3 + offload_optimizer + offload_gradients +
-    offload_params"): the same losses as the run without offload
-    (the offloaded update is bitwise the device's); combinations zero() refuses are
-    refused before anything loads, naming the flag."""
+    offload_params") trains (one real run, 2 steps; the offloaded step is bitwise the
+    device's: tests/test_offload*.py) with zero() given exactly those options; the NVMe
+    flags reach zero() the same way (its options captured, no run); combinations zero()
+    refuses are refused before anything loads, naming the flag."""
     root, ckpt, _ = hf_dir
     base = ["finetune", str(ckpt), str(root / "data.txt"), "--steps", "2", "--batch", "8",
             "--seq", "16", "--png", "", "--no-progress"]
-    losses = []
-    for extra in ([], ["--offload-optimizer", "host", "--offload-gradients",
-                       "--offload-params"]):
-        assert main([*base, "--out", str(tmp_path / f"o{len(extra)}"), *extra]) == 0
-        losses.append(re.search(r"loss ([\d.]+ -> [\d.]+)", capsys.readouterr().out)[1])
-    assert losses[0] == losses[1], losses
+    seen = []
+    real_zero = zerojax.zero
+
+    def zero(*args, **kwargs):
+        seen.append({k: v for k, v in kwargs.items()
+                     if any(w in k for w in ("offload", "nvme", "fetch"))})
+        return real_zero(*args, **kwargs)
+
+    monkeypatch.setattr(zerojax, "zero", zero)
+    host = ["--offload-optimizer", "host", "--offload-gradients", "--offload-params"]
+    assert main([*base, "--out", str(tmp_path / "o"), *host]) == 0
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)",
+                                       capsys.readouterr().out).groups())
+    assert np.isfinite([first, last]).all() and 0 < first < 6
+    assert seen[0] == {"offload_optimizer": True, "offload_gradients": True,
+                       "offload_params": True}
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        seen.append({k: v for k, v in kwargs.items()
+                     if any(w in k for w in ("offload", "nvme", "fetch"))})
+        raise Stop
+
+    monkeypatch.setattr(zerojax, "zero", stop)
+    with pytest.raises(Stop):
+        main([*base, "--out", str(tmp_path / "n"), "--offload-optimizer", "nvme",
+              "--offload-params", "--param-fetch", "whole", "--nvme-path", str(tmp_path)])
+    assert seen[1] == {"offload_optimizer": "nvme", "offload_params": "nvme",
+                       "param_fetch": "whole", "nvme_path": str(tmp_path)}
     for extra, words in (
             (["--offload-params", "--stage", "2", "--offload-optimizer", "host"],
              "--offload-params needs --stage 3"),
