@@ -36,11 +36,11 @@ def _model():
     return GPT(GPTConfig(**TINY))
 
 
-def _run(mesh_shape, steps=2, accum=1, specs=False, **options):
-    """``(opt, state, step)`` after ``steps`` steps of the tiny scanned GPT."""
+def _run(mesh_shape, steps=2, accum=1, specs=False, stage=3, **options):
+    """``(opt, state, step, metrics)`` after ``steps`` steps of the tiny scanned GPT."""
     model = _model()
     mesh = zerojax.make_mesh(**mesh_shape)
-    opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=3, accum_steps=accum, **options)
+    opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=stage, accum_steps=accum, **options)
     state = opt.init_state(cached_gpt_params(model, 0),
                            model_specs=gpt_param_specs(model, 0) if specs else None)
     step = opt.train_step(lm_loss(model))
@@ -58,9 +58,9 @@ def _same_bits(a, b) -> bool:
 
 # one compiled step per configuration, shared by the tests of this module
 @functools.cache
-def _fp32(fetch):
+def _fp32(fetch, grads=False):
     off = {} if fetch is None else dict(offload_optimizer=True, offload_params=True,
-                                        param_fetch=fetch)
+                                        param_fetch=fetch, offload_gradients=grads)
     return _run(dict(data=8), **off)
 
 
@@ -68,16 +68,17 @@ ALL = dict(param_dtype=jnp.bfloat16, max_grad_norm=0.05, loss_scale="dynamic")
 
 
 @functools.cache
-def _all_options(fetch):
+def _all_options(fetch, grads=False):
     # a model axis, bf16 params over fp32 master weights, micro-batches, clipping and
     # dynamic loss scaling at once
     return _run(dict(data=4, model=2), accum=2, specs=True, offload_optimizer=True,
-                offload_params=True, param_fetch=fetch, **ALL)
+                offload_params=True, param_fetch=fetch, offload_gradients=grads, **ALL)
 
 
 def test_layer_fetch_trains_bitwise_as_without_offload():
+    # per-layer fetch and streamed gradients at once (one compiled step for both)
     _, plain, _, m0 = _fp32(None)
-    _, got, _, m1 = _fp32("layer")
+    _, got, _, m1 = _fp32("layer", True)
     assert _same_bits(plain.params, got.params)
     assert _same_bits(plain.opt_state, got.opt_state)
     assert _same_bits(m0, m1)
@@ -86,8 +87,10 @@ def test_layer_fetch_trains_bitwise_as_without_offload():
 
 
 def test_layer_fetch_equals_the_whole_shard_fetch_with_every_option():
+    # today's offload (whole-shard fetch, gradients on the device) against per-layer
+    # fetch with streamed gradients
     _, whole, _, m0 = _all_options("whole")
-    _, layer, _, m1 = _all_options("layer")
+    _, layer, _, m1 = _all_options("layer", True)
     assert int(layer.step) == 2 and not bool(m1["skipped"])
     assert _same_bits(whole.params, layer.params)
     assert _same_bits(whole.opt_state, layer.opt_state)
@@ -103,9 +106,9 @@ def _moves(opt, state, step):
 def test_each_layer_shard_moves_inside_the_forward_and_backward_loops():
     """Lowered for a GPU: every scanned, partitioned leaf's per-device layer shard moves
     to the device inside two loops (the forward one and the rematerialised backward
-    one), and no stacked shard moves anywhere; with param_fetch="whole" no param moves
-    inside a loop."""
-    opt, state, step, _ = _fp32("layer")
+    one), and no param stack moves; with param_fetch="whole" nothing moves inside a
+    loop."""
+    opt, state, step, _ = _fp32("layer", True)
     logical = opt.logical_params(state.params)
     lays = jax.tree_util.tree_flatten_with_path(opt.layouts(logical))[0]
     n = opt.data_size
@@ -123,11 +126,52 @@ def test_each_layer_shard_moves_inside_the_forward_and_backward_loops():
     assert got == collections.Counter({t: 2 * c for t, c in want.items()}), (got, want)
     for loop in loops:
         assert collections.Counter(m.type for m in in_loops if m.loops[-1] == loop) == want
-    # no stacked shard (a whole layer stack of one device) moves, in or out of a loop
-    assert not {tensor(s) for _, s in stacked} & {m.type for m in moves}
+    # no param stack (a whole layer stack of one device's shards) moves to the device:
+    # the stacked moves to the device are offload_gradients' norm pass, one per leaf
+    # (its gradient, read back whole for its sum of squares), outside the loops
+    assert collections.Counter(m.type for m in moves if m.to == "device" and m.type in {
+        tensor(s) for _, s in stacked}) == collections.Counter(tensor(s) for _, s in stacked)
+    assert not [m for m in moves if m.loops and m.type in {tensor(s) for _, s in stacked}]
 
-    opt_w, state_w, step_w, _ = _fp32("whole")
-    assert not [m for m in _moves(opt_w, state_w, step_w) if m.loops]
+    whole = zerojax.zero(optax.adamw(1e-2), zerojax.make_mesh(data=8), stage=3,
+                         offload_optimizer=True, offload_params=True, param_fetch="whole")
+    state_w = whole.init_state(cached_gpt_params(_model(), 0))
+    assert not [m for m in _moves(whole, state_w, whole.train_step(lm_loss(_model())))
+                if m.loops]
+
+
+def test_stage2_streams_gradients_bitwise_with_micro_batches_and_clipping():
+    options = dict(stage=2, accum=2, offload_optimizer=True, param_dtype=jnp.bfloat16,
+                   max_grad_norm=0.05)
+    _, want, _, m0 = _run(dict(data=8), **options)
+    _, got, _, m1 = _run(dict(data=8), offload_gradients=True, **options)
+    assert _same_bits(want.params, got.params) and _same_bits(want.opt_state, got.opt_state)
+    assert _same_bits(m0, m1)
+
+
+def test_each_layer_gradient_goes_to_host_memory_inside_the_backward_loop():
+    """Lowered for a GPU, with offload_gradients: each scanned, partitioned leaf's reduced
+    layer shard moves to host memory inside one loop, the backward one (where its layer
+    shard is also fetched), and no stacked gradient moves to host memory outside it."""
+    opt, state, step, _ = _fp32("layer", True)
+    logical = opt.logical_params(state.params)
+    lays = jax.tree_util.tree_flatten_with_path(opt.layouts(logical))[0]
+    stacked = [lay.shard_shape(opt.data_size) for p, lay in lays
+               if lay.sharded and "blocks" in jax.tree_util.keystr(p)]
+    tensor = lambda shape: "tensor<" + "x".join(map(str, shape)) + "xf32>"  # noqa: E731
+    moves = _moves(opt, state, step)
+    to_host = [m for m in moves if m.loops and m.to == "pinned_host"]
+    assert collections.Counter(m.type for m in to_host) == collections.Counter(
+        tensor(s[1:]) for s in stacked)
+    (backward,) = {m.loops[-1] for m in to_host}
+    fetch_loops = {m.loops[-1] for m in moves if m.loops and m.to == "device"}
+    assert backward in fetch_loops and len(fetch_loops) == 2
+    # the host zero shards the gradients are taken against are made once, outside the
+    # loops (their values are never read); no stacked gradient moves to the host
+    outside = collections.Counter(m.type for m in moves if not m.loops
+                                  and m.to == "pinned_host")
+    for s in stacked:
+        assert outside[tensor(s)] <= 1, (s, outside)
 
 
 # -- what is refused or said -----------------------------------------------------------
@@ -136,10 +180,22 @@ def test_each_layer_shard_moves_inside_the_forward_and_backward_loops():
      "param_fetch='layers' must be one of \\('layer', 'whole'\\)"),
     (dict(stage=3, param_fetch="whole"), "add offload_params=True"),
     (dict(stage=2, offload_params=True), "needs stage=3"),
+    (dict(stage=1, offload_optimizer=True, offload_gradients=True),
+     "needs offload_optimizer=True at stage 2 or 3 .*stage=1"),
+    (dict(stage=3, offload_gradients=True), "got offload_optimizer=False"),
+    (dict(stage=3, offload_optimizer=True, offload_gradients=1), "must be True or False"),
 ])
 def test_bad_fetch_options_are_refused_naming_the_fix(options, match):
     with pytest.raises(ValueError, match=match):
         zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), **options)
+
+
+def test_streamed_gradients_refuse_a_weighted_loss_over_micro_batches():
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=8), stage=3, accum_steps=2,
+                       offload_optimizer=True, offload_gradients=True)
+    with pytest.raises(ValueError, match="offload_gradients=True with accum_steps=2.*"
+                                         "weighted=True"):
+        opt.train_step(lambda p, b: (jnp.sum(b), jnp.float32(1.0)), weighted=True)
 
 
 def test_an_unscanned_model_is_fetched_whole_with_a_warning():

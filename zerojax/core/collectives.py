@@ -498,6 +498,26 @@ def fetch_whole(x):
     return compat.to_memory_space(x, host=False)
 
 
+@jax.custom_vjp
+def host_gradient_zero(zero):
+    """``offload_gradients``: a zero shard held in host memory, as the device zero the
+    stage's param use differentiates against (made here, nothing moved), whose
+    cotangent (the reduced gradient shard) is moved to host memory where it is
+    produced: the type of the gradient is the host zero's."""
+    return jnp.zeros(zero.shape, zero.dtype)
+
+
+def _host_zero_fwd(zero):
+    return jnp.zeros(zero.shape, zero.dtype), None
+
+
+def _host_zero_bwd(_, ct):
+    return (compat.to_memory_space(ct, host=True),)
+
+
+host_gradient_zero.defvjp(_host_zero_fwd, _host_zero_bwd)
+
+
 def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtype=None,
                    bucket_size: int | None = None, model_spec: P | None = None,
                    reduce: bool = True, size: int | None = None,
@@ -524,13 +544,19 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
     reduce-scatter). ``padded``: the padded length (default ``size`` rounded up to a
     multiple of the ``axis`` size; hpZ pads for the finer partition of its optimizer
     state, a multiple of replica x data).
+
+    ``use(param, zero_shard, acc)``: with ``acc`` (the micro-batches' sum so far of this
+    shard, ``offload_gradients`` with ``accum_steps > 1``: in host memory) the gradient
+    handed back is ``acc + shard``, added on the device where the shard is produced, as
+    the step adds micro-batches without it; ``acc`` itself gets none. (The gradient's
+    move to host memory is :func:`host_gradient_zero`'s, around ``zero_shard``.)
     """
 
     model_spec = P() if model_spec is None else model_spec
 
     @jax.custom_vjp
-    def use(param, zero_shard):
-        del zero_shard
+    def use(param, zero_shard, acc=None):
+        del zero_shard, acc
         if not gather:
             return param
         whole = model_local(
@@ -538,12 +564,12 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
             (model_spec,), model_spec)(param)
         return whole if size is None else jax.lax.slice_in_dim(whole, 0, size, axis=dim)
 
-    def fwd(param, zero_shard):
-        return use(param, zero_shard), None
+    def fwd(param, zero_shard, acc=None):
+        return use(param, zero_shard), acc
 
-    def bwd(_, ct):
+    def bwd(acc, ct):
         if not reduce:
-            return None, ct.astype(grad_dtype)
+            return None, ct.astype(grad_dtype), None
         if reduce_dtype is not None:
             ct = ct.astype(reduce_dtype)
         if size is not None:
@@ -552,8 +578,10 @@ def make_param_use(dim: int, axis: str, *, gather: bool, grad_dtype, reduce_dtyp
             ct = _pad_dim(ct, dim, pad)
         shard = model_local(
             lambda c: grad_reduce_scatter([c], [dim], axis, bucket_size, grad_bits)[0],
-            (model_spec,), model_spec)(ct)
-        return None, shard.astype(grad_dtype)
+            (model_spec,), model_spec)(ct).astype(grad_dtype)
+        if acc is not None:
+            shard = compat.to_memory_space(acc, host=False) + shard
+        return None, shard, None
 
     use.defvjp(fwd, bwd)
     return use

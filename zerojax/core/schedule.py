@@ -47,7 +47,13 @@ from zerojax.core.activations import (
     layer_input_positions,
     partition_activation,
 )
-from zerojax.core.collectives import after, fetch_layer, fetch_whole, make_param_use
+from zerojax.core.collectives import (
+    after,
+    fetch_layer,
+    fetch_whole,
+    host_gradient_zero,
+    make_param_use,
+)
 from zerojax.core.compat import CALL_PRIMITIVES, REMAT_PRIMITIVES, in_host_memory, scan_counts
 from zerojax.core.partition import drop_axes
 
@@ -149,6 +155,8 @@ class _Ctx:
     grad_bits: int | None = None  # ZeRO++ qgZ: quantized reduce-scatters (None: exact)
     uses: dict | None = None  # param_uses: materialisations per params leaf
     pushed: set | None = None  # param_uses: leaves pushed into a scan body (per layer)
+    grad_to_host: bool = False  # offload_gradients: each reduced shard to host memory
+    accumulate: bool = False  # zero shards hold the micro-batch sum (make_param_use)
     in_remat: bool = False
     in_scan: bool = False  # inside a scan body (the loop orders the recomputation)
     chain: Any = dataclasses.field(default_factory=lambda: _Chain())
@@ -174,7 +182,14 @@ class _Ctx:
                              bucket_size=self.bucket_size, model_spec=P(*ref.model),
                              reduce=not ref.full_grad, size=ref.size, padded=padded,
                              weight_bits=self.weight_bits, grad_bits=self.grad_bits)
-        return use(param, zero_shard)
+        if not self.grad_to_host or ref.full_grad:
+            return use(param, zero_shard)
+        # offload_gradients: the zero shard lives in host memory; host_gradient_zero's
+        # transpose sends the reduced shard there where the backward pass produces it.
+        # With micro-batches the zero shard is the sum so far, added to the shard on
+        # the device (make_param_use's ``acc``).
+        return use(param, host_gradient_zero(zero_shard),
+                   zero_shard if self.accumulate else None)
 
 
 def _value(lazy: _Lazy, mats: dict):
@@ -657,7 +672,8 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                       model_size: int = 1, remesh: bool = False,
                       full_grad: frozenset = frozenset(), uses: dict | None = None,
                       weight_bits: int | None = None, grad_bits: int | None = None,
-                      pushed: set | None = None) -> list:
+                      pushed: set | None = None, grad_to_host: bool = False,
+                      accumulate: bool = False) -> list:
     """Evaluate a traced loss with partitioned parameters acted on at first use.
 
     Args:
@@ -672,6 +688,10 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
       weight_bits, grad_bits: ZeRO++ qwZ / qgZ (``quantize_weights`` /
         ``quantize_gradients``): the stage-3 gathers / gradient reduce-scatters move
         that many bits per element (see :func:`zerojax.collectives.param_gather`).
+      grad_to_host, accumulate: ``offload_gradients`` and ``accum_steps > 1`` with it
+        (see :func:`zerojax.collectives.make_param_use`): each partitioned leaf's
+        reduced shard moved to host memory where it is produced; its zero shard the
+        micro-batches' sum, returned with this one's added.
     """
     args: list[Any] = []
     for i, (raws, lay) in enumerate(zip(param_args, layouts)):
@@ -680,7 +700,8 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
                           None) if lay.sharded else raws[0])
     args.extend(other_args)
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
-               model_size, remesh, weight_bits, grad_bits, uses, pushed)
+               model_size, remesh, weight_bits, grad_bits, uses, pushed, grad_to_host,
+               accumulate)
     outs = eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, ctx)
     if remat_policy in PA_POLICIES and not ctx.split_regions:
         raise ValueError(

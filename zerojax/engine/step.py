@@ -188,6 +188,13 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
     :func:`norm_and_loss`.
     """
     axes = GradAxes.of(opt)
+    if opt.config.offload_gradients and weighted and axes.k > 1:
+        raise ValueError(
+            f"offload_gradients=True with accum_steps={axes.k} adds each micro-batch's "
+            "gradient shard to the host accumulator inside the backward pass, before a "
+            "weighted loss's micro-batch weight is applied, so the sum would not be exact: "
+            "use train_step(weighted=True) with offload_gradients=False (the accumulator "
+            "on the device), or accum_steps=1.")
 
     def grad_fn(params, batch, scale, grad_dtypes, lay_tree, rng=None):
         leaves, treedef = jax.tree.flatten(params)
@@ -316,7 +323,9 @@ class GradCall:
         options = dict(reduce_dtype=reduce_dtype, bucket_size=cfg.bucket_size,
                        prefetch=cfg.prefetch, remat_policy=cfg.remat_policy,
                        model_axis=axes.model_axis, model_size=axes.model_size, remesh=trace.remesh,
-                       weight_bits=cfg.weight_bits, grad_bits=cfg.grad_bits)
+                       weight_bits=cfg.weight_bits, grad_bits=cfg.grad_bits,
+                       grad_to_host=cfg.offload_gradients,
+                       accumulate=cfg.offload_gradients and axes.k > 1)
         return cls(
             axes=axes, lays=lays,
             in_lays=treedef.flatten_up_to(opt.param_layouts(lay_tree)),  # hpZ: secondary
@@ -445,8 +454,12 @@ def device_grads(call: GradCall, param_leaves, local_batch, scale, rng):
     scale = scale if call.scaled else None
     micro = whole_micro_grads if call.axes.stage in (0, 1) else partitioned_micro_grads
     micro_grads, acc_shapes, acc_dtypes, full_grad = micro(call, param_leaves, scale)
+    # offload_gradients with micro-batches: these leaves' sums are carried by the
+    # backward pass itself (make_param_use(accumulate=True)), in host memory
+    carried = (frozenset(i for i in call.sharded if i not in full_grad)
+               if call.options.get("accumulate") else frozenset())
     g, loss_sum, w_total, aux = accumulate_micro_batches(
-        call, micro_grads, local_batch, dev_key, acc_shapes, acc_dtypes)
+        call, micro_grads, local_batch, dev_key, acc_shapes, acc_dtypes, carried)
     g = reduce_grads(call, g, full_grad)
     return norm_and_loss(call, g, loss_sum, w_total, aux, scale)
 
@@ -492,7 +505,9 @@ def whole_micro_grads(call: GradCall, param_leaves, scale):
     acc_dtypes = [_acc_dtype(x.dtype, call.axes.k) for x in param_leaves]
     whole = [dataclasses.replace(lay, dim=None, pad=0) for lay in call.lays]
 
-    def micro_grads(mb):
+    def micro_grads(mb, acc=None):
+        del acc  # (stages 0-1 sum their micro-batches after the backward pass)
+
         def f(*p_leaves):
             return _evaluate(call, frozenset(), [(p,) for p in p_leaves], mb, whole)
 
@@ -533,7 +548,9 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
     zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(axes.n_in)
                    for i in range(len(lays))]
 
-    def micro_grads(mb):
+    def micro_grads(mb, acc=None):
+        """``acc``: the sums so far of the leaves the backward pass accumulates itself
+        (offload_gradients with micro-batches), in ``sharded`` order; their zero shards."""
         def f(zero_shards, rep):
             raws: list[Any] = [None] * len(lays)
             for i, z in zip(sharded, zero_shards):
@@ -542,11 +559,14 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
                 raws[i] = (r,)
             return _evaluate(call, full_grad, raws, mb, lays)
 
-        zeros = [jnp.zeros(zero_shapes[i], acc_dtypes[i]) for i in sharded]
+        zeros = ([jnp.zeros(zero_shapes[i], acc_dtypes[i]) for i in sharded] if acc is None
+                 else list(acc))
+        if call.options.get("grad_to_host"):  # their gradients are made in host memory
+            zeros = [z if i in full_grad else offload.to_host(z) for i, z in zip(sharded, zeros)]
         rep = [param_leaves[i] for i in replicated]
         (g_sh, g_rep), loss, w, aux = seeded_vjp(call, f, (zeros, rep), scale)
         g: list[Any] = [None] * len(lays)
-        for i, x in zip(sharded, g_sh):
+        for i, x in zip(sharded, g_sh):  # (offload_gradients: in host memory)
             g[i] = x
         for i, x in zip(replicated, g_rep):
             g[i] = x.astype(acc_dtypes[i])
@@ -578,12 +598,14 @@ def fetch_outside_scans(param_leaves, lays, pushed: set, uses: dict) -> list:
 
 
 def accumulate_micro_batches(call: GradCall, micro_grads, local_batch, dev_key, acc_shapes,
-                             acc_dtypes):
+                             acc_dtypes, carried: frozenset = frozenset()):
     """The device's ``k`` micro-batches (one, or a ``lax.scan``), each with its own
     key (``fold_in(dev_key, m)``): ``(grads, loss_sum, w_total, aux)``, the gradients
     summed in ``acc_dtypes`` (weighted: each micro-batch's weighed by its global
     weight ``W_m``, the sum divided by the total), the float32 sum of the losses,
-    the total weight (None if not ``weighted``) and the last micro-batch's aux."""
+    the total weight (None if not ``weighted``) and the last micro-batch's aux.
+    ``carried``: leaves whose sum the backward pass adds itself (``offload_gradients``:
+    the sum so far is handed in as their zero shards, kept in host memory)."""
     k, weighted = call.axes.k, call.weighted
 
     def micro_key(m):
@@ -596,14 +618,16 @@ def accumulate_micro_batches(call: GradCall, micro_grads, local_batch, dev_key, 
     def accumulate(carry, xs):
         g_acc, loss_acc, w_acc = carry
         mb, m = xs
-        g, loss, w, aux = micro_grads((mb, micro_key(m)))
+        g, loss, w, aux = (micro_grads((mb, micro_key(m)), [g_acc[i] for i in call.sharded])
+                           if carried else micro_grads((mb, micro_key(m))))
         if weighted:  # g is this micro-batch's mean: weigh it by W_m
             g = [x * w.astype(x.dtype) for x in g]
             w_acc = w_acc + w
-        return ([a + b for a, b in zip(g_acc, g)],
+        return ([b if i in carried else a + b for i, (a, b) in enumerate(zip(g_acc, g))],
                 loss_acc + loss.astype(jnp.float32), w_acc), aux
 
-    init = ([jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)],
+    zeros = [jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)]
+    init = ([offload.to_host(z) if i in carried else z for i, z in enumerate(zeros)],
             jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (g, loss_sum, w_total), auxs = jax.lax.scan(
         accumulate, init, (local_batch, jnp.arange(k, dtype=jnp.uint32)))
@@ -669,17 +693,15 @@ def norm_and_loss(call: GradCall, g, loss_sum, w_total, aux, scale):
     # inside the update (``finish_grads``), fused into the optimizer's arithmetic, so
     # no float32 copy of the whole gradient is ever held. The norm reads the same
     # finished values, element by element.
-    g = [x.astype(dt) if jnp.dtype(dt).itemsize < x.dtype.itemsize else x
-         for x, dt in zip(g, call.grad_dtypes)]
-    fin = finish_grads(g, call.grad_dtypes, scale)
+    g, leaf_sq = narrowed_sq_norms(g, call.grad_dtypes, scale)
 
-    def sq(xs):
-        return sum((_sq_norm(x) for x in xs), jnp.zeros((), jnp.float32))
+    def sq(idx):
+        return sum((leaf_sq[i] for i in idx), jnp.zeros((), jnp.float32))
 
     # partitioned slices summed over devices (one scalar all-reduce), plus the
     # replicated leaves, identical everywhere
-    part_sq = sq([fin[i] for i in sharded]) if stage > 0 else jnp.zeros((), jnp.float32)
-    rep_sq = sq([fin[i] for i in (replicated if stage > 0 else range(len(g)))])
+    part_sq = sq(sharded) if stage > 0 else jnp.zeros((), jnp.float32)
+    rep_sq = sq(replicated if stage > 0 else range(len(g)))
     sum_sq = ((C.psum(part_sq, axes.zero_axis, axes.ordered) if stage > 0 and sharded
                else 0.0) + rep_sq)
     loss_sum = C.psum(loss_sum, axes.batch_axes, axes.ordered)
@@ -689,6 +711,34 @@ def norm_and_loss(call: GradCall, g, loss_sum, w_total, aux, scale):
         loss = loss_sum / (axes.n * axes.k)
     aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
     return tuple(g), loss, aux, sum_sq
+
+
+def narrowed_sq_norms(g: list, dtypes: list, scale) -> tuple[list, list]:
+    """``(g, sq)``: each reduced gradient cast down to its ``dtypes`` entry where that is
+    narrower, and the float32 sum of squares of its finished value (cast, unscaled:
+    :func:`finish_grads`), leaf by leaf.
+
+    A gradient in host memory (``offload_gradients``) is read back to the device for
+    it, one leaf after the other (each leaf's move waits, behind an optimization
+    barrier, for the sum before it), so the sums are those of the step without it, bit
+    for bit; the narrowed value goes back to host memory (where no cast is needed, the
+    host gradient is returned as it is)."""
+    out, sq, tie = list(g), [], None
+    for i, (x, dt) in enumerate(zip(g, dtypes)):
+        host = in_host_memory(x)
+        if host:
+            if tie is not None:
+                x, _ = jax.lax.optimization_barrier((x, tie))
+            x = offload.to_device(x)
+        y = x.astype(dt) if jnp.dtype(dt).itemsize < x.dtype.itemsize else x
+        sq.append(_sq_norm(finish_grads([y], [dt], scale)[0]))
+        if host:
+            tie = sq[-1]
+            if y.dtype != x.dtype:
+                out[i] = offload.to_host(y)
+        else:
+            out[i] = y
+    return out, sq
 
 
 def cpu_reduce_dtype(reduce_dtype, dtypes, widen: bool):
@@ -1327,8 +1377,10 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
         return update_tail(update(ops), ops[:2], finite, laid, cfg.param_dtype)
 
     n_grads = len(flat) - n_own - n_inner
+    # the gradients: host operands with delayed_update (the pending gradient) or
+    # offload_gradients (streamed to host memory in the backward pass)
     on_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
-               + [grads_host] * n_grads + [False])
+               + [grads_host or in_host_memory(x) for x in flat[n_own + n_inner:]] + [False])
     out_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
                 + [params_host] * (n_own if mixed else 0))
 

@@ -51,6 +51,12 @@ shard moves at the step's start (on the H100 above, state in one bucket, the ste
 peak was then the one with ``offload_optimizer`` alone, 2.22 GiB: it saves the params'
 device memory between steps only).
 
+``offload_gradients`` (stages 2-3, with ``offload_optimizer``): each reduced gradient
+shard is moved to host memory in the backward pass where it is produced (a scanned
+stack's inside the backward loop), and the update reads the gradients as host operands
+(``on_host``), bucket by bucket; the global norm is a second pass over them, leaf by
+leaf, bitwise the step's without it (see ``zerojax.step.narrowed_sq_norms``).
+
 This module holds the pieces: the backend check, shardings in a memory kind, the moves
 inside ``jit`` and the bucketed update.
 """
