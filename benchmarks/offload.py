@@ -57,6 +57,9 @@ CONFIGS = {  # name -> zero() options
     # the same, the param shards moved to the device whole at the step's start
     "optimizer+params/whole": {"offload_optimizer": True, "offload_params": True,
                                "param_fetch": "whole"},
+    # per-layer fetch and each layer's gradient shard streamed to host memory
+    "optimizer+params+grads": {"offload_optimizer": True, "offload_params": True,
+                               "offload_gradients": True},
 }
 TABLE_CONFIGS = ("none", "optimizer", "optimizer+params")  # the default table's rows
 
@@ -397,8 +400,9 @@ def fetch_rows(layers: int, rows: int, cols: int, steps: int, warmup: int,
 def fetch_main(args) -> None:
     """``--fetch``: :func:`fetch_rows` on the first device (``--dry-run``: a tiny stack
     on the CPU), then (on a GPU, not ``--dry-run``) the GPT step at stage 3 with
-    ``offload_params`` fetched per layer and whole, each in its own process: step time,
-    device peak and the compiled step's copy counts."""
+    ``offload_params`` fetched per layer and whole (and per layer with
+    ``offload_gradients``), each in its own process: step time, device peak and the
+    compiled step's copy counts."""
     import jax
 
     if args.dry_run:
@@ -422,15 +426,16 @@ def fetch_main(args) -> None:
             json.dump(got, f, indent=1)
     if args.dry_run or dev.platform == "cpu":
         return
-    rows_ = [run_probe_process(args, 3, c, args.layers, args.probe_timeout)
-             for c in ("optimizer+params", "optimizer+params/whole")]
+    configs = ("optimizer+params", "optimizer+params/whole", "optimizer+params+grads")
+    rows_ = [run_probe_process(args, 3, c, args.layers, args.probe_timeout) for c in configs]
     print("\nGPT step, stage 3, offload_optimizer + offload_params "
           f"({args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}):\n")
     print("| param_fetch | step (ms) | measured peak (GiB) | copy-start | dynamic-slice-start "
           "| dynamic-update-slice-start |")
     print("|---|--:|--:|--:|--:|--:|")
+    names = dict(zip(configs, ("layer", "whole", "layer + offload_gradients")))
     for r in rows_:
-        name = "whole" if r["config"].endswith("/whole") else "layer"
+        name = names[r["config"]]
         if not r.get("fits"):
             print(f"| {name} | (did not run: {r.get('error', '')}) |")
             continue

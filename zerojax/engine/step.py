@@ -455,7 +455,7 @@ def device_grads(call: GradCall, param_leaves, local_batch, scale, rng):
     micro = whole_micro_grads if call.axes.stage in (0, 1) else partitioned_micro_grads
     micro_grads, acc_shapes, acc_dtypes, full_grad = micro(call, param_leaves, scale)
     # offload_gradients with micro-batches: these leaves' sums are carried by the
-    # backward pass itself (make_param_use(accumulate=True)), in host memory
+    # backward pass itself (make_param_use's acc), in host memory
     carried = (frozenset(i for i in call.sharded if i not in full_grad)
                if call.options.get("accumulate") else frozenset())
     g, loss_sum, w_total, aux = accumulate_micro_batches(
