@@ -37,7 +37,7 @@ from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from zerojax.core import collectives as C
-from zerojax.core.compat import in_host_memory
+from zerojax.core.compat import in_host_memory, zeros_in_memory
 from zerojax.core.mesh import constrain, sequence_split
 from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
@@ -559,10 +559,11 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
                 raws[i] = (r,)
             return _evaluate(call, full_grad, raws, mb, lays)
 
-        zeros = ([jnp.zeros(zero_shapes[i], acc_dtypes[i]) for i in sharded] if acc is None
-                 else list(acc))
-        if call.options.get("grad_to_host"):  # their gradients are made in host memory
-            zeros = [z if i in full_grad else offload.to_host(z) for i, z in zip(sharded, zeros)]
+        # (offload_gradients: zero shards in host memory, where their gradients are made;
+        # allocated there, not device zeros moved)
+        host = call.options.get("grad_to_host")
+        zeros = ([zeros_in_memory(zero_shapes[i], acc_dtypes[i], host and i not in full_grad)
+                  for i in sharded] if acc is None else list(acc))
         rep = [param_leaves[i] for i in replicated]
         (g_sh, g_rep), loss, w, aux = seeded_vjp(call, f, (zeros, rep), scale)
         g: list[Any] = [None] * len(lays)
@@ -626,8 +627,8 @@ def accumulate_micro_batches(call: GradCall, micro_grads, local_batch, dev_key, 
         return ([b if i in carried else a + b for i, (a, b) in enumerate(zip(g_acc, g))],
                 loss_acc + loss.astype(jnp.float32), w_acc), aux
 
-    zeros = [jnp.zeros(s, dt) for s, dt in zip(acc_shapes, acc_dtypes)]
-    init = ([offload.to_host(z) if i in carried else z for i, z in enumerate(zeros)],
+    init = ([zeros_in_memory(s, dt, i in carried)
+             for i, (s, dt) in enumerate(zip(acc_shapes, acc_dtypes))],
             jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (g, loss_sum, w_total), auxs = jax.lax.scan(
         accumulate, init, (local_batch, jnp.arange(k, dtype=jnp.uint32)))
