@@ -42,26 +42,26 @@ def rss() -> int:
         return 0
 
 
-def available() -> int:
-    """Bytes of memory the system can give this process now without swapping (Linux
-    ``MemAvailable`` in ``/proc/meminfo``); 0 where unknown."""
+def _proc_kb(path: str, key: str) -> int:
+    """The ``key:  N kB`` line of a ``/proc`` file in bytes; 0 where absent."""
     try:
-        with open("/proc/meminfo") as f:
-            m = re.search(r"^MemAvailable:\s+(\d+)\s+kB", f.read(), re.M)
+        with open(path) as f:
+            m = re.search(rf"^{key}:\s+(\d+)\s+kB", f.read(), re.M)
     except OSError:
         return 0
     return int(m.group(1)) * 1024 if m else 0
+
+
+def available() -> int:
+    """Bytes of memory the system can give this process now without swapping (Linux
+    ``MemAvailable`` in ``/proc/meminfo``); 0 where unknown."""
+    return _proc_kb("/proc/meminfo", "MemAvailable")
 
 
 def peak_rss() -> int:
     """The kernel's high-water mark of the resident set (``VmHWM``) in bytes, since the
     process started or the last :func:`reset_peak`; 0 where unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(r"^VmHWM:\s+(\d+)\s+kB", f.read(), re.M)
-    except OSError:
-        return 0
-    return int(m.group(1)) * 1024 if m else 0
+    return _proc_kb("/proc/self/status", "VmHWM")
 
 
 def reset_peak() -> bool:
