@@ -196,7 +196,7 @@ from jax.sharding import NamedSharding
 from zerojax.core.state import TrainState
 from zerojax.runtime import nvme_lock
 from zerojax.runtime.nvme_lock import LOCK, NvmeError
-from zerojax.tiers import nvme_files, nvme_programs, offload
+from zerojax.tiers import nvme_files, nvme_programs, offload, streamed
 from zerojax.tiers.nvme_files import NvmeWriteError
 
 DIR_PREFIX = "zerojax-nvme-p"
@@ -871,17 +871,8 @@ def host_memory() -> int:
 
 def _groups(nbytes: list[int], capacity: int) -> list[list[int]]:
     """Positions packed in order into groups of at most ``capacity`` bytes (a larger
-    item alone)."""
-    groups: list[list[int]] = []
-    filled = 0
-    for k, n in enumerate(nbytes):
-        if groups and filled + n <= capacity:
-            groups[-1].append(k)
-            filled += n
-        else:
-            groups.append([k])
-            filled = n
-    return groups
+    item alone): :func:`zerojax.tiers.streamed.groups`."""
+    return streamed.groups(nbytes, capacity)
 
 
 class _StreamWriter:
