@@ -279,6 +279,7 @@ class CheckpointManager(CheckpointReader):
                 "train with delayed_update=False where checkpoints are needed.")
         store = getattr(state.opt_state, "store", None)  # the NVMe tier's files
         step = _check_step(step)
+        state = nvme.materialized(state)  # (a broken NVMe state is refused here first)
         if check_finite:
             bad = nonfinite_leaves(state.params)
             if bad:
@@ -290,7 +291,6 @@ class CheckpointManager(CheckpointReader):
                     "rate, clip gradients (zero(..., max_grad_norm=1.0)) or, computing in "
                     "float16, scale the loss (loss_scale='dynamic'); check_finite=False "
                     "saves it anyway.", step=step, leaves=bad)
-        state = nvme.materialized(state)
         self._check_names(state.params)
         try:
             extra_json = json.dumps(extra)
