@@ -185,7 +185,7 @@ def test_zerojax_train_stops_for_preemption_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--stage", "all", "--ckpt-dir", "ckpt"], "pass one --stage"),
-    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--save-every", "-1"], "--save-every: '-1' is negative"),
 ])
 def test_zerojax_train_checkpoint_arguments(argv, message, capsys):
     from zerojax.cli import demo
