@@ -20,7 +20,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 L=$OUT/log.txt; S=$(date +%s)
 mark() { echo "=== $1 at $(( $(date +%s) - S )) s" | tee -a "$L"; }
 mark "buckets"
-timeout "${T_BUCKETS:-60}" python3 benchmarks/offload_buckets_gpu.py --layers 8 --width 2048 --steps 3 >> "$L" 2>&1
+timeout "${T_BUCKETS:-90}" python3 benchmarks/offload_buckets_gpu.py --layers 8 --width 2048 --steps 3 >> "$L" 2>&1
 mark "speed"
 (OUT=$OUT BUDGET="${T_SPEED:-170}" ROW_CAP=85 STEPS=3 WARMUP=1 SET=offload bash benchmarks/gpu_lease.sh) >> "$L" 2>&1
 mark "fetch"

@@ -6,6 +6,12 @@ issue 50), and whether the two train bitwise alike.
     python benchmarks/offload_buckets_gpu.py [--layers 16 --width 2048 --steps 3]
     python benchmarks/offload_buckets_gpu.py --layers 4 --width 256 --per-device 65536  # CPU
 
+A row per piece form (``zerojax.tiers.offload.PIECE_FORMS``: ``static``, the pieces'
+offsets constants, and ``opaque``, runtime values so their slices stay
+``dynamic-slice`` / ``dynamic-update-slice`` when compiled), each with the count of
+asynchronous transfers in the compiled step (``copy-start``, ``dynamic-slice-start``,
+``dynamic-update-slice-start``: on a GPU what moves by DMA), and the whole-leaf row.
+
 Stage 3, fp32 Adam with the optimizer state offloaded (``offload_optimizer=True``), one
 device, the default bucket (2**24 elements a device): the stack's state (master-less
 fp32: params on the device, mu and nu in host memory) is ``2 x layers x width**2``
@@ -17,6 +23,8 @@ peaks are then equal).
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import time
 
 import jax
@@ -39,6 +47,12 @@ def _loss(params, batch):
     return jnp.mean((h @ params["head"] - y) ** 2)
 
 
+def _asyncs(text: str) -> str:
+    """The compiled step's asynchronous transfers, by kind."""
+    kinds = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
+    return ", ".join(f"{k} {len(re.findall(rf'[ =]{k}[(.]', text))}" for k in kinds)
+
+
 def run(layers: int, width: int, steps: int, cut: bool) -> dict:
     k1, k2 = jax.random.split(jax.random.key(0))
     # a second leaf: with one leaf alone, XLA rewrites the update's division by a bias
@@ -57,8 +71,8 @@ def run(layers: int, width: int, steps: int, cut: bool) -> dict:
                            offload_optimizer=True)
         state = opt.init_state(params)
         step = opt.train_step(_loss)
-        mem = compiled_memory(step.jitted.lower(state, step.place_batch(batches[0]), None)
-                              .compile())
+        compiled = step.jitted.lower(state, step.place_batch(batches[0]), None).compile()
+        mem, asyncs = compiled_memory(compiled), _asyncs(compiled.as_text())
         times = []
         for b in batches:
             t0 = time.perf_counter()
@@ -68,7 +82,8 @@ def run(layers: int, width: int, steps: int, cut: bool) -> dict:
     finally:
         buckets.free_axes = free
     return {"params": np.asarray(opt.full_params(state)["stack"]), "mem": mem,
-            "ms": 1e3 * min(times[1:] or times), "loss": float(metrics["loss"])}
+            "ms": 1e3 * min(times[1:] or times), "loss": float(metrics["loss"]),
+            "asyncs": asyncs}
 
 
 def main():
@@ -84,16 +99,20 @@ def main():
     dev = jax.devices()[0]
     print(f"{dev.platform} {getattr(dev, 'device_kind', '')}, jax {jax.__version__}; stack "
           f"{a.layers} x {a.width} x {a.width} fp32, Adam state offloaded, default bucket")
-    got = {c: run(a.layers, a.width, a.steps, c) for c in (True, False)}
-    for c, r in got.items():
+    got = {}
+    for form in offload.PIECE_FORMS:
+        os.environ["ZEROJAX_PIECE_FORM"] = form
+        got[f"pieces, {form}"] = run(a.layers, a.width, a.steps, True)
+    got["whole-leaf"] = run(a.layers, a.width, a.steps, False)
+    for name, r in got.items():
         m = r["mem"]
-        print(f"{'pieces' if c else 'whole-leaf':>10}: temp {m.temp / 2**20:9.1f} MiB, "
-              f"device peak {m.peak / 2**20:9.1f} MiB, host args "
-              f"{m.host_argument / 2**20:9.1f} MiB, step {r['ms']:8.2f} ms, "
-              f"loss {r['loss']:.6f}")
-    same = np.array_equal(got[True]["params"], got[False]["params"])
-    print(f"params after {a.steps} steps bitwise equal: {same}")
-
+        print(f"{name:>16}: temp {m.temp / 2**20:9.1f} MiB, device peak "
+              f"{m.peak / 2**20:9.1f} MiB, host args {m.host_argument / 2**20:9.1f} MiB, "
+              f"step {r['ms']:8.2f} ms, loss {r['loss']:.6f}; {r['asyncs']}")
+    whole = got["whole-leaf"]["params"]
+    for name, r in got.items():
+        print(f"{name}: params after {a.steps} steps bitwise the whole-leaf run's: "
+              f"{np.array_equal(r['params'], whole)}")
 
 if __name__ == "__main__":
     main()

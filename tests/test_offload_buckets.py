@@ -75,6 +75,30 @@ def test_a_leaf_ten_times_the_bucket_trains_bitwise(monkeypatch, axes, options):
         assert not _same(cut, whole)
 
 
+def test_the_opaque_piece_form_trains_bitwise_the_static_one(monkeypatch):
+    """ZEROJAX_PIECE_FORM=opaque (the GPU benchmark's other form: the pieces' starts
+    runtime values, so their slices stay dynamic-slice / dynamic-update-slice when
+    compiled): the same step, bitwise; the compiled program slices host operands with
+    runtime indices where the static form's are folded."""
+    mesh = zerojax.make_mesh(data=8)
+    monkeypatch.setattr(offload, "DEFAULT_BUCKET_PER_DEVICE", 710 // 8)
+    runs, texts = {}, {}
+    for form in offload.PIECE_FORMS:
+        monkeypatch.setenv("ZEROJAX_PIECE_FORM", form)
+        runs[form] = _run(mesh, stage=1, offload_optimizer=True)
+        opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=1, offload_optimizer=True)
+        state = opt.init_state(awkward_params())
+        step = opt.train_step(awkward_loss)
+        texts[form] = step.jitted.lower(
+            state, step.place_batch(regression_batches(1)[0]), None).as_text()
+    assert not _same(runs["static"], runs["opaque"])
+    barrier = re.compile(r"optimization_barrier[^\n]*tensor<i32>")
+    assert barrier.search(texts["opaque"]) and not barrier.search(texts["static"])
+    monkeypatch.setenv("ZEROJAX_PIECE_FORM", "nope")
+    with pytest.raises(ValueError, match="ZEROJAX_PIECE_FORM='nope'.*static"):
+        _run(mesh, steps=1, stage=1, offload_optimizer=True)
+
+
 # -- bounds ---------------------------------------------------------------------------
 def _adam_update(params, tx=None):
     """``(fn, operands, on_host, out_to_host)``: an Adam update (or ``tx``'s) of

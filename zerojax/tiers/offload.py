@@ -64,6 +64,7 @@ inside ``jit`` and the bucketed update.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
@@ -395,6 +396,39 @@ def sharded_axes(shardings: list) -> list:
     return out
 
 
+# How a piece's offloaded operands are sliced from host memory and its outputs written
+# back (issue 50). On one H200 (jax 0.11.2, benchmarks/offload_buckets_gpu.py) the
+# pieces with static offsets ran 32.2 ms a step against 12.4 with whole-leaf buckets,
+# though they move the same bytes: XLA's simplifier turns a ``dynamic_slice`` with
+# constant starts into a ``slice``, and what the host offloader makes of a ``slice`` of
+# host memory was not seen; a ``dynamic-slice`` of host memory with a runtime index (a
+# scan's per-layer slice) became an asynchronous ``dynamic-slice-start`` DMA at 0.87x
+# of ``device_put``. ``"opaque"`` passes the starts through an optimization barrier,
+# so they are runtime values and the slices stay ``dynamic-slice`` /
+# ``dynamic-update-slice``; the same values are read and written either way (bitwise
+# on the CPU: tests/test_offload_buckets.py). ``PIECE_FORM`` (or the environment
+# variable ZEROJAX_PIECE_FORM, read at trace time) picks one, so a GPU benchmark can
+# compare them in one process (benchmarks/offload_buckets_gpu.py --forms).
+PIECE_FORMS = ("static", "opaque")
+PIECE_FORM = "static"
+
+
+def piece_form() -> str:
+    """The piece form in effect (:data:`PIECE_FORM`, or ZEROJAX_PIECE_FORM)."""
+    form = os.environ.get("ZEROJAX_PIECE_FORM", PIECE_FORM)
+    if form not in PIECE_FORMS:
+        raise ValueError(f"ZEROJAX_PIECE_FORM={form!r} is not one of {list(PIECE_FORMS)}.")
+    return form
+
+
+def _starts(starts: tuple, opaque: bool) -> tuple:
+    """``starts`` as constants, or (``opaque``) as runtime int32 values the compiler
+    cannot fold into a static slice."""
+    if not opaque:
+        return starts
+    return tuple(jax.lax.optimization_barrier(np.int32(a)) for a in starts)
+
+
 class _Pieces:
     """The reads and writes of one piece of a group (a bucket with a region, in the
     coordinates of the group's leaves of ``shape``): its operands sliced from host
@@ -405,6 +439,7 @@ class _Pieces:
     def __init__(self, region: tuple, shape: tuple):
         self.region, self.shape = region, shape
         self.cut_axes = {j for j, ((_, n), d) in enumerate(zip(region, shape)) if n != d}
+        self.opaque = piece_form() == "opaque"
 
     def _box(self, x) -> tuple:
         """``(starts, sizes)`` of ``x``'s piece: the region along the cut axes (every
@@ -420,7 +455,7 @@ class _Pieces:
             return x
         starts, sizes = self._box(x)
         if host:  # the form XLA's host offloader moves (as a scan's per-layer slice)
-            return jax.lax.dynamic_slice(x, starts, sizes)
+            return jax.lax.dynamic_slice(x, _starts(starts, self.opaque), sizes)
         # a buffer of its own (as a bucket's moved inputs are): the piece's arithmetic
         # then compiles as the whole leaf's does (a slice fused into it, XLA:CPU
         # contracted Adam's other product into the FMA: 1 ulp apart)
@@ -457,7 +492,7 @@ class _Pieces:
         of zeros, in host memory with ``host``)."""
         if buf is None:
             buf = compat.zeros_in_memory(shape, x.dtype, host)
-        return jax.lax.dynamic_update_slice(buf, x, self._box(x)[0])
+        return jax.lax.dynamic_update_slice(buf, x, _starts(self._box(x)[0], self.opaque))
 
 
 def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
