@@ -67,10 +67,11 @@ published runs (table in benchmarks/README.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 __all__ = ["ACCELERATORS", "Accelerator", "PcieTraffic", "StepTime", "accelerator",
-           "link_traffic", "model_flops", "step_time"]
+           "link_traffic", "model_flops", "moe_all_to_all_bytes", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,74 @@ def model_flops(num_params: int, tokens: int, *, layers: int = 0, hidden: int = 
     return float(tokens) * (6.0 * num_params + 12.0 * layers * hidden * seq)
 
 
+def moe_all_to_all_bytes(*, tokens: int, hidden: int, experts: int,
+                         experts_per_token: int, expert_parallel: int, layers: int = 1,
+                         value_bytes: int = 2, capacity_factor: float | None = None,
+                         remat: bool = True, micro_batches: int = 1,
+                         operands: bool = False) -> int:
+    """Bytes one device sends in a mixture of experts' all-to-alls over an ``expert``
+    axis of X devices in one train step: ``tokens`` the device's tokens per micro-batch
+    (``batch x seq / accum_steps``, ``/ P`` with a ``seq`` axis), ``layers`` sparse
+    layers, ``micro_batches`` (``accum_steps``) of them per step.
+
+    Per layer and micro-batch, four all-to-alls of one buffer each: the dispatch (token
+    rows to their experts' devices) and the combine (the experts' outputs back) in the
+    forward, their two transposes in the backward, and two more with a
+    rematerialised forward (``remat``: full remat, or a policy that saves neither of
+    them) = ``6`` (``4`` without). Each all-to-all's operand is ``X`` blocks, one per
+    destination device, of ``R`` rows of ``hidden`` values (``value_bytes`` each, the
+    compute dtype):
+
+    * dropless (``capacity_factor`` None), **the worst case's static buffer**: ``R =
+      tokens x k`` (all of a device's ``k`` assignments could go to one device's
+      experts, and a static shape must hold them; MaxText's dropless ``ragged_all_to_all``
+      sizes its receive buffer the same way): the operand is ``X tokens k hidden``,
+      X times the rows that carry tokens;
+    * capacity mode: ``R = (E / X) x C`` with ``C = ceil(capacity_factor x tokens x k /
+      E)`` (:func:`zerojax.models.moe.capacity`, each expert's rows per source
+      device): the operand is ``E C hidden``, about ``capacity_factor tokens k hidden``.
+
+    Dropless routing also sends each expert's row count (``E`` int32) with the
+    dispatch, once per forward (integers: no transpose in the backward). A device
+    keeps its own block, so it sends ``(X - 1) / X`` of each operand (the
+    bytes on the wire, what :func:`step_time` times); ``operands=True`` gives the
+    operands' bytes instead, what :func:`zerojax.analysis.comm.comm_volume` counts in
+    a compiled program (``bytes_by_kind()["all_to_all"]``, all-to-all counted at its
+    operand). 0 for X = 1 (no all-to-all).
+
+    The convention (that of the expert-parallel dispatch in
+    :mod:`zerojax.models.moe`, ``_dispatch_dropless`` / ``_dispatch_capacity``, read
+    while it was being written): one all-to-all of rows per direction per layer, in
+    the compute dtype, the router's indices and weights not sent (each device keeps
+    its tokens' routing and only the combine's rows come back), no
+    ``ragged_all_to_all`` (whose sent bytes would be the routed rows, ``tokens k
+    hidden (X - 1) / X`` on balanced routing)."""
+    for name, v, lo in (("tokens", tokens, 0), ("hidden", hidden, 1),
+                        ("experts", experts, 1), ("experts_per_token", experts_per_token, 1),
+                        ("expert_parallel", expert_parallel, 1), ("layers", layers, 0),
+                        ("value_bytes", value_bytes, 1), ("micro_batches", micro_batches, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"moe_all_to_all_bytes: {name} must be an int >= {lo}, got "
+                             f"{v!r}")
+    x = expert_parallel
+    if experts % x:
+        raise ValueError(f"moe_all_to_all_bytes: expert_parallel {x} does not divide the "
+                         f"{experts} experts; pick a divisor of {experts}")
+    if x == 1:
+        return 0
+    k = experts_per_token
+    if capacity_factor is None:
+        rows = x * tokens * k  # X destinations, each sized for all n k assignments
+    else:
+        rows = experts * max(1, math.ceil(capacity_factor * tokens * k / experts))
+    operand = rows * hidden * value_bytes
+    counts = 4 * experts if capacity_factor is None else 0  # int32, once per forward
+    per_layer = (6 if remat else 4) * operand + (2 if remat else 1) * counts
+    if not operands:
+        per_layer = per_layer * (x - 1) // x
+    return per_layer * layers * micro_batches
+
+
 @dataclasses.dataclass(frozen=True)
 class PcieTraffic:
     """Offload's device <-> host bytes per device per step, by when they move.
@@ -239,7 +308,9 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
               param_bytes: int = 2, overlap: bool = True, disk_bytes: int = 0,
               disk_bandwidth: tuple[float, float] | None = None,
               alltoall_bytes: int = 0, seq_parallel: int = 1,
-              pcie: PcieTraffic | None = None, **link_options: Any) -> StepTime:
+              pcie: PcieTraffic | None = None, active_params: int | None = None,
+              expert_bytes: int = 0, expert_parallel: int = 1,
+              **link_options: Any) -> StepTime:
     """The predicted step of ``devices`` data-parallel devices (x ``mp`` model), each
     with ``tokens_per_device`` tokens (batch x seq per data shard), at ZeRO ``stage``.
 
@@ -264,7 +335,10 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
     sequence devices: on the critical path (the attention waits for its q, k, v and
     the next layer for its output), exposed like Megatron's all-reduces, at the
     node's link inside a node (P up to the preset's devices per node), else at the
-    network's per-device rate."""
+    network's per-device rate. A mixture of experts: ``num_params`` is what a device's
+    ZeRO collectives move (the dense params and its ``E / X`` experts), ``active_params``
+    what a token computes (FLOPs; None: ``num_params``), ``expert_bytes`` the
+    all-to-alls (:func:`moe_all_to_all_bytes`) over ``expert_parallel`` devices, as P's."""
     acc = accelerator(accel)
     if per_node is None:
         per_node = max(1, acc.per_node // mp)
@@ -278,7 +352,8 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
     if devices == 1:
         inside_bytes = across_bytes = 0
     factor = remat_factor(remat, remat_policy)
-    flops = model_flops(num_params, tokens_per_device, layers=layers, hidden=hidden,
+    flops = model_flops(num_params if active_params is None else active_params,
+                        tokens_per_device, layers=layers, hidden=hidden,
                         seq=seq) * factor / mp
     compute = flops / acc.rate
     inside = inside_bytes / acc.intra_bw
@@ -300,10 +375,9 @@ def step_time(num_params: int, *, stage: int, tokens_per_device: int, devices: i
         # beyond a node: one ring over the model axis, its NIC hops at the node's rate
         link = acc.intra_bw if mp <= acc.per_node else acc.inter_bw * acc.per_node
         tensor = tensor_bytes / link
-    if alltoall_bytes:
-        # an all-to-all beyond a node: every device's share crosses the network
-        tensor += alltoall_bytes / (acc.intra_bw if seq_parallel <= acc.per_node
-                                    else acc.inter_bw)
+    # an all-to-all beyond a node: every device's share crosses the network
+    for nbytes, group in ((alltoall_bytes, seq_parallel), (expert_bytes, expert_parallel)):
+        tensor += nbytes / (acc.intra_bw if group <= acc.per_node else acc.inter_bw)
     comm = inside + across
     if not overlap:
         exposed = comm

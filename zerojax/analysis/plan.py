@@ -40,7 +40,16 @@ from zerojax.analysis.cost import (  # noqa: F401 (link_traffic re-exported)
     StepTime,
     accelerator as _accelerator,
     link_traffic,
+    moe_all_to_all_bytes,
     step_time,
+)
+from zerojax.analysis.experts import (
+    ExpertFields,
+    MoECounts,
+    check_expert_parallel,
+    expert_degrees,
+    expert_width,
+    moe_counts,
 )
 from zerojax.analysis.memory import (
     FETCH_OPTION,
@@ -73,6 +82,8 @@ __all__ = [
     "largest_seq",
     "SeqPlan",
     "SeqRow",
+    "ExpertPlan",
+    "plan_experts",
     "SEQ_OPTION_SETS",
     "ALST_PUBLISHED",
 ]
@@ -396,7 +407,7 @@ def paper_table1(dps: Sequence[int] = TABLE1_DP,
 # --- the question as asked: a model's shape (or the largest), sequence, batch, optimizer ---
 
 @dataclasses.dataclass(frozen=True)
-class ModelShape(DecoderFamily):
+class ModelShape(DecoderFamily, ExpertFields):
     """A decoder's shape, planned with zerojax's memory model. With the defaults it is
     the reference :class:`~zerojax.models.gpt.GPT` (learned positions, one per token
     of ``seq``, tied embedding, GELU MLP of ``mlp_ratio * hidden``, LayerNorms and
@@ -409,6 +420,12 @@ class ModelShape(DecoderFamily):
     ``vocab_tiles``: the LM head and loss computed in that many sequence tiles
     (:func:`zerojax.tiling.lm_head_loss`, ``GPTConfig(vocab_tiles=...)``): the planner
     counts one tile's logits, not the whole ``b s V`` (None: untiled).
+    ``head_dim``: each head's width when it is not ``hidden // heads`` (Qwen3's).
+    A mixture of experts (``experts`` > 0, ``experts_per_token``, ``moe_hidden``,
+    ``shared_expert_hidden``, ``capacity_factor``:
+    :class:`zerojax.analysis.experts.ExpertFields`): :meth:`counts` gives its total and
+    active params, :meth:`num_params` the total, :meth:`shape` the active shape (the
+    MLP ``k moe_hidden + shared_expert_hidden`` wide: what a token computes).
     """
 
     layers: int
@@ -417,12 +434,16 @@ class ModelShape(DecoderFamily):
     vocab: int = 50304
     name: str = ""
     vocab_tiles: int | None = None
+    head_dim: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "vocab"):
             check_int(f"ModelShape.{f}", getattr(self, f))
         check_vocab_tiles("ModelShape", self.vocab_tiles)
-        if self.hidden % self.heads:
+        self.check_experts()
+        if self.head_dim is not None:
+            check_int("ModelShape.head_dim", self.head_dim, hint="each head's width")
+        elif self.hidden % self.heads:
             raise ValueError(f"ModelShape.hidden ({self.hidden}) must be divisible by heads "
                              f"({self.heads}) so each head gets hidden // heads dims; pick "
                              f"hidden as a multiple of heads")
@@ -430,31 +451,58 @@ class ModelShape(DecoderFamily):
 
     @classmethod
     def llama(cls, layers: int, hidden: int, heads: int, *, kv_heads: int,
-              mlp_hidden: int, vocab: int, name: str = "") -> ModelShape:
+              mlp_hidden: int, vocab: int, name: str = "", **fields: Any) -> ModelShape:
         """A Llama-family shape (Hugging Face's ``LlamaConfig``: ``num_hidden_layers``,
         ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
         ``intermediate_size``, ``vocab_size``): SwiGLU MLP, untied head, rotary
-        positions (no table), RMSNorm, no biases."""
+        positions (no table), RMSNorm, no biases. ``fields``: ``head_dim`` and the
+        expert fields (Mixtral's and Qwen3-MoE's ``num_local_experts`` /
+        ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``)."""
         return cls(layers, hidden, heads, vocab, name=name, kv_heads=kv_heads,
                    mlp_hidden=mlp_hidden, gated=True, tied=False, positions=0,
-                   norm="rmsnorm", bias=False)
+                   norm="rmsnorm", bias=False, **fields)
 
     @property
     def gpt_shaped(self) -> bool:
         """The reference GPT's layout (positions aside)."""
         return (self.kv_heads in (None, self.heads) and self.mlp_hidden in (
             None, self.mlp_ratio * self.hidden) and not self.gated and self.tied
-            and self.norm == "layernorm" and self.bias)
+            and self.norm == "layernorm" and self.bias and not self.experts
+            and self.head_dim in (None, self.hidden // self.heads))
+
+    def _family(self, seq: int) -> Shape:
+        shape = self.family_shape(vocab=self.vocab, seq=seq, layers=self.layers,
+                                  hidden=self.hidden, heads=self.heads)
+        return shape if self.head_dim is None else shape._replace(head_dim=self.head_dim)
 
     def shape(self, seq: int) -> Shape:
-        """The :class:`zerojax.modelspec.Shape` at sequence length ``seq``."""
-        return self.family_shape(vocab=self.vocab, seq=seq, layers=self.layers,
-                                 hidden=self.hidden, heads=self.heads)
+        """The :class:`zerojax.modelspec.Shape` at sequence length ``seq`` (with
+        experts, the active shape: an MLP of the ``k`` experts' and the shared
+        expert's width, ``k moe_hidden + shared_expert_hidden``)."""
+        shape = self._family(seq)
+        if not self.experts:
+            return shape
+        return shape._replace(mlp_hidden=self.experts_per_token * expert_width(self, shape)
+                              + (self.shared_expert_hidden or 0))
 
-    def config(self, seq: int, dtype: Any = None, attention: str = "xla"):
+    def counts(self, seq: int | None = None) -> MoECounts:
+        """:class:`~zerojax.analysis.experts.MoECounts`: total, active, routed experts'
+        and the rest (a dense model: total = active = dense, expert 0)."""
+        if self.positions is None and seq is None:
+            raise ValueError(f"{self.name or 'this shape'} learns one position per token "
+                             "of the sequence (positions=None): give seq, or fix positions")
+        shape = self._family(0 if seq is None else seq)
+        if not self.experts:
+            n = shape.num_params()
+            return MoECounts(n, n, 0, n)
+        return moe_counts(self, shape)
+
+    def config(self, seq: int, dtype: Any = None, attention: str = "xla",
+               expert_parallel: int = 1):
         """The config the memory model reads at sequence length ``seq``: the reference
         ``GPTConfig`` for a GPT shape whose positions are ``seq`` (or not fixed), else a
-        :class:`~zerojax.analysis.report.DecoderConfig` with the shape's own fields."""
+        :class:`~zerojax.analysis.report.DecoderConfig` with the shape's own fields
+        (and ``expert_parallel``, the ``expert`` axis it is planned on)."""
         import jax.numpy as jnp
 
         dtype = jnp.float32 if dtype is None else dtype
@@ -467,18 +515,16 @@ class ModelShape(DecoderFamily):
             return GPTConfig(**size, mlp_ratio=self.mlp_ratio)
         from zerojax.analysis.report import DecoderConfig
 
-        return DecoderConfig(**size, **{f.name: getattr(self, f.name)
-                                        for f in dataclasses.fields(DecoderFamily)})
+        fields = [*dataclasses.fields(DecoderFamily), *dataclasses.fields(ExpertFields)]
+        return DecoderConfig(**size, **{f.name: getattr(self, f.name) for f in fields},
+                             head_dim=self.head_dim, expert_parallel=expert_parallel)
 
     def num_params(self, seq: int | None = None) -> int:
-        """Psi: every parameter, exactly (:meth:`zerojax.modelspec.Shape.num_params`).
-        ``seq`` is the position table's rows when ``positions`` is None (the reference
-        GPT's); with fixed ``positions`` (every preset) it is not needed and does not
-        change the count."""
-        if self.positions is None and seq is None:
-            raise ValueError(f"{self.name or 'this shape'} learns one position per token "
-                             "of the sequence (positions=None): give seq, or fix positions")
-        return self.shape(0 if seq is None else seq).num_params()
+        """Psi: every parameter, exactly (:meth:`zerojax.modelspec.Shape.num_params`;
+        with experts, every expert's: :meth:`counts`' total). ``seq`` is the position
+        table's rows when ``positions`` is None (the reference GPT's); with fixed
+        ``positions`` (every preset) it is not needed and does not change the count."""
+        return self.counts(seq).total
 
 
 # Llama-2 (Touvron et al. 2023) and Llama-3 (Meta, 2024) from their Hugging Face
@@ -503,6 +549,20 @@ PRESETS = {
                                   name="llama3-8b"),
     "llama3-70b": ModelShape.llama(80, 8192, 64, kv_heads=8, mlp_hidden=28672,
                                    vocab=128256, name="llama3-70b"),
+    # mixtures of experts (issue 52) from their Hugging Face config.json files
+    # (num_local_experts / num_experts, num_experts_per_tok, intermediate_size /
+    # moe_intermediate_size, head_dim): 46.70B / 12.88B, 30.53B / 3.35B, 235.1B / 22.1B
+    # total / active (published: 46.7B / 12.9B, 30.5B / 3.3B, 235B / 22B)
+    "mixtral-8x7b": ModelShape.llama(32, 4096, 32, kv_heads=8, mlp_hidden=14336,
+                                     vocab=32000, name="mixtral-8x7b", experts=8,
+                                     experts_per_token=2),
+    "qwen3-30b-a3b": ModelShape.llama(48, 2048, 32, kv_heads=4, mlp_hidden=6144,
+                                      vocab=151936, name="qwen3-30b-a3b", head_dim=128,
+                                      experts=128, experts_per_token=8, moe_hidden=768),
+    "qwen3-235b-a22b": ModelShape.llama(94, 4096, 64, kv_heads=4, mlp_hidden=12288,
+                                        vocab=151936, name="qwen3-235b-a22b",
+                                        head_dim=128, experts=128, experts_per_token=8,
+                                        moe_hidden=1536),
 }
 # the old names, GPT-2 shapes until the real ones above (6.58B for Llama-2-7B's 6.74B)
 ALIASES = {"llama-7b": "llama2-7b", "llama-13b": "llama2-13b", "llama-70b": "llama2-70b"}
@@ -608,6 +668,8 @@ class PlanRow:
     disk_fits: bool = True  # disk_bytes within the node's disk (or none given)
     alltoall_bytes: int = 0  # sequence parallelism: Ulysses' all-to-alls per device per step
     seq_parallel: int = 1  # the sequence degree P the row was planned with
+    expert_parallel: int = 1  # the expert degree X (an 'expert' axis of X devices)
+    expert_alltoall_bytes: int = 0  # the experts' dispatch and combine per device per step
 
     @property
     def nvme(self) -> bool:
@@ -674,6 +736,7 @@ class ModelPlan:
     accelerator: Any = None  # the cost.Accelerator the step times are predicted for
     leanest: PlanRow | None = None  # the fitting row of the lowest peak
     seq_parallel: int = 1  # the sequence degree P (devices = data x seq)
+    expert_parallel: int = 1  # the expert degree X (devices = data x expert)
 
     def row(self, label: str) -> PlanRow:
         return _labelled(self.rows, label)
@@ -708,7 +771,7 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
          budget, reserve, remat=True, extra=None, mp=1, attention="xla",
          replicas=1, host_budget=None, host_devices=1, accel="h100",
          per_node=None, disk_budget=None, disk_bandwidth=None, seq_parallel=1,
-         tile_tokens=None) -> PlanRow:
+         tile_tokens=None, expert_parallel=1) -> PlanRow:
     import jax.numpy as jnp
 
     from zerojax.analysis.report import (
@@ -727,7 +790,8 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
     mlp_tiles = -(-local // tokens) if opts.pop("tiled_mlp", False) else None
     if opts.pop("tiled_loss", False):
         shape = dataclasses.replace(shape, vocab_tiles=-(-batch * local // tokens))
-    config = dataclasses.replace(shape.config(seq, param_dtype, attention), remat=remat)
+    config = dataclasses.replace(shape.config(seq, param_dtype, attention,
+                                              expert_parallel=expert_parallel), remat=remat)
     data = devices // sp  # the data axis; ZeRO's states over data x seq = devices
     # hierarchical sharding (replicas > 1): devices is the data axis inside a node
     states = gpt_state_estimate(config, devices, stage, tx=tx, param_dtype=param_dtype,
@@ -737,11 +801,19 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
                                replicas=replicas, seq_parallel=sp, mlp_tiles=mlp_tiles,
                                **opts)
     compute = jnp.dtype(param_dtype or jnp.float32).itemsize
-    psi = shape.num_params(seq)
+    counts = shape.counts(seq)
+    # what a device's ZeRO collectives move: the dense params and its E / X experts
+    psi = counts.dense + counts.expert // expert_parallel
     policy = opts.get("remat_policy")
     rematerialised = remat and policy != "none"
-    alltoall = ulysses_bytes(config, batch, sp, value_bytes=compute, mp=mp,
-                             remat=rematerialised and policy not in ("dots", "projections"))
+    twice = rematerialised and policy not in ("dots", "projections")
+    alltoall = ulysses_bytes(config, batch, sp, value_bytes=compute, mp=mp, remat=twice)
+    accum = max(1, int(opts.get("accum_steps", 1)))
+    experts_a2a = moe_all_to_all_bytes(
+        tokens=batch * local // accum, hidden=shape.hidden, experts=max(1, shape.experts),
+        experts_per_token=shape.experts_per_token, expert_parallel=expert_parallel,
+        layers=shape.layers, value_bytes=compute, capacity_factor=shape.capacity_factor,
+        remat=twice, micro_batches=accum) if shape.experts else 0
     traffic = comm_bytes(psi, stage, param_bytes=compute, grad_bytes=compute, mp=mp)
     # Pa+cpu: every layer's checkpoint in host memory (written in the forward, read back
     # in the backward); one layer's working set stays on the device
@@ -776,10 +848,12 @@ def _row(shape: ModelShape, label, stage, options, *, devices, seq, batch, tx, p
                      # stage 3 without prefetch: each gather waits for its layer
                      overlap=stage != 3 or opts.get("prefetch", True),
                      disk_bytes=disk_bytes, disk_bandwidth=disk_bandwidth,
-                     alltoall_bytes=alltoall, seq_parallel=sp, **links)
+                     alltoall_bytes=alltoall, seq_parallel=sp, active_params=counts.active,
+                     expert_bytes=experts_a2a, expert_parallel=expert_parallel, **links)
     return PlanRow(label, stage, options, states, step, reserve,
                    peak <= budget and host_fits and disk_fits, traffic, host, host_bytes,
-                   host_fits, time, disk_bytes, buffers, disk_fits, alltoall, sp)
+                   host_fits, time, disk_bytes, buffers, disk_fits, alltoall, sp,
+                   expert_parallel, experts_a2a)
 
 
 # The per-layer fetch's copies overlap the layers' compute: not yet. Measured on one
@@ -824,7 +898,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                host_memory_bytes: int | None = None,
                accelerator: Any = "h100", disk_bytes: int | None = None,
                disk_bandwidth: Any = None, seq_parallel: int = 1,
-               **options: Any) -> ModelPlan:
+               expert_parallel: int = 1, **options: Any) -> ModelPlan:
     """The planner's question as asked: ``devices`` devices (``devices_per_node`` per
     node) of ``budget_bytes`` each, sequences of ``seq`` tokens, ``batch`` sequences per
     device, ``optimizer`` (or any optax ``tx``), ``param_dtype`` (compute precision; the
@@ -871,6 +945,7 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
     step time. P must divide ``seq``, the heads (over ``mp`` x P) and the key-value
     heads when there are more of them than P (fewer are repeated up to P).
     :func:`largest_seq`: the longest sequence each option set fits.
+    ``expert_parallel``: the ``expert`` axis of a mixture of experts (:func:`plan_experts`).
     """
     devices = _count("devices", devices, minimum=1, hint="data-parallel devices")
     seq_parallel = _count("seq_parallel", seq_parallel, minimum=1,
@@ -896,15 +971,14 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
               tx=tx, param_dtype=pd, budget=budget_bytes, reserve=reserve_bytes, remat=remat,
               extra=options, mp=mp, attention=attention, host_budget=host_memory_bytes,
               host_devices=node_devices, disk_budget=disk_bytes,
-              disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel)
-
+              disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel,
+              expert_parallel=check_expert_parallel(getattr(model, "experts", 0),
+                                                    expert_parallel, devices))
     found, model = _largest_models(model, option_sets, kw, width_per_layer=width_per_layer,
                                    head_dim=head_dim, vocab=vocab, mp=mp,
                                    seq_parallel=seq_parallel, seq=seq) if largest else ([], model)
     rows = tuple(_row(model, label, stage, opts, **kw) for label, stage, opts in option_sets)
-    fitting = [r for r in rows if r.fits]
-    best = min(fitting, key=lambda r: (r.step_time, r.peak)) if fitting else None
-    leanest = min(fitting, key=lambda r: (r.peak, r.step_time)) if fitting else None
+    best, leanest = _fastest(rows)
     links, link_rows = _link_rows(model, kw, devices=devices,
                                   devices_per_node=devices_per_node, pd=pd, seq=seq)
     return ModelPlan(model, model.num_params(seq), devices, devices_per_node, budget_bytes,
@@ -913,7 +987,18 @@ def plan_model(model: ModelShape | str | None = None, *, devices: int, budget_by
                      attention=attention, link_rows=link_rows, note=note,
                      host_memory_bytes=host_memory_bytes, node_devices=node_devices,
                      accelerator=accel, leanest=leanest, disk_bytes=disk_bytes,
-                     disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel)
+                     disk_bandwidth=disk_bandwidth, seq_parallel=seq_parallel,
+                     expert_parallel=kw["expert_parallel"])
+
+
+def _fastest(rows) -> tuple[PlanRow | None, PlanRow | None]:
+    """``(recommendation, leanest)`` of ``rows``: the fastest fitting row (ties: the
+    lower peak) and the fitting row of the lowest peak (None when none fits)."""
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None, None
+    return (min(fitting, key=lambda r: (r.step_time, r.peak)),
+            min(fitting, key=lambda r: (r.peak, r.step_time)))
 
 
 def _check_nodes(devices: int, devices_per_node: int | None) -> None:
@@ -1245,3 +1330,74 @@ def largest_seq(model: ModelShape | str, *, devices: int, budget_bytes: int,
         rows.append(SeqRow(label, dict(opts), best * step, at(best), capped))
     return SeqPlan(model, devices, sp, budget_bytes, batch, stage, zero_options, step, tile,
                    host_memory_bytes, tuple(rows), mp, accel)
+
+
+# --- a mixture of experts: which expert degree and stage --------------------------------
+
+STAGE_SETS = OPTION_SETS[:4]  # the plain stages, planned at every expert degree
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPlan:
+    """What :func:`plan_experts` found: a :class:`ModelPlan` per expert degree X
+    (``plans``, in X's order), every row of them (``rows``, each with its
+    ``expert_parallel``), the fastest fitting row (``recommendation``, ties: the
+    lower peak) and the fitting row of the lowest peak (``leanest``)."""
+
+    shape: ModelShape
+    devices: int
+    budget_bytes: int
+    seq: int
+    batch: int
+    plans: tuple[ModelPlan, ...]
+    recommendation: PlanRow | None
+    leanest: PlanRow | None
+
+    @property
+    def rows(self) -> tuple[PlanRow, ...]:
+        return tuple(r for p in self.plans for r in p.rows)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(p.expert_parallel for p in self.plans)
+
+    def row(self, expert_parallel: int, label: str) -> PlanRow:
+        """The row of ``label`` at expert degree ``expert_parallel``."""
+        for p in self.plans:
+            if p.expert_parallel == expert_parallel:
+                return p.row(label)
+        raise KeyError(f"no expert degree {expert_parallel} (planned: {self.degrees})")
+
+
+def plan_experts(model: ModelShape | str, *, devices: int, budget_bytes: int, seq: int,
+                 batch: int, degrees: Sequence[int] | None = None,
+                 option_sets: Sequence = STAGE_SETS, **kw: Any) -> ExpertPlan:
+    """Which expert degree and stage fit and run fastest: :func:`plan_model` of a
+    mixture of experts at each expert degree X of ``degrees`` (default: every X
+    dividing both ``devices`` and the experts,
+    :func:`~zerojax.analysis.experts.expert_degrees`) for ``option_sets`` (default the
+    plain stages 0-3); ``kw`` as :func:`plan_model`'s. The recommendation is the
+    fastest row that fits over every X (ties: the lower peak).
+
+    A mixture of experts (``ModelShape(experts=E, ...)``, the presets
+    ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``) on an ``expert`` axis of
+    X of the ``devices`` (data x expert; X divides both them and E): each device holds
+    E / X experts, their states ZeRO-partitioned over the devices' ``data`` share
+    (devices / X) at the stage, the dense states over all ``devices``; each device
+    computes its own ``batch``; the rows count the experts' all-to-alls
+    (``PlanRow.expert_alltoall_bytes``,
+    :func:`~zerojax.analysis.cost.moe_all_to_all_bytes`) in the step time, the FLOPs
+    of the active params, and the dispatch buffers in the activations
+    (:func:`~zerojax.analysis.experts.activation_width`)."""
+    shape, _ = _preset(model, seq)
+    if shape is None or not shape.experts:
+        raise ValueError(f"plan_experts plans a mixture of experts; "
+                         f"{getattr(shape, 'name', '') or model!r} has no experts (use "
+                         "plan_model, or a shape with experts=E)")
+    devices = _count("devices", devices, minimum=1, hint="data x expert devices")
+    degrees = expert_degrees(shape.experts, devices) if degrees is None else list(degrees)
+    plans = tuple(plan_model(shape, devices=devices, budget_bytes=budget_bytes, seq=seq,
+                             batch=batch, option_sets=option_sets, expert_parallel=x, **kw)
+                  for x in degrees)
+    best, leanest = _fastest([r for p in plans for r in p.rows])
+    return ExpertPlan(shape, devices, budget_bytes, seq, batch, plans, best, leanest)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.analysis.comm import comm_volume
+from zerojax.analysis.experts import ExpertFields, activation_width, check_expert_parallel
 from zerojax.analysis.memory import (
     CompiledMemory,
     MemoryEstimate,
@@ -364,27 +365,53 @@ def format_comparison(rows: list[Comparison]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig(DecoderSpec, DecoderFamily):
+class DecoderConfig(DecoderSpec, DecoderFamily, ExpertFields):
     """A decoder's shape as the memory model reads it, for shapes the reference
     ``GPTConfig`` cannot say: the fields of :class:`zerojax.modelspec.DecoderSpec`
     (vocab, seq, layers, hidden, heads, dtype, remat, scan, attention, remat_policy,
     vocab_tiles, ...), as ``GPTConfig``'s, plus the keyword-only
     :class:`zerojax.modelspec.DecoderFamily` fields (``mlp_ratio``, ``kv_heads``,
-    ``mlp_hidden``, ``gated``, ``tied``, ``positions``, ``norm``, ``bias``).
+    ``mlp_hidden``, ``gated``, ``tied``, ``positions``, ``norm``, ``bias``), a
+    ``head_dim`` of its own (None: ``hidden // heads``; Qwen3's 128 at hidden 2048 and
+    32 heads), and a mixture of experts' fields
+    (:class:`zerojax.analysis.experts.ExpertFields`: ``experts``, ``experts_per_token``,
+    ``moe_hidden``, ``shared_expert_hidden``, ``capacity_factor``) with
+    ``expert_parallel`` X, the ``expert`` mesh axis it is planned on.
 
     ``ModelShape.config`` makes one for a preset that is not the reference GPT
     (Llama-2 / Llama-3: GQA, SwiGLU, untied head, rotary positions, RMSNorm, no
-    biases); with every default it describes the reference GPT."""
+    biases); with every default it describes the reference GPT. With experts its
+    :attr:`shape` is the activations' (a dense SwiGLU of
+    :func:`~zerojax.analysis.experts.activation_width`); the params are the experts'
+    (:func:`gpt_param_shapes`)."""
+
+    head_dim: int | None = dataclasses.field(default=None, kw_only=True)
+    expert_parallel: int = dataclasses.field(default=1, kw_only=True)
 
     def __post_init__(self):
-        self.check_shape(seq_tiles=False)
+        self.check_shape(seq_tiles=False, free_head_dim=self.head_dim is not None)
         self.check_layout(seq_tiles=False)
         self.check_family(self.heads)
+        self.check_experts()
+        check_expert_parallel(self.experts, self.expert_parallel)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
     @property
     def shape(self) -> Shape:
-        return self.family_shape(vocab=self.vocab, seq=self.seq, layers=self.layers,
-                                 hidden=self.hidden, heads=self.heads)
+        shape = self.family_shape(vocab=self.vocab, seq=self.seq, layers=self.layers,
+                                  hidden=self.hidden, heads=self.heads)
+        shape = shape._replace(head_dim=self.head_dim)
+        if self.experts:
+            shape = shape._replace(mlp_hidden=activation_width(self, shape,
+                                                               self.expert_parallel))
+        return shape
+
+    @property
+    def params_shape(self) -> Shape:
+        """The shape of the params (the experts' own width, not the activations')."""
+        return self.shape._replace(mlp_hidden=self.moe_hidden or self.mlp_hidden
+                                   or self.mlp_ratio * self.hidden)
 
 
 def _dims(config) -> Shape:
@@ -411,6 +438,9 @@ def _decoder_tree(config, leaf, *, lin, norm, lead_layer) -> dict:
             out.update(query=lin(h, dm.heads * d, lead, "col"), key=lin(h, kv, lead, "col"),
                        value=lin(h, kv, lead, "col"))
         out.update(attn_out=lin(dm.heads * d, h, lead, "row"), ln_1=norm(lead), ln_2=norm(lead))
+        if getattr(config, "experts", 0):
+            out.update(_expert_leaves(config, lin, lead))
+            return out
         if dm.gated:
             out["mlp_gate"] = lin(h, f, lead, "col")
         out.update(mlp_in=lin(h, f, lead, "col"), mlp_out=lin(f, h, lead, "row"))
@@ -425,6 +455,28 @@ def _decoder_tree(config, leaf, *, lin, norm, lead_layer) -> dict:
         out["blocks"] = block(*lead_layer)
     else:
         out.update({f"blocks_{i}": block() for i in range(dm.layers)})
+    return out
+
+
+EXPERTS = "experts"  # the routed experts' subtree of a block (analysis.experts)
+
+
+def _expert_leaves(config, lin, lead) -> dict:
+    """A mixture-of-experts block's MLP leaves (:mod:`zerojax.models.moe`'s): the
+    router ``(h, E)`` (replicated), the device's ``E / expert_parallel`` routed experts
+    under :data:`EXPERTS` (``wi_0``, ``wi_1`` ``(E/X, h, f)``, ``wo`` ``(E/X, f, h)``,
+    split over ``model`` as the dense MLP's), Qwen2-MoE's shared expert and its gate."""
+    h, f = config.hidden, config.params_shape.mlp_hidden
+    el = (*lead, config.experts // config.expert_parallel)
+    out = {"router": lin(h, config.experts, lead, "rep"),
+           EXPERTS: {"wi_0": lin(h, f, el, "col"), "wi_1": lin(h, f, el, "col"),
+                     "wo": lin(f, h, el, "row")}}
+    fs = config.shared_expert_hidden
+    if fs:
+        out["shared_expert"] = {"wi_0": lin(h, fs, lead, "col"),
+                                "wi_1": lin(h, fs, lead, "col"),
+                                "wo": lin(fs, h, lead, "row")}
+        out["shared_expert_gate"] = lin(h, 1, lead, "rep")
     return out
 
 
@@ -512,7 +564,8 @@ def gpt_param_specs_of(config) -> dict:
 
         def lin(din, dout, lead, kind):
             pre = (None,) * len(lead)
-            k = P(*pre, None, "model") if kind == "col" else P(*pre, "model", None)
+            k = {"col": P(*pre, None, "model"), "row": P(*pre, "model", None),
+                 "rep": P(*pre, None, None)}[kind]
             b = P(*pre, "model") if kind == "col" else P(*pre, None)
             return {"kernel": k, **({"bias": b} if dm.bias else {})}
 
@@ -917,6 +970,7 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
     Remembered per params' shapes and arguments (the last 64): a search over the
     sequence length (``plan.largest_seq``) asks the same states of a model whose
     parameters do not depend on it (rotary positions) at every length."""
+    config = decoder_config(config)
     shapes = gpt_param_shapes(config)
     try:
         key = (jax.tree.structure(shapes),
@@ -928,9 +982,17 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
         key = None
     if key is not None and key in _STATES:
         return _STATES[key][1]
-    states = estimate_memory(shapes, dp, stage, tx=tx, param_dtype=param_dtype, mp=mp,
-                             model_specs=gpt_param_specs_of(config) if mp > 1 else None,
-                             replicas=replicas if options.get("hpz") else 1, **options)
+    specs = gpt_param_specs_of(config) if mp > 1 else None
+    kw = dict(tx=tx, param_dtype=param_dtype, mp=mp,
+              replicas=replicas if options.get("hpz") else 1, **options)
+    x = getattr(config, "expert_parallel", 1)
+    if x > 1:  # the experts' states over the data devices that hold them
+        (dense, experts), (dspec, espec) = _split_experts(shapes), _split_experts(specs)
+        states = _sum_estimates(estimate_memory(dense, dp, stage, model_specs=dspec, **kw),
+                                estimate_memory(experts, dp // x, stage, model_specs=espec,
+                                                **kw))
+    else:
+        states = estimate_memory(shapes, dp, stage, model_specs=specs, **kw)
     if key is not None:
         if len(_STATES) >= 64:
             _STATES.pop(next(iter(_STATES)))
@@ -939,6 +1001,44 @@ def gpt_state_estimate(config, dp: int, stage: int, *, tx: Any, param_dtype: Any
 
 
 _STATES: dict = {}  # gpt_state_estimate's remembered answers (insertion order)
+
+
+def decoder_config(config, expert_parallel: int = 1):
+    """The :class:`DecoderConfig` of a mixture-of-experts
+    :class:`~zerojax.models.llama.LlamaConfig` (its SwiGLU experts, GQA, rotary
+    positions, RMSNorm, ``head_dim``, ``tie_embeddings``; biases and q/k norms not
+    counted, as ``LlamaConfig.shape``) on an ``expert`` axis of ``expert_parallel``;
+    any other config (a dense one, a DecoderConfig) is returned as it is."""
+    if not getattr(config, "experts", 0) or isinstance(config, DecoderConfig):
+        return config
+    spec = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderSpec)}
+    return DecoderConfig(**spec, kv_heads=config.kv_heads, mlp_hidden=config.mlp_hidden,
+                         gated=True, tied=config.tie_embeddings, positions=0,
+                         norm="rmsnorm", bias=False, head_dim=config.head_dim,
+                         experts=config.experts, experts_per_token=config.experts_per_token,
+                         moe_hidden=config.moe_hidden,
+                         shared_expert_hidden=config.shared_expert_hidden,
+                         capacity_factor=config.capacity_factor,
+                         expert_parallel=expert_parallel)
+
+
+def _split_experts(tree: Any) -> tuple[Any, Any]:
+    """``(dense, experts)``: a scanned mixture of experts' params (or specs) tree
+    without the blocks' :data:`EXPERTS` subtree, and that subtree alone (None, None
+    for None)."""
+    if tree is None:
+        return None, None
+    blocks = dict(tree["blocks"])
+    experts = blocks.pop(EXPERTS)
+    return {**tree, "blocks": blocks}, {"blocks": {EXPERTS: experts}}
+
+
+def _sum_estimates(a: MemoryEstimate, b: MemoryEstimate) -> MemoryEstimate:
+    """Two :class:`MemoryEstimate` parts added (the dense states over data x expert and
+    the experts' over data; each counts the optimizer's scalar step, a few bytes)."""
+    fields = ("params", "grads", "optimizer_state", "host_params", "host_optimizer_state",
+              "disk_optimizer_state", "disk_params")
+    return MemoryEstimate(*(getattr(a, f) + getattr(b, f) for f in fields))
 
 
 def _check_replicas(replicas: Any, options: dict) -> int:
@@ -964,13 +1064,32 @@ def _params_per_device(dm: Shape, mp: int) -> tuple[int, int]:
     psi = split(v * h) + s * h + L * layer + 2 * h
     if not dm.gpt:  # GQA's k and v, a gated MLP, RMSNorm, no biases, an untied head
         nb = int(dm.bias)
+        q = dm.heads * dm.head_dim  # the query's and the output's width (h but Qwen3's)
         qkv = (split(h * dm.qkv + nb * dm.qkv) if dm.kv_heads == dm.heads else
-               split(h * h + nb * h) + 2 * split((h + nb) * dm.kv_heads * dm.head_dim))
-        layer = (qkv + split(h * h) + nb * h + (1 + dm.gated) * split(h * f + nb * f)
+               split(h * q + nb * q) + 2 * split((h + nb) * dm.kv_heads * dm.head_dim))
+        layer = (qkv + split(q * h) + nb * h + (1 + dm.gated) * split(h * f + nb * f)
                  + split(f * h) + nb * h + 2 * h * (1 if dm.rms else 2))
         psi = (split(v * h) * (1 if dm.tied else 2) + dm.positions * h + L * layer
                + h * (1 if dm.rms else 2))
     return layer, psi
+
+
+def _tree_per_device(config, mp: int) -> tuple[int, int, int, int]:
+    """``(Psi_l, Psi, largest leaf, f)`` on one device: :func:`_params_per_device` and
+    ``max(v h, L f h)``; of a mixture of experts (its ``expert_parallel`` share of the
+    experts, leaves split over a ``model`` axis of ``mp`` as
+    :func:`gpt_param_specs_of` says) from its params' tree, ``f`` the experts' width."""
+    dm = _dims(config)
+    if not getattr(config, "experts", 0):
+        layer, psi = _params_per_device(dm, mp)
+        return layer, psi, max(dm.vocab * dm.hidden, dm.layers * dm.mlp_hidden * dm.hidden), \
+            dm.mlp_hidden
+    sizes = jax.tree.map(
+        lambda x, spec: -(-math.prod(x.shape) // (mp if "model" in tuple(spec) else 1)),
+        gpt_param_shapes(config), gpt_param_specs_of(config))
+    every = jax.tree.leaves(sizes)
+    return (sum(jax.tree.leaves(sizes["blocks"])) // config.layers, sum(every), max(every),
+            config.params_shape.mlp_hidden)
 
 
 def _step_activations(config, batch: int, remat: bool, **counts: Any) -> tuple:
@@ -1036,10 +1155,11 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
 
     tx = optax.adam(1e-3) if tx is None else tx
     replicas = _check_replicas(replicas, options)
+    config = decoder_config(config)
     h, v, s, L = config.hidden, config.vocab, config.seq, config.layers
     f = _dims(config).mlp_hidden
     mp = _count("mp", mp, minimum=1, hint="the size of the 'model' mesh axis")
-    layer, psi = _params_per_device(_dims(config), mp)
+    layer, psi, largest_leaf, f = _tree_per_device(config, mp)
     sp = _count("seq_parallel", seq_parallel, minimum=1, hint="the sequence degree P")
     b = global_batch // (dp * replicas)
     # ZeRO over data x seq: the sequence devices hold their own shards of the states
@@ -1068,7 +1188,7 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
         activation_bytes=compute, accum_steps=accum,
         mixed_stack=L * layer if param_dtype is not None and config.scan
         and _widens_bf16(platform) else 0,
-        intermediate_bytes=inter, largest_leaf=max(v * h, L * f * h),
+        intermediate_bytes=inter, largest_leaf=largest_leaf,
         collective_bytes=_collective_bytes(grad, platform))
     step = _offloaded_step(step, e, dp, mp, stage, layer, psi, L, compute, grad, platform,
                            options)

@@ -426,6 +426,8 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
     host = args.host_memory
     if host is None:
         host = HOST_MEMORY_DEFAULT
+    if _experts_of(model) and args.expert_parallel is None and not args.largest:
+        return _plan_experts(args, model, dp, memory, per_node, precision)
     try:
         result = plan_model(model, devices=dp, budget_bytes=memory.usable,
                             seq=args.seq, batch=args.batch_per_device,
@@ -437,6 +439,7 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
                             disk_bytes=None if args.disk is None else round(args.disk),
                             disk_bandwidth=args.disk_bandwidth,
                             seq_parallel=args.seq_parallel or 1,
+                            expert_parallel=args.expert_parallel or 1,
                             **({"remat_policy": args.remat_policy}
                                if args.remat_policy else {}))
     except (TypeError, ValueError) as e:
@@ -446,6 +449,38 @@ def _plan_model(args: argparse.Namespace, shape_given: list) -> int:
         + (" (--host-memory)" if args.host_memory is not None else
            " (the default: a DGX A100's 1 TB; a DGX H100 has 2 TB: pass --host-memory)")
         + ("" if args.disk is None else "\ndisk per node: " + gb(args.disk) + " (--disk)"))))
+    return 0
+
+
+def _experts_of(model) -> int:
+    """The experts of a preset name or a ModelShape (0: a dense model or none)."""
+    from zerojax.analysis.plan import PRESETS
+
+    shape = PRESETS.get(model) if isinstance(model, str) else model
+    return getattr(shape, "experts", 0) or 0
+
+
+def _plan_experts(args: argparse.Namespace, model, dp: int, memory, per_node, precision):
+    """``zerojax plan --model MOE`` without --expert-parallel: every expert degree X
+    dividing the devices and the experts, stages 0-3 (:func:`zerojax.analysis.plan.
+    plan_experts`), and the recommendation."""
+    from zerojax.analysis.plan import plan_experts
+    from zerojax.cli.plan_text import format_expert_plan, format_memory
+
+    if args.mp > 1 or (args.seq_parallel or 1) > 1:
+        args.error("--mp / --seq-parallel with a mixture of experts: give --expert-parallel "
+                   "X too (the table over every X plans data x expert only)")
+    try:
+        result = plan_experts(model, devices=dp, budget_bytes=memory.usable, seq=args.seq,
+                              batch=args.batch_per_device,
+                              optimizer=args.optimizer or "adamw", param_dtype=precision,
+                              devices_per_node=per_node, reserve_bytes=round(args.reserve),
+                              attention=args.attention, accelerator=args.accelerator,
+                              **({"remat_policy": args.remat_policy}
+                                 if args.remat_policy else {}))
+    except (TypeError, ValueError) as e:
+        args.error(str(e))
+    print(format_expert_plan(result, memory_note=format_memory(memory)))
     return 0
 
 
@@ -1111,6 +1146,11 @@ def _plan_option_arguments(plan: argparse.ArgumentParser) -> None:
                       help="sequence parallelism: each sequence split over P devices "
                            "(Ulysses all-to-all attention; --devices is data x seq), ZeRO "
                            "over all of them (default 1; with --largest-seq: every device)")
+    plan.add_argument("--expert-parallel", type=positive_int, default=None, metavar="X",
+                      help="a mixture of experts (--model mixtral-8x7b, qwen3-30b-a3b, "
+                           "qwen3-235b-a22b) on an expert axis of X of the --devices (data "
+                           "x expert): every option set at that X (default: stages 0-3 at "
+                           "every X dividing the devices and the experts)")
     plan.add_argument("--largest-seq", action="store_true",
                       help="the longest sequence each option set fits (Ulysses; + tiled "
                            "MLP, tiled loss, checkpoints on host, ALST's three) for "

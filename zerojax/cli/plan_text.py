@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from zerojax.analysis.plan import (
     STAGE_NAMES,
     DeviceMemory,
+    ExpertPlan,
     ModelPlan,
     ModelShape,
     Plan,
@@ -31,7 +32,8 @@ from zerojax.analysis.plan import (
     paper_table1,
 )
 
-__all__ = ["NOT_COUNTED", "describe_shape", "format_memory", "format_model_plan",
+__all__ = ["NOT_COUNTED", "describe_shape", "format_expert_plan", "format_memory",
+           "format_model_plan",
            "format_plan", "format_seq_plan", "format_table1", "human", "recommendation",
            "size_columns", "table1"]
 
@@ -154,7 +156,16 @@ def describe_shape(s: ModelShape) -> str:
            + f"{s.layers} layers x hidden {s.hidden}, {s.heads} heads")
     if s.kv_heads not in (None, s.heads):
         out += f" ({s.kv_heads} key-value)"
-    if not s.gpt_shaped or s.mlp_hidden is not None:
+    if s.head_dim is not None:
+        out += f" of width {s.head_dim}"
+    if s.experts:
+        out += (f", {s.experts} experts (top-{s.experts_per_token}) of SwiGLU "
+                f"{s.moe_hidden or s.mlp_hidden}"
+                + (f" + a shared expert of {s.shared_expert_hidden}"
+                   if s.shared_expert_hidden else "")
+                + ("" if s.capacity_factor is None else
+                   f", capacity factor {s.capacity_factor:g}"))
+    elif not s.gpt_shaped or s.mlp_hidden is not None:
         f = s.mlp_hidden if s.mlp_hidden is not None else s.mlp_ratio * s.hidden
         out += f", {'SwiGLU' if s.gated else 'GELU'} MLP {f}"
     out += f", vocab {s.vocab}"
@@ -306,8 +317,12 @@ def _plan_head(p: ModelPlan, memory_note: str, precision: str) -> list[str]:
                     else "; all traffic within the node)"))
     sp = p.seq_parallel
     data = (f"{p.devices // sp} data x {sp} seq" if sp > 1 else f"{p.devices} data")
+    x = p.expert_parallel
+    if x > 1:
+        data = f"{p.devices // x} data x {x} expert"
     mesh = (f"{data} x {p.mp} model = {p.devices * p.mp} devices" if p.mp > 1
-            else f"{data} = {p.devices} devices" if sp > 1 else f"{p.devices} devices")
+            else f"{data} = {p.devices} devices" if sp > 1 or x > 1
+            else f"{p.devices} devices")
     extra = "".join(f", {k}={v!r}" for k, v in p.options.items())
     head = [f"plan: {mesh} x {_size(p.budget_bytes)} usable{nodes}, seq {p.seq}"
             + (f" ({p.seq // sp} tokens a device)" if sp > 1 else "")
@@ -491,3 +506,58 @@ def format_seq_plan(p: SeqPlan, memory_note: str = "",
                 f"H100s): {theirs:,} tokens; planned here: {best.seq:,} "
                 f"({best.seq / theirs:.2f}x)")
     return out
+
+
+# --- a mixture of experts: zerojax.plan_experts -------------------------------------------
+
+
+def format_expert_plan(p: ExpertPlan, memory_note: str = "") -> str:
+    """A readable table of ``p`` (GB = 1e9 bytes): the setting, the model's total and
+    active params, a row per expert degree X and stage (experts and their states per
+    device, the peak, fits, ZeRO's traffic, the all-to-alls, the predicted step), the
+    buffer convention and the recommendation."""
+    import jax.numpy as jnp
+
+    first = p.plans[0]
+    precision = "fp32" if first.param_dtype is None else jnp.dtype(first.param_dtype).name
+    c = p.shape.counts(p.seq)
+    accel = first.accelerator.name if first.accelerator is not None else "the accelerator"
+    out = [f"plan: {p.devices} devices (data x expert) x {_size(p.budget_bytes)} usable, "
+           f"seq {p.seq}, batch {p.batch} per device, optimizer {first.optimizer}, params "
+           f"in {precision} (fp32 master weights and optimizer state), on {accel}",
+           f"model: {describe_shape(p.shape)}; Psi = {human(c.total)} total ({c.total:,}), "
+           f"{human(c.active)} active a token, {human(c.expert)} in the routed experts"]
+    if memory_note:
+        out.append(memory_note)
+    header = ["X", "data", "option set", "experts/device", "states", "peak", "fits",
+              "ZeRO traffic", "all-to-all", "ms/step", "tokens/s"]
+    rows = [[str(r.expert_parallel), str(p.devices // r.expert_parallel), r.label,
+             str(p.shape.experts // r.expert_parallel), r.states.total, r.peak,
+             "yes" if r.fits else "no", r.traffic_bytes, r.expert_alltoall_bytes,
+             _ms(r.step_time), f"{r.tokens_per_s:,.0f}"] for r in p.rows]
+    size_columns(header, rows, (4, 5, 7, 8))
+    out.append(_table(header, rows))
+    out.append("X: the expert axis (each device E / X experts, their states ZeRO-split over "
+               "the data devices that hold them; the dense states over data x expert). "
+               "all-to-all: the experts' dispatch and combine a device sends per step "
+               "(dropless: each destination's block sized for the worst case, every "
+               "token's k rows, static shapes: zerojax.analysis.cost.moe_all_to_all_bytes)")
+    best = p.recommendation
+    if best is not None:
+        leanest = p.leanest
+        out.append(f"\nrecommendation: X = {best.expert_parallel}, {best.label}: the "
+                   f"fastest fitting row, {_time(best)}, peak {_size(best.peak)} of "
+                   f"{_size(p.budget_bytes)}"
+                   + (f"; the memory-leanest: X = {leanest.expert_parallel}, "
+                      f"{leanest.label}, peak {_size(leanest.peak)}, {_time(leanest)}"
+                      if leanest is not best else "; it is also the memory-leanest"))
+    else:
+        least = min(p.rows, key=lambda r: r.peak)
+        out.append(f"\nrecommendation: nothing fits: the smallest, X = "
+                   f"{least.expert_parallel}, {least.label}, needs {_size(least.peak)} per "
+                   f"device of {_size(p.budget_bytes)} (model states "
+                   f"{_size(least.states.total)}); add devices, shorten --seq or "
+                   "--batch-per-device, or plan one X with the offload rows "
+                   "(--expert-parallel X)")
+    out.append(f"({NOT_COUNTED})")
+    return "\n".join(out)
