@@ -133,17 +133,27 @@ def test_plan_over_expert_degrees():
 
 def test_plan_cli_over_expert_degrees(capsys):
     """zerojax plan --model qwen3-30b-a3b: its total and active params, a row per X and
-    stage, the recommendation; --expert-parallel X plans one X with every option set."""
+    stage, the recommendation (the README's and architecture.md's figures, from the
+    command they name); --expert-parallel X plans one X with every option set."""
+    from pathlib import Path
+
     from zerojax.cli import main
 
-    argv = ["plan", "--model", "qwen3-30b-a3b", "--devices", "32", "--memory", "80GB",
-            "--seq", "4096", "--batch-per-device", "1"]
+    command = ("zerojax plan --model qwen3-30b-a3b --devices 32 --memory 80GB --seq 4096 "
+               "--batch-per-device 1")
+    argv = command.split()[1:]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Psi = 30.5B total (30,532,110,336), 3.35B active a token" in out
     assert "128 experts (top-8) of SwiGLU 768" in out and "of width 128" in out
     assert all(f"\n{x:>2}  " in out for x in (1, 2, 4, 8, 16, 32))
-    assert "recommendation: X = " in out and "worst case" in out
+    assert "worst case" in out
+    assert ("recommendation: X = 2, stage 3: the fastest fitting row, 394 ms/step" in out
+            and "peak 22.70 GB of 59.00 GB" in out)
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/architecture.md"):
+        text = " ".join((root / doc).read_text().split())
+        assert command in text and "394 ms/step" in text and "22.70" in text, doc
     assert main([*argv, "--expert-parallel", "4"]) == 0
     out = capsys.readouterr().out
     assert "8 data x 4 expert" in out and "offload_optimizer" in out
