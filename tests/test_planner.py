@@ -977,7 +977,8 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
     """Issue 34's planner: llama2-70b on 8 x 80 GB with 512 GB of host memory per node.
     Stage 3 + offload_optimizer needs the node's 12 Psi of Adam state + master weights
     in host memory, more than the node has. The NVMe row fits: the host row's device
-    bytes (the same update through the device: two buckets of bucket_size state), that
+    bytes (the update through the device: the tier's 4 buckets of 2**28 bytes equal
+    the host tier's two of 2**24 values a device at 8 devices), that
     state on disk (12 Psi / 8 per device, 12 Psi per node), only the buffers (4 x 2**28
     per process, one per device) in host memory, and a step longer by the disk's read
     and write at the stated bandwidth, overlapped with the update's PCIe transfers. No
@@ -1018,15 +1019,17 @@ def test_nvme_rows_count_disk_buffers_and_the_disk_time():
         return gpt_step_prediction(cfg, 8, 3, 16, tx=optax.adam(1e-3), platform="gpu",
                                    offload_optimizer="nvme", **o).end
 
-    # the buckets follow bucket_size (fp32 Adam: 2 values an element, each element 8
-    # bytes of state and its new fp32 param: 12): the device's whole state at the
-    # default (2 x 2**24 x 8 / 2 elements a device, more than its 2**18 or so), 2 x 64
-    # elements at 2**10 values; the NVMe buffers are host memory only
+    # the buckets follow nvme_buffer_size (bytes of 4-byte values; fp32 Adam: 2 values
+    # an element, each element 8 bytes of state and its new fp32 param: 12), up to
+    # nvme_buffer_count of them on the device at once (issue 50: the tier's buckets, a
+    # leaf larger than the buffer cut into pieces): the device's whole state at the
+    # default (4 x 2**26 / 2 / 8 elements a device, more than its 2**18 or so), 2 x 64
+    # elements at 2 buffers of 2**12 bytes, 4 x 64 at 4; bucket_size is the host tier's
     elements = -(-sum(x.size for x in jax.tree.leaves(gpt_param_shapes(cfg))) // 8)
-    assert working() - working(bucket_size=2**10) == pytest.approx(
-        (elements - 2 * 64) * 12, abs=12)
-    assert working(nvme_buffer_count=4, nvme_buffer_size=2**18) == working(
-        nvme_buffer_count=2, nvme_buffer_size=2**18)
+    small = working(nvme_buffer_count=2, nvme_buffer_size=2**12)
+    assert working() - small == pytest.approx((elements - 2 * 64) * 12, abs=12)
+    assert working(nvme_buffer_count=4, nvme_buffer_size=2**12) - small == 2 * 64 * 12
+    assert working(bucket_size=2**10) == working()
     assert nv.host_traffic_bytes == off.host_traffic_bytes == 2 * nv.states.disk
     h100 = ACCELERATORS["h100"]
     disk = nv.disk_bytes / h100.disk_read_bw + nv.disk_bytes / h100.disk_write_bw

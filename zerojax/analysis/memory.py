@@ -367,9 +367,9 @@ def _is_nvme(options: dict, name: str = "offload_optimizer") -> bool:
 def nvme_buffer_bytes(**options: Any) -> int:
     """Host memory one process's NVMe tier holds during a step: ``nvme_buffer_count x
     nvme_buffer_size`` bytes of buckets (defaults 4 x 2**28 = 1 GiB), 0 without
-    ``offload_optimizer="nvme"``. (A bucket larger than the size, one leaf's group, is
-    not counted; :mod:`zerojax.nvme` measured up to about twice the buckets on the CPU
-    backend, where the placed "device" arrays are host memory too.)"""
+    ``offload_optimizer="nvme"``. (A leaf larger than a buffer is cut into pieces, issue
+    50, so no bucket exceeds it; :mod:`zerojax.nvme` measured up to about twice the
+    buckets on the CPU backend, where the placed "device" arrays are host memory too.)"""
     if not _is_nvme(options):
         return 0
     from zerojax.api.config import ZeroConfig

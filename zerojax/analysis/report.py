@@ -1228,19 +1228,31 @@ def _offloaded_step(step: StepPrediction, e: MemoryEstimate, dp: int, mp: int, s
 def _update_bytes(e: MemoryEstimate, elements: int, dp: int, mp: int, compute: int,
                   grad: int, platform: str, options: dict, streamed: bool) -> int:
     """The offloaded update's device bytes (:func:`_offload_working`), held after the
-    backward beside what is left of the gradients: the same for both tiers. The NVMe
-    tier (``offload_optimizer="nvme"``) reads its state from disk into host buffers
-    (``nvme_buffer_count x nvme_buffer_size``, host memory only) and streams it through
-    the device in the host tier's buckets, so its rows' device peak is the host rows'."""
+    backward beside what is left of the gradients. The NVMe tier
+    (``offload_optimizer="nvme"``) reads its state from disk into its host buffers and
+    places each bucket on the device for its update: buckets of ``nvme_buffer_size``
+    bytes of state (a leaf larger than that cut into pieces, issue 50), up to
+    ``nvme_buffer_count`` of them read, updated and being written at once
+    (:mod:`zerojax.engine.nvme_pipeline`); the host tier two buckets of
+    ``bucket_size`` values. (With the defaults the two are equal at 8 devices.)"""
     if not (options.get("offload_optimizer") or options.get("offload_params")):
         return 0
-    state = e.disk_optimizer_state if _is_nvme(options) else e.host_optimizer_state
-    return _offload_working(dp, mp, state, elements, compute, grad, platform, options,
-                            streamed)
+    if _is_nvme(options):
+        from zerojax.api.config import ZeroConfig
+
+        size = options.get("nvme_buffer_size") or ZeroConfig.nvme_buffer_size
+        count = options.get("nvme_buffer_count") or ZeroConfig.nvme_buffer_count
+        # nvme_plan.buffer_elements: the buffer's bytes in values of at least 4 bytes
+        return _offload_working(dp, mp, e.disk_optimizer_state, elements, compute, grad,
+                                platform, dict(options, bucket_size=max(1, size // 4)),
+                                streamed, buckets=int(count))
+    return _offload_working(dp, mp, e.host_optimizer_state, elements, compute, grad,
+                            platform, options, streamed)
 
 
 def _offload_working(dp: int, mp: int, host: int, elements: int, compute: int, grad: int,
-                     platform: str, options: dict, streamed: bool = False) -> int:
+                     platform: str, options: dict, streamed: bool = False,
+                     buckets: int = 2) -> int:
     """Device bytes of the offloaded update (``offload_optimizer`` / ``offload_params``,
     :func:`zerojax.tiers.offload.update_in_buckets`), held after the backward
     (``StepPrediction.end``), not beside the activations: two buckets of constant size.
@@ -1270,7 +1282,7 @@ def _offload_working(dp: int, mp: int, host: int, elements: int, compute: int, g
     bucket = math.ceil(capacity / values / (dp * mp))  # param elements per device
     per_element = (per_param + (4 if grad < 4 else 0) + compute
                    + (grad if streamed else 0))
-    return int(math.ceil(min(2 * bucket, elements) * per_element))
+    return int(math.ceil(min(buckets * bucket, elements) * per_element))
 
 
 def _step_states(e: MemoryEstimate, fetch: str | None = None, layer: int = 0,

@@ -16,10 +16,13 @@ builds its programs); nothing here touches a device but the store's placing read
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 class BucketIO:
@@ -33,6 +36,10 @@ class BucketIO:
         self.by_leaf = {e["leaf"]: e for e in store.leaves}
         self.param_by = {e["leaf"]: e for e in store.param_leaves}
         self.read_bytes = self.written_bytes = 0
+        # the host buffers: bytes of the buckets read and not yet written back (each
+        # counted as the plan's bucket_bytes), and their peak over the step
+        self.held = self.peak = 0
+        self.verified: set = set()  # shards whose whole crc32 was checked this step
         self.stopped: list = []  # a write failed: no more are begun (the step fails anyway)
         self._lock = threading.Lock()
 
@@ -40,27 +47,38 @@ class BucketIO:
         """Bucket ``b``'s disk operands, by operand position."""
         plan = self.plan
         members, _ = plan["buckets"][b]
+        region = plan["regions"][b]
         got = {}
+        with self._lock:
+            self.held += plan["bucket_bytes"][b]
+            self.peak = max(self.peak, self.held)
         for m in members:
             if plan["on_disk"][m]:
                 e = self.by_leaf[plan["opt_index"][m]]
-                got[m] = self.store.read(e, plan["shs"][e["leaf"]])
+                sh = plan["shs"][e["leaf"]]
+                got[m] = (self.store.read(e, sh) if region is None else
+                          self.store.read_piece(e, sh, region, self.verified))
                 with self._lock:
-                    self.read_bytes += e["nbytes"]
+                    self.read_bytes += _share(e, region)
         return got
 
     def write(self, b: int, results: dict) -> None:
         """Bucket ``b``'s new disk values (by output position) into their files; nothing
         once a write has failed."""
-        if self.stopped:
-            return
         try:
-            self._write_leaves(results)
-        except BaseException:
-            self.stopped.append(b)
-            raise
+            if self.stopped:
+                return
+            try:
+                self._write_leaves(results, None if b < 0 else self.plan["regions"][b])
+            except BaseException:
+                self.stopped.append(b)
+                raise
+        finally:
+            if b >= 0:
+                with self._lock:
+                    self.held -= self.plan["bucket_bytes"][b]
 
-    def _write_leaves(self, results: dict) -> None:
+    def _write_leaves(self, results: dict, region) -> None:
         plan = self.plan
         for k, x in results.items():
             if k in plan["param_out"]:  # a new param: its file (laid out as stored)
@@ -69,9 +87,48 @@ class BucketIO:
                     x = jax.device_put(x, plan["param_sh"][k])
             else:
                 e = self.by_leaf[plan["out_leaf"][k]]
-            self.store.write(e, x)
+            if region is None:
+                self.store.write(e, x)
+            else:
+                self.store.write_piece(e, x, region)
             with self._lock:
-                self.written_bytes += e["nbytes"]
+                self.written_bytes += _share(e, region)
+
+
+def _share(e: dict, region) -> int:
+    """The bytes of leaf ``e``'s file a bucket reads or writes (a piece: its share)."""
+    if region is None:
+        return e["nbytes"]
+    n = 1
+    for _, size in region:
+        n *= size
+    total = 1
+    for d in e["shape"]:
+        total *= d
+    return e["nbytes"] * n // total
+
+
+def put_piece(buf, x, region, shape):
+    """Piece ``x`` (at ``region``) of an output of ``shape`` kept in memory (not written
+    to a file: the new params of stages 1-2) put into its whole value ``buf`` (None: a
+    new one, laid out as ``x``)."""
+    if buf is None:
+        buf = _zeros(tuple(shape), x.dtype, x.sharding)
+    return _put(buf, x, np.asarray([a for a, _ in region], np.int32))
+
+
+@functools.cache
+def _zeros_fn(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _zeros(shape, dtype, sharding):
+    return _zeros_fn(shape, dtype, sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put(buf, x, starts):
+    return jax.lax.dynamic_update_slice(buf, x, tuple(starts[j] for j in range(buf.ndim)))
 
 
 def run(n: int, io: BucketIO, update: Callable[[int, dict], dict], overlap: bool,
@@ -85,16 +142,20 @@ def run(n: int, io: BucketIO, update: Callable[[int, dict], dict], overlap: bool
             io.write(b, update(b, io.read(b)))
         return
     free = threading.BoundedSemaphore(slots)
+    # per bucket, the buffers it takes (a group kept whole: the buffers its bytes fill)
+    need = getattr(io, "plan", {}).get("slots") or [1] * n
     with cf.ThreadPoolExecutor(1) as reader, cf.ThreadPoolExecutor(1) as writer:
         def read_slot(b):
-            free.acquire()
+            for _ in range(need[b]):  # one reader: it never holds some while another waits
+                free.acquire()
             return io.read(b)
 
         def write_slot(b, res):
             try:
                 io.write(b, res)
             finally:
-                free.release()
+                for _ in range(need[b]):
+                    free.release()
 
         reads = {0: reader.submit(read_slot, 0)} if n else {}
         writes = []

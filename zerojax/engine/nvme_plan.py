@@ -43,6 +43,28 @@ def disk_operands(n_operands: int, index: dict[int, int], small) -> list[bool]:
     return [index.get(j) is not None and index[j] not in small for j in range(n_operands)]
 
 
+def bucket_bytes(members: list, regions: list, on_disk: list[bool], nbytes: list[int],
+                 sizes: list[int]) -> list[int]:
+    """Per bucket, the bytes its disk operands take in host buffers (a piece: its
+    share of each leaf); ``nbytes``/``sizes``: per operand, bytes and elements."""
+    out = []
+    for mem, region in zip(members, regions):
+        n = 0
+        for m in mem:
+            if on_disk[m]:
+                n += nbytes[m] if region is None else (
+                    nbytes[m] * _prod(s for _, s in region) // sizes[m])
+        out.append(n)
+    return out
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
 def buffer_elements(buffer_size: int, itemsizes: list[int]) -> int:
     """A bucket's capacity in elements: ``nvme_buffer_size`` bytes of the widest operand
     (at least 4 bytes), at least 1."""
@@ -50,15 +72,19 @@ def buffer_elements(buffer_size: int, itemsizes: list[int]) -> int:
 
 
 def assign(members: list, out_buckets: list[int], index: dict[int, int], small,
-           name: Callable[[int], str]) -> tuple[list, list[int]]:
+           name: Callable[[int], str],
+           home: list[int] | None = None) -> tuple[list, list[int]]:
     """``(buckets, rest)``: per bucket ``(sorted operand positions it reads, output
     positions it computes)`` (``members[b]``: the operands of bucket ``b``;
-    ``out_buckets[k]``: the bucket of output ``k``, -1 for none), and the outputs of no
-    bucket. Refused, naming the leaf (``name(leaf)``): a disk leaf's new value computed
-    without its old one in the same bucket, or outside every bucket."""
+    ``out_buckets[k]``: the bucket of output ``k``, -1 for none; ``home[b]``: the first
+    bucket of ``b``'s group, whose outputs a piece of a cut group computes its piece
+    of), and the outputs of no bucket. Refused, naming the leaf (``name(leaf)``): a
+    disk leaf's new value computed without its old one in the same bucket, or outside
+    every bucket."""
     buckets = []
     for b, mem in enumerate(members):
-        outs = [k for k, ob in enumerate(out_buckets) if ob == b]
+        at = b if home is None else home[b]
+        outs = [k for k, ob in enumerate(out_buckets) if ob == at]
         for k in outs:
             leaf = index.get(k)
             if leaf is not None and leaf not in small and not any(

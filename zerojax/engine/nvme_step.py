@@ -203,8 +203,7 @@ class NvmeTrainStep:
         grad_leaves = jax.tree.leaves(grads)
         del grads  # each bucket's gradients are freed once it is updated
         t1 = time.perf_counter()
-        out, nread, nwritten = self._update(plan, handle, owned, grad_leaves, finite, grad_norm,
-                                            scale)
+        out, io = self._update(plan, handle, owned, grad_leaves, finite, grad_norm, scale)
         del owned
         t2 = time.perf_counter()
         n_own, n_inner = plan["n_own"], plan["n_inner"]
@@ -228,8 +227,11 @@ class NvmeTrainStep:
         # than with host offload, which holds the whole state: issue 40)
         jax.block_until_ready(new_params)
         hostmem.release_freed_memory()
-        self.timings.append({"grad_s": t1 - t0, "update_s": t2 - t1, "read_bytes": nread,
-                             "written_bytes": nwritten, "params_read_s": t_params})
+        # buffer_peak_bytes: the most bytes of buckets held in host buffers at once
+        # (read, not yet written back): at most nvme_buffer_count x nvme_buffer_size
+        self.timings.append({"grad_s": t1 - t0, "update_s": t2 - t1,
+                             "read_bytes": io.read_bytes, "written_bytes": io.written_bytes,
+                             "params_read_s": t_params, "buffer_peak_bytes": io.peak})
         # every leaf written: the clean manifest, durable, moves the generation
         store.pending = (gen, int(new_step))
         try:
@@ -243,8 +245,8 @@ class NvmeTrainStep:
     def _update(self, plan, handle: NvmeState, owned, grad_leaves: list, finite, grad_norm,
                 scale):
         """Every bucket read, updated and written back (:mod:`zerojax.engine.nvme_pipeline`);
-        returns the outputs kept in memory (by output position) and the bytes read and
-        written."""
+        returns the outputs kept in memory (by output position) and the
+        :class:`~zerojax.engine.nvme_pipeline.BucketIO` (bytes read, written, buffers)."""
         n_own, n_inner = plan["n_own"], plan["n_inner"]
         own_leaves = [] if plan["mixed"] else jax.tree.leaves(owned)
         operands: dict = {}
@@ -264,18 +266,26 @@ class NvmeTrainStep:
         operands.update(plan["pre_prog"](operands, {}))
         out: dict = {}
         io = nvme_pipeline.BucketIO(handle.store, plan)
+        last = {r: b for b, p in enumerate(plan["progs"]) for r in p.inputs}
 
         def update(b, got):
-            prog = plan["progs"][b]
+            prog, region = plan["progs"][b], plan["regions"][b]
             res = prog(operands, got)
             del got
-            for r in prog.inputs:  # the gradients only this bucket reads: freed now
-                if r in grad_refs and r not in later:
+            for r in prog.inputs:  # the gradients no later bucket reads: freed now
+                if r in grad_refs and r not in later and last[r] == b:
                     operands.pop(r, None)
             if not self.overlap:
                 jax.block_until_ready(res)
-            return nvme_plan.to_disk_outputs(res, plan["out_leaf"], handle.small,
-                                             plan["param_out"], out)
+            if region is None:
+                return nvme_plan.to_disk_outputs(res, plan["out_leaf"], handle.small,
+                                                 plan["param_out"], out)
+            kept: dict = {}  # a piece of a cut group: what stays in memory put in place
+            to_disk = nvme_plan.to_disk_outputs(res, plan["out_leaf"], handle.small,
+                                                plan["param_out"], kept)
+            for k, x in kept.items():
+                out[k] = nvme_pipeline.put_piece(out.get(k), x, region, plan["out_shapes"][k])
+            return to_disk
 
         nvme_pipeline.run(len(plan["buckets"]), io, update, self.overlap,
                           handle.store.buffer_count)
@@ -284,4 +294,4 @@ class NvmeTrainStep:
                 io.write(-1, {k: x})
             else:
                 out[k] = x
-        return out, io.read_bytes, io.written_bytes
+        return out, io

@@ -8,7 +8,8 @@ function: finish the gradients, clip, the optax update, pad, ``step.update_tail`
 a function of the flat operands :mod:`zerojax.engine.nvme_plan` describes; :func:`build`
 traces it, lets :class:`zerojax.tiers.offload._Plan` group the operands into buckets (a
 parameter's master, moments and gradient together; ``nvme_buffer_size`` bytes a
-bucket), and compiles the programs (:mod:`zerojax.tiers.nvme_programs`). Its dict is what
+bucket; a larger group cut into pieces along the axes its update is elementwise along,
+the host tier's analysis, :mod:`zerojax.tiers.buckets`), and compiles the programs (:mod:`zerojax.tiers.nvme_programs`). Its dict is what
 :class:`zerojax.engine.nvme_step.NvmeTrainStep` keeps per params structure (``_plans``) and
 :mod:`zerojax.engine.nvme_pipeline` reads.
 """
@@ -26,7 +27,7 @@ from zerojax.core import collectives as C
 from zerojax.core.mesh import constrain
 from zerojax.core.partition import pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.engine import nvme_plan, step as S
-from zerojax.tiers import nvme_programs as P, offload
+from zerojax.tiers import buckets as B, nvme_programs as P, offload
 from zerojax.tiers.nvme import NvmeParams, NvmeState, disk_threshold
 
 
@@ -101,22 +102,7 @@ def build(opt, state, params, owned, grads, finite, grad_norm, scale) -> dict:
     ops: list = []
     out_refs = offload._inline(closed.jaxpr, closed.consts, list(range(len(operands))), ops,
                                [len(operands)])
-    elems = nvme_plan.buffer_elements(cfg.nvme_buffer_size,
-                                      [np.dtype(x.dtype).itemsize for x in operands])
-    # whole-leaf groups: the tier's files are read and written a leaf at a time (issue
-    # 50's pieces are the host tier's only, for now: docs/architecture.md "Known gaps")
-    plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg), cut=False)
-    for g in plan.whole:  # a group beyond the buffer: held whole (not cut, as yet)
-        leaf = next((index[m] for m in sorted(plan.buckets[plan.bucket(g.key)])
-                     if index.get(m) is not None), None)
-        name = "opt_state" + by_leaf[leaf]["path"] if leaf in by_leaf else "a leaf"
-        warnings.warn(
-            f"offload_optimizer='nvme': {name}'s state ({g.elements} elements with its "
-            "moments) is larger than "
-            f"nvme_buffer_size={cfg.nvme_buffer_size} bytes: the NVMe tier reads, updates "
-            "and writes it whole (cutting a leaf into pieces is the host tier's only, for "
-            "now), so host memory holds more than nvme_buffer_count x nvme_buffer_size "
-            "while it is in flight. Raise nvme_buffer_size to bound it.", stacklevel=3)
+    plan, slots = _plan(cfg, ops, operands, on_disk, index, by_leaf, n_own + n_inner + n_grad)
     if plan.reads_cross or any(plan.bucket(o[2][0]) == offload.CROSS for o in ops if o[2]):
         raise NotImplementedError(
             f"offload_optimizer='nvme' with {type(opt.inner).__name__} whose update reads a "
@@ -124,12 +110,19 @@ def build(opt, state, params, owned, grads, finite, grad_norm, scale) -> dict:
             "implemented: it would read the state from disk twice a step. Clip the "
             "gradients first: max_grad_norm=..., or chain(clip_by_global_norm, adam).")
     buckets, rest = nvme_plan.assign(plan.buckets, [plan.bucket(r) for r in out_refs],
-                                     index, handle.small, lambda i: by_leaf[i]["path"])
+                                     index, handle.small, lambda i: by_leaf[i]["path"],
+                                     plan.home)
     built = dict(buckets=buckets, rest=rest, opt_index=index, out_leaf=index, n_own=n_own,
                  n_inner=n_inner, n_grad=n_grad, own_def=own_def, inner_def=inner_def,
                  shs=handle.store.shardings, lay_tree=lay_tree, specs=specs, mixed=mixed,
-                 on_disk=on_disk)
-    built.update(_programs(ops, plan, out_refs, buckets, rest, len(operands)))
+                 on_disk=on_disk, regions=plan.regions, slots=slots,
+                 out_shapes=[plan.shape.get(r) if not isinstance(r, tuple) else None
+                             for r in out_refs],
+                 bucket_bytes=nvme_plan.bucket_bytes(plan.buckets, plan.regions, on_disk, [
+                     by_leaf[index[m]]["nbytes"] if on_disk[m] else 0
+                     for m in range(len(operands))], [plan._size[m] for m in
+                                                      range(len(operands))]))
+    built.update(_programs(ops, plan, out_refs, buckets, rest, len(operands), on_disk))
     # offload_params="nvme": output position -> params leaf written to its file (the
     # new params: the compute copy with param_dtype, else the new owned params)
     built["param_out"], built["param_sh"] = {}, {}
@@ -146,7 +139,54 @@ def build(opt, state, params, owned, grads, finite, grad_norm, scale) -> dict:
     return built
 
 
-def _programs(ops, plan, out_refs: list, buckets: list, rest: list, n_operands: int) -> dict:
+def _plan(cfg, ops, operands: list, on_disk: list, index: dict, by_leaf: dict, n_leaves: int):
+    """``(plan, slots)``: the operands grouped and packed into buckets of at most
+    ``nvme_buffer_size`` bytes (:class:`zerojax.tiers.offload._Plan`, the host tier's
+    analysis), a group larger than that cut into pieces along the axes its update is
+    elementwise along and no mesh axis splits (:mod:`zerojax.tiers.buckets`); per bucket
+    the buffers it takes (1, or a group kept whole: its bytes in buffers, refused above
+    ``nvme_buffer_count`` of them)."""
+    elems = nvme_plan.buffer_elements(cfg.nvme_buffer_size,
+                                      [np.dtype(x.dtype).itemsize for x in operands])
+    names = ["opt_state" + by_leaf[index[j]]["path"] if index.get(j) in by_leaf
+             else f"operand {j}" for j in range(len(operands))]
+    sharded = offload.sharded_axes([getattr(x, "sharding", None) for x in operands[:n_leaves]])
+    sharded += [None] * (len(operands) - n_leaves)
+    try:
+        plan = offload._Plan(ops, operands, on_disk, elems, disk_threshold(cfg),
+                             sharded=sharded, names=names, option="nvme_buffer_size")
+    except B.BucketTooSmall as e:
+        raise B.BucketTooSmall(
+            f"{e} (nvme_buffer_size is in bytes: {elems} elements of the widest operand, "
+            f"{cfg.nvme_buffer_size} bytes; raise it to that row times the itemsize)") from e
+    size, count = cfg.nvme_buffer_size, cfg.nvme_buffer_count
+    nbytes = {m: by_leaf[index[m]]["nbytes"] for m in range(len(operands)) if on_disk[m]}
+    for g in plan.whole:
+        members = [m for m in plan.buckets[plan.bucket(g.key)] if m in nbytes]
+        have = sum(nbytes[m] for m in members)
+        if -(-have // size) > count:
+            raise ValueError(
+                f"offload_optimizer='nvme': {g.name}'s state ({have} bytes with its "
+                "moments) is read, updated and written whole (its update reads across the "
+                "leaf: a per-leaf norm, factored moments), and does not fit the host "
+                f"buffers: nvme_buffer_count={count} x nvme_buffer_size={size} = "
+                f"{count * size} bytes. Raise nvme_buffer_size (or nvme_buffer_count) to "
+                f"hold {have} bytes, or use an elementwise optimizer (adam, adamw, sgd).")
+        warnings.warn(
+            f"offload_optimizer='nvme': {g.name}'s state ({have} bytes with its moments) "
+            f"is larger than nvme_buffer_size={size}, but the optimizer's update reads "
+            "across that leaf (a per-leaf norm, factored moments): it is read, updated "
+            f"and written whole, taking {-(-have // size)} of the nvme_buffer_count={count} "
+            "buffers, and brought to the device whole. Budget device memory for it, or "
+            "use an elementwise optimizer (adam, adamw, sgd) to bound the buckets.",
+            stacklevel=4)
+    slots = [max(1, -(-sum(nbytes.get(m, 0) for m in mem) // size)) if r is None else 1
+             for mem, r in zip(plan.buckets, plan.regions)]
+    return plan, slots
+
+
+def _programs(ops, plan, out_refs: list, buckets: list, rest: list, n_operands: int,
+              on_disk: list) -> dict:
     """The compiled programs: ``pre_prog`` (the shared scalars), ``progs`` (one per
     bucket), ``rest_prog`` (the outputs of no bucket)."""
     # the small values no offloaded leaf is needed for (the step count, Adam's bias
@@ -156,8 +196,10 @@ def _programs(ops, plan, out_refs: list, buckets: list, rest: list, n_operands: 
     pre = P.shared_scalars(ops, plan, n_operands)
     given = frozenset(pre)
     cache: dict = {}
-    progs = [P.program(ops, [out_refs[k] for k in outs], outs, given, cache=cache)
-             for _, outs in buckets]
+    progs = [P.program(ops, [out_refs[k] for k in outs], outs, given, cache=cache,
+                       piece=None if region is None else (
+                           region, plan.shape[mem[0]], [m for m in mem if on_disk[m]]))
+             for (mem, outs), region in zip(buckets, plan.regions)]
     # the small leaves' updates (scalars throughout): compiled as they are, each
     # scalar already read as often as in the one-program step
     # Leaves below min_shard_size that are not scalars (a bias of 64 elements at the

@@ -4,7 +4,9 @@
 keeps each process's partitioned optimizer state, and with ``param_dtype`` its fp32
 master weights, in files under ``DIR`` between steps; host memory holds at most
 ``nvme_buffer_count`` buckets of them at once (each at most ``nvme_buffer_size``
-bytes, or one leaf's group when a leaf is larger), whatever the model's size.
+bytes: a leaf larger than that is read, updated and written a piece at a time, issue
+50; one whose update reads across it is kept whole, taking several buffers, or refused
+when it exceeds them all), whatever the model's size.
 
 Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
 
@@ -21,7 +23,8 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   then mix two steps and are refused), the training step of that update where known,
   and per file the leaf's path in ``TrainState.opt_state`` (``jax.tree_util.keystr``),
   dtype, global (padded) shape and the process's shards, each with the ``crc32`` of
-  its bytes as written (checked when read: a mismatch is refused naming the file, leaf,
+  its bytes as written (a shard written a piece at a time: ``"pieces"``, a crc32 per
+  piece, keyed by its box in the shard) (checked when read: a mismatch is refused naming the file, leaf,
   shard and step). Written to a temporary file, fsync'ed and renamed (the directory
   fsync'ed); the generation moves once the clean manifest is durable. A write that
   fails (:class:`NvmeWriteError`) before any leaf leaves the previous generation in
@@ -508,6 +511,20 @@ class NvmeStore:
         return self.place(e, self.read_host(e), sharding)
 
     place = staticmethod(nvme_files.place)
+
+    def write_piece(self, e: dict, x: jax.Array, region: tuple) -> None:
+        """A piece (``region``: ``(start, size)`` per axis) of leaf ``e``'s new value into
+        its file (issue 50: a leaf larger than the buffer, cut along axes its shards hold
+        whole)."""
+        self.writes_started += 1
+        nvme_files.write_box(self.dir, e, x, region, self.checksums)
+
+    def read_piece(self, e: dict, sharding: NamedSharding, region: tuple,
+                   verified: set) -> jax.Array:
+        """A piece of leaf ``e`` read from its file and placed with ``sharding``
+        (``verified``: the shards whose whole crc32 was checked this step)."""
+        host = nvme_files.read_box(self.dir, e, region, self._corrupt, verified)
+        return nvme_files.place_piece(e, host, sharding, region)
 
     def read_host(self, e: dict) -> dict:
         """Leaf ``e``'s shards read from its file into host buffers, by shard index."""

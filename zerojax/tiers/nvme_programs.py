@@ -83,10 +83,18 @@ def _canonical(sub, inputs: list, want: list, computed: list):
 
 
 def program(ops, want: list, outs: list, given: frozenset = frozenset(),
-            cache: dict | None = None, extra_uses: bool = True):
+            cache: dict | None = None, extra_uses: bool = True, piece=None):
     """``run(operands, read) -> {output key: value}``: the equations computing the refs
     ``want`` (keyed by ``outs``) from the operands and the refs ``given`` (computed
-    before, passed in as inputs), compiled as one program."""
+    before, passed in as inputs), compiled as one program.
+
+    ``piece`` (issue 50): ``(region, shape, members)``: the program computes one piece
+    (``region``: ``(start, size)`` per axis of the group's ``shape``) of a group cut along
+    axes its update is elementwise along; ``members`` (the operands read from the files)
+    come in as their pieces, every other value it reads whole is cut to the piece where
+    an elementwise equation reads it (a ``dynamic_slice`` of the region's start, passed
+    at run time: equal-sized pieces share one compilation, then an optimization barrier:
+    a buffer of its own, as the host tier's pieces, :class:`zerojax.tiers.offload._Pieces`)."""
     need = {r for r in want if not isinstance(r, tuple)}
     chosen = []
     for k in range(len(ops) - 1, -1, -1):
@@ -105,37 +113,104 @@ def program(ops, want: list, outs: list, given: frozenset = frozenset(),
     # rewrites a division by a single-use scalar, A / b -> A * (1/b), 1 ulp apart.
     computed = [x for _, _, o in sub for x in o
                 if x not in outputs and shape_of(x, sub) == ()] if extra_uses else []
-    def body(*vals):
+    cutter = None if piece is None else _Cutter(piece, sub, inputs)
+
+    def body(starts, *vals):
         env = dict(zip(inputs, vals))
-
-        def rd(r):
-            return r[1] if isinstance(r, tuple) else env[r]
-
-        for eqn, ins, o in sub:
-            for ref, val in zip(o, offload._bind(eqn, [rd(r) for r in ins])):
+        rd = env.__getitem__ if cutter is None else cutter.start(env, starts)
+        for k, (eqn, ins, o) in enumerate(sub):
+            if cutter is None:
+                got, as_piece = offload._bind(eqn, [_lit(r, rd) for r in ins]), False
+            else:
+                got, as_piece = cutter.run(k, eqn, ins, o)
+            for ref, val in zip(o, got):
                 if ref in outputs and not isinstance(val, tuple):
                     val = jax.lax.optimization_barrier(val)
-                env[ref] = val
+                if cutter is None:
+                    env[ref] = val
+                else:
+                    cutter.put(ref, val, as_piece)
         more = [v for v in vals if getattr(v, "shape", None) == ()] if extra_uses else []
-        return ([rd(r) for r in want], [rd(r) for r in computed],
+        return ([_lit(r, rd) for r in want], [_lit(r, rd) for r in computed],
                 jax.lax.optimization_barrier(more))
 
     key = _canonical(sub, inputs, want, computed)
+    if key is not None and piece is not None:
+        key = (key, cutter.key)
     if cache is not None and key is not None and key in cache:
         jitted = cache[key]  # a bucket of the same shapes and equations: compiled once
     else:
         jitted = jax.jit(body)
         if cache is not None and key is not None:
             cache[key] = jitted
+    starts = None if piece is None else np.asarray([a for a, _ in piece[0]], np.int32)
 
     def run(operands: dict, read: dict) -> dict:
         if not outs and not want:
             return {}
         vals = [read[r] if r in read else operands[r] for r in inputs]
-        return dict(zip(outs, jitted(*vals)[0]))
+        return dict(zip(outs, jitted(starts, *vals)[0]))
 
     run.jitted, run.inputs = jitted, inputs
     return run
+
+
+def _lit(r, rd):
+    return r[1] if isinstance(r, tuple) else rd(r)
+
+
+class _Cutter:
+    """A piece program's values (see :func:`program`'s ``piece``): each value whole, as
+    its piece, or both. An elementwise equation (``_Pieces.local_op``) runs on the
+    pieces of its inputs (recomputed on the piece, as the host tier recomputes the
+    gradient's cast, unscale and clip: computed whole and sliced, XLA:CPU fused them
+    otherwise); another equation (on whole device values only: none of a group's) runs
+    whole, and an elementwise one whose value such an equation reads runs whole too."""
+
+    def __init__(self, piece, sub, inputs):
+        region, shape, members = piece
+        self.pieces = offload._Pieces(tuple(region), tuple(shape))
+        self.members = frozenset(members)
+        self.local = [self.pieces.local_op(eqn) for eqn, _, _ in sub]
+        self.whole_needed = {r for (eqn, ins, _), loc in zip(sub, self.local) if not loc
+                             for r in ins if not isinstance(r, tuple)}
+        self.key = (tuple(n for _, n in region), tuple(shape),
+                    tuple(i for i, r in enumerate(inputs) if r in self.members))
+
+    def start(self, env: dict, starts):
+        self.whole = {r: v for r, v in env.items() if r not in self.members}
+        self.piece = {r: v for r, v in env.items() if r in self.members}
+        self.starts = starts
+        return self.read_piece
+
+    def _cut(self, x):
+        if not getattr(x, "ndim", 0):
+            return x
+        p = self.pieces
+        at = tuple(self.starts[j] if j in p.cut_axes else 0 for j in range(x.ndim))
+        sizes = tuple(p.region[j][1] if j in p.cut_axes else d for j, d in enumerate(x.shape))
+        return jax.lax.optimization_barrier(jax.lax.dynamic_slice(x, at, sizes))
+
+    def read_piece(self, r):
+        if r in self.piece:
+            return self.piece[r]
+        x = self.whole[r]
+        if getattr(x, "ndim", 0):
+            x = self.piece[r] = self._cut(x)
+        return x
+
+    def run(self, k: int, eqn, ins, outs) -> tuple[list, bool]:
+        """Equation ``k``'s values, and whether they are pieces."""
+        if not self.local[k] or any(o in self.whole_needed for o in outs):
+            got = offload._bind(eqn, [_lit(r, self.whole.__getitem__) for r in ins])
+            if not self.local[k]:
+                return got, False
+            for o, v in zip(outs, got):
+                self.whole[o] = v
+        return self.pieces.bind(eqn, [_lit(r, self.read_piece) for r in ins]), True
+
+    def put(self, ref, val, as_piece: bool) -> None:
+        (self.piece if as_piece else self.whole)[ref] = val
 
 
 def chain(progs: list):
