@@ -11,9 +11,11 @@ temporaries grow with the number of experts.
 vocab 256, fp32 AdamW, ZeRO stage 3 over every device on ``data``) three ways: dense
 (a SwiGLU of ``k x moe_hidden``), a mixture of ``--experts`` experts top-``k`` of
 ``moe_hidden`` dropless (``jax.lax.ragged_dot``) and with capacity factor 1.25: the
-same active params a token (the router aside). The runs take turns step by step;
-median step, tokens/s and the MoE over dense. Expert-axis rows (``make_mesh(expert=X)``)
-once that axis is on main.
+same active params a token (the router aside); with an ``expert`` mesh axis
+(``make_mesh(data=N / X, expert=X)``, where the tree has it) the two MoE modes again at
+each X of ``--expert-degrees`` (the experts split over X devices, the tokens moved by
+all-to-alls). The runs take turns step by step; median step, tokens/s and the MoE over
+dense.
 
 ``memory``: one device, one layer, no remat, forward + backward compiled
 (``jax.jit(jax.grad(lm_loss))``) at 8, 16 and 32 experts, k = 2, moe_hidden 64, 1,024
@@ -39,30 +41,36 @@ def _config(args, **kw):
 
 
 def speed(args) -> None:
+    import inspect
+
     import jax
     import numpy as np
     import optax
 
     import zerojax
     from zerojax.models.gpt import lm_loss
-    from zerojax.models.llama import Llama, llama_params
+    from zerojax.models.llama import Llama, llama_param_specs, llama_params
 
     n = len(jax.devices())
     k, f = args.k, args.moe_hidden
-    variants = [("dense", _config(args, mlp_hidden=k * f)),
-                ("moe dropless", _config(args, mlp_hidden=k * f, experts=args.experts,
-                                         experts_per_token=k, moe_hidden=f)),
-                ("moe capacity 1.25", _config(args, mlp_hidden=k * f, experts=args.experts,
-                                              experts_per_token=k, moe_hidden=f,
-                                              capacity_factor=1.25))]
+    moe = dict(mlp_hidden=k * f, experts=args.experts, experts_per_token=k, moe_hidden=f)
+    variants = [("dense", _config(args, mlp_hidden=k * f), 1),
+                ("moe dropless", _config(args, **moe), 1),
+                ("moe capacity 1.25", _config(args, **moe, capacity_factor=1.25), 1)]
+    if "expert" in inspect.signature(zerojax.make_mesh).parameters:
+        for x in args.expert_degrees:
+            variants += [(f"moe dropless, expert={x}", _config(args, **moe), x),
+                         (f"moe capacity 1.25, expert={x}",
+                          _config(args, **moe, capacity_factor=1.25), x)]
     tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.seq + 1))
     tokens = tokens.astype(np.int32)
     runs = []
-    for name, cfg in variants:
+    for name, cfg, x in variants:
         model = Llama(cfg)
         params = llama_params(model, 0)
-        opt = zerojax.zero(optax.adamw(1e-3), zerojax.make_mesh(data=n), stage=3)
-        state = opt.init_state(params)
+        mesh = zerojax.make_mesh(data=n // x, expert=x) if x > 1 else zerojax.make_mesh(data=n)
+        opt = zerojax.zero(optax.adamw(1e-3), mesh, stage=3)
+        state = opt.init_state(params, model_specs=llama_param_specs(model))
         step = opt.train_step(lm_loss(model))
         placed = step.place_batch(tokens)
         start = time.perf_counter()
@@ -131,6 +139,9 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--k", type=int, default=2, help="experts per token")
     p.add_argument("--moe-hidden", type=int, default=128)
+    p.add_argument("--expert-degrees", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[2, 4], help="expert axis sizes X of the expert rows (where "
+                   "make_mesh takes expert=X)")
     args = p.parse_args()
     check_counts(p, args, ("devices", "steps", "layers", "hidden", "seq", "batch", "experts",
                            "k", "moe_hidden"))
