@@ -10,7 +10,8 @@ temporaries grow with the number of experts.
 ``speed``: zerojax's Llama (``--layers`` x ``--hidden``, 4 heads, 2 key-value heads,
 vocab 256, fp32 AdamW, ZeRO stage 3 over every device on ``data``) three ways: dense
 (a SwiGLU of ``k x moe_hidden``), a mixture of ``--experts`` experts top-``k`` of
-``moe_hidden`` dropless (``jax.lax.ragged_dot``) and with capacity factor 1.25: the
+``moe_hidden`` dropless (``jax.lax.ragged_dot``, and ``moe_matmul="blocked"``) and with
+capacity factor 1.25: the
 same active params a token (the router aside); with an ``expert`` mesh axis
 (``make_mesh(data=N / X, expert=X)``, where the tree has it) the two MoE modes again at
 each X of ``--expert-degrees`` (the experts split over X devices, the tokens moved by
@@ -20,8 +21,8 @@ dense.
 ``memory``: one device, one layer, no remat, forward + backward compiled
 (``jax.jit(jax.grad(lm_loss))``) at 8, 16 and 32 experts, k = 2, moe_hidden 64, 1,024
 tokens: ``memory_analysis()``'s temporaries, the params' bytes (which grow with E, and
-whose gradients are among the temporaries) and the temporaries less them, dropless and
-capacity factor 1.
+whose gradients are among the temporaries) and the temporaries less them, dropless
+(``ragged_dot``; ``blocked``) and capacity factor 1.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def speed(args) -> None:
     moe = dict(mlp_hidden=k * f, experts=args.experts, experts_per_token=k, moe_hidden=f)
     variants = [("dense", _config(args, mlp_hidden=k * f), 1),
                 ("moe dropless", _config(args, **moe), 1),
+                ("moe dropless, blocked", _config(args, **moe, moe_matmul="blocked"), 1),
                 ("moe capacity 1.25", _config(args, **moe, capacity_factor=1.25), 1)]
     if "expert" in inspect.signature(zerojax.make_mesh).parameters:
         for x in args.expert_degrees:
@@ -110,18 +112,18 @@ def memory(args) -> None:
           f"moe_hidden 64; jax {jax.__version__} on {jax.devices()[0].platform}\n")
     print("| mode | experts | temporaries (MiB) | params (MiB) | temporaries - params (MiB) |")
     print("|---|--:|--:|--:|--:|")
-    for cf in (None, 1.0):
+    for cf, mm in ((None, "ragged"), (None, "blocked"), (1.0, "ragged")):
         for e in (8, 16, 32):
             cfg = LlamaConfig(vocab=256, seq=128, layers=1, hidden=64, heads=4, kv_heads=2,
                               mlp_hidden=176, experts=e, experts_per_token=2, moe_hidden=64,
-                              remat=False, capacity_factor=cf)
+                              remat=False, capacity_factor=cf, moe_matmul=mm)
             model = Llama(cfg)
             shapes = llama_param_shapes(model)
             c = jax.jit(jax.grad(lm_loss(model))).lower(
                 shapes, jax.ShapeDtypeStruct((8, 129), jnp.int32)).compile()
             temp = c.memory_analysis().temp_size_in_bytes
             params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-            mode = "dropless" if cf is None else f"capacity {cf:g}"
+            mode = f"dropless, {mm}" if cf is None else f"capacity {cf:g}"
             print(f"| {mode} | {e} | {temp / MiB:.2f} | {params / MiB:.2f} | "
                   f"{(temp - params) / MiB:.2f} |")
 

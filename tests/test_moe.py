@@ -5,6 +5,8 @@ that get no token, one token); the load-balancing loss as transformers' formula;
 stage-3 step on 8 devices equal to one device, the aux loss in the loss and the
 metrics. The families read from Hugging Face are tests/test_hf_moe.py's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4, kv_heads=2, mlp_hidd
             experts=4, experts_per_token=2, moe_hidden=16, remat=False)
 
 
-def _naive_experts(x, experts, weights, w_gate, w_up, w_down, capacity_factor=None):
+def _naive_experts(x, experts, weights, w_gate, w_up, w_down, capacity_factor=None, **_):
     """Every expert on every token, the chosen ones picked and weighted."""
     every = jnp.stack([(jax.nn.silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]
                        for e in range(w_gate.shape[0])], 1)
@@ -295,3 +297,22 @@ def test_weighted_loss_and_grads_with_remat_tiles_or_unscanned(model_case, optio
     if not options.get("scan", True):
         want_g = _unstack(want_g, 2)
     assert max_rel_err(want_g, got_g) < 1e-5
+
+
+def test_blocked_grouped_matmul_model_equals_ragged_dot(model_case):
+    """moe_matmul="blocked" (zerojax.models.grouped: a scan over row tiles) against the
+    default ragged_dot: the logits and the loss's gradients of the same params."""
+    config, model, params, tokens = model_case
+    blocked = Llama(dataclasses.replace(config, moe_matmul="blocked"))
+    got = {}
+    for name, m in (("ragged", model), ("blocked", blocked)):
+        got[name] = jax.jit(lambda p, t, m=m: (
+            m.apply({"params": p}, t), jax.grad(lm_loss(m))(p, t)))(params, tokens)
+    (lr, gr), (lb, gb) = got["ragged"], got["blocked"]
+    err = float(np.abs(np.asarray(lr) - np.asarray(lb)).max())
+    gerr = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gb)))
+    print("blocked vs ragged: logits", err, "grads", gerr)
+    assert err <= 2e-6 and gerr <= 2e-6, (err, gerr)
+    with pytest.raises(ValueError, match="moe_matmul='dense'.*ragged"):
+        LlamaConfig(**{**TINY, "moe_matmul": "dense"})

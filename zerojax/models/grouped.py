@@ -41,9 +41,10 @@ IMPLS = ("ragged", "blocked")
 DEFAULT_BLOCK = 128
 
 
-def check_impl(impl: str, where: str = "grouped_matmul") -> str:
+def check_impl(impl: str, what: str = "grouped_matmul: impl") -> str:
+    """``impl`` if it is one of :data:`IMPLS`; a ValueError naming ``what`` otherwise."""
     if impl not in IMPLS:
-        raise ValueError(f"{where}: impl={impl!r} is not one of {list(IMPLS)} ('ragged': "
+        raise ValueError(f"{what}={impl!r} is not one of {list(IMPLS)} ('ragged': "
                          "jax.lax.ragged_dot; 'blocked': a scan over row tiles whose "
                          "memory does not grow with the number of experts).")
     return impl

@@ -203,7 +203,12 @@ class LlamaConfig(DecoderSpec):
     load-balancing loss (transformers' ``output_router_logits``). capacity_factor:
     ``None`` (dropless: a grouped matmul over the tokens sorted by expert) or the
     capacity factor (each expert takes at most ``ceil(factor * tokens * k / experts)``
-    of the device's tokens, the rest dropped and counted). Every layer is sparse
+    of the device's tokens, the rest dropped and counted). moe_matmul: the dropless
+    grouped matmul (:func:`zerojax.models.grouped.grouped_matmul`): ``"ragged"``
+    (``jax.lax.ragged_dot``: XLA's grouped GEMM where the backend has one, a dense dot
+    over every expert where it has not, as on the CPU) or ``"blocked"`` (a scan over
+    row tiles: temporaries that do not grow with the number of experts, slower on a
+    GPU). Every layer is sparse
     (Qwen's ``decoder_sparse_step`` 1, no ``mlp_only_layers``).
     """
 
@@ -234,6 +239,7 @@ class LlamaConfig(DecoderSpec):
     router_aux_loss: bool = True
     router_aux_loss_coef: float = 0.001
     capacity_factor: float | None = None
+    moe_matmul: str = "ragged"
 
     def __post_init__(self):
         if self.kv_heads is None:

@@ -11,8 +11,11 @@ One block replaces the SwiGLU MLP of a :class:`zerojax.models.llama.Llama` layer
   so), the ``k`` weights divided by their sum;
 - **the experts** (:func:`expert_mlp`, the one function an expert-parallel version
   replaces): each token's ``k`` copies sorted by expert and each expert's SwiGLU run
-  as a grouped matmul (``jax.lax.ragged_dot``) over its rows: no token is dropped and
-  no buffer grows with the number of experts (dropless, the default); or, with
+  as a grouped matmul over its rows (:func:`zerojax.models.grouped.grouped_matmul`:
+  ``jax.lax.ragged_dot``, or with ``moe_matmul="blocked"`` a scan over row tiles whose
+  temporaries do not grow with the number of experts, where XLA rewrites
+  ``ragged_dot`` into a dense dot over every expert, as on the CPU): no token is
+  dropped (dropless, the default); or, with
   ``capacity_factor``, each expert takes at most ``C = ceil(capacity_factor * tokens
   * k / experts)`` rows (the earliest tokens first), the rest dropped (their
   contribution 0, the token keeps its residual) and counted;
@@ -55,6 +58,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.core.modelspec import check_int
+from zerojax.models import grouped
 
 # zerojax.models.gpt's remat names (MLP_IN, MLP_OUT), spelled here: gpt imports this
 # module (lm_loss), so this one may not import gpt
@@ -104,6 +108,7 @@ def check_moe_config(config) -> None:
             raise ValueError(f"LlamaConfig.router_dtype must be a floating dtype "
                              f"(float32) or None (the compute dtype), got "
                              f"{config.router_dtype!r}")
+    grouped.check_impl(config.moe_matmul, "LlamaConfig.moe_matmul")
     if config.mlp_tiles is not None:
         raise ValueError(f"LlamaConfig.mlp_tiles={config.mlp_tiles} with experts="
                          f"{config.experts}: the tiled MLP is the dense SwiGLU's; set "
@@ -135,7 +140,8 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
 
 
 def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-               w_up: jax.Array, w_down: jax.Array, capacity_factor: float | None = None):
+               w_up: jax.Array, w_down: jax.Array, capacity_factor: float | None = None,
+               matmul: str = "ragged"):
     """The routed experts' output ``(n, hidden)`` and the number of dropped (token,
     expert) assignments (an int32 scalar; 0 when dropless).
 
@@ -144,10 +150,12 @@ def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax
     hidden)`` in the compute dtype. The dispatch: the ``n * k`` assignments sorted by
     expert (stable: token order within an expert), each row a copy of its token, each
     expert's SwiGLU over its rows, the rows put back in assignment order, weighted and
-    summed over ``k``. Dropless (``capacity_factor=None``): one ``ragged_dot`` per
-    projection over the sorted rows, group sizes = each expert's count. Capacity: an
-    ``(E, C, hidden)`` buffer (:func:`capacity`), row ``c`` of expert ``e`` its
-    ``c``-th assignment, rows beyond ``C`` dropped.
+    summed over ``k``. Dropless (``capacity_factor=None``): one grouped matmul
+    (``matmul``: ``"ragged"`` or ``"blocked"``,
+    :func:`zerojax.models.grouped.grouped_matmul`) per projection over the sorted
+    rows, group sizes = each expert's count. Capacity: an ``(E, C, hidden)`` buffer
+    (:func:`capacity`), row ``c`` of expert ``e`` its ``c``-th assignment, rows beyond
+    ``C`` dropped.
 
     This is the function an expert-parallel version (an all-to-all over an ``expert``
     mesh axis in ``shard_map``) replaces: same arguments, experts' leading axis local."""
@@ -162,7 +170,7 @@ def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax
     if capacity_factor is None:
         xs = x[order // k]
         y = _swiglu(xs, w_gate, w_up, w_down,
-                    lambda a, w: jax.lax.ragged_dot(a, w, counts))
+                    lambda a, w: grouped.grouped_matmul(a, w, counts, matmul))
         y = y[inverse]
         dropped = jnp.zeros((), jnp.int32)
     else:
@@ -242,7 +250,8 @@ class MoEBlock(nn.Module):
         w_down = _param(self, "wo", (num_experts, f, h), (None, "model", None))
         dt = cfg.dtype
         y, dropped = expert_mlp(tokens.astype(dt), chosen, weights, w_gate.astype(dt),
-                                w_up.astype(dt), w_down.astype(dt), cfg.capacity_factor)
+                                w_up.astype(dt), w_down.astype(dt), cfg.capacity_factor,
+                                matmul=cfg.moe_matmul)
         if cfg.shared_expert_hidden is not None:
             y = y + SharedExpert(cfg, name="shared_expert")(tokens) * jax.nn.sigmoid(
                 nn.Dense(1, use_bias=False, dtype=dt, param_dtype=jnp.float32,
