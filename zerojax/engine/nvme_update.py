@@ -9,9 +9,10 @@ a function of the flat operands :mod:`zerojax.engine.nvme_plan` describes; :func
 traces it, lets :class:`zerojax.tiers.offload._Plan` group the operands into buckets (a
 parameter's master, moments and gradient together; ``nvme_buffer_size`` bytes a
 bucket; a larger group cut into pieces along the axes its update is elementwise along,
-the host tier's analysis, :mod:`zerojax.tiers.buckets`), and compiles the programs (:mod:`zerojax.tiers.nvme_programs`). Its dict is what
-:class:`zerojax.engine.nvme_step.NvmeTrainStep` keeps per params structure (``_plans``) and
-:mod:`zerojax.engine.nvme_pipeline` reads.
+the host tier's analysis, :mod:`zerojax.tiers.buckets`), and compiles the programs
+(:mod:`zerojax.tiers.nvme_programs`). Its dict is what
+:class:`zerojax.engine.nvme_step.NvmeTrainStep` keeps per params structure (``_plans``)
+and :mod:`zerojax.engine.nvme_pipeline` reads.
 """
 
 from __future__ import annotations

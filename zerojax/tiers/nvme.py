@@ -24,8 +24,8 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   and per file the leaf's path in ``TrainState.opt_state`` (``jax.tree_util.keystr``),
   dtype, global (padded) shape and the process's shards, each with the ``crc32`` of
   its bytes as written (a shard written a piece at a time: ``"pieces"``, a crc32 per
-  piece, keyed by its box in the shard) (checked when read: a mismatch is refused naming the file, leaf,
-  shard and step). Written to a temporary file, fsync'ed and renamed (the directory
+  piece, keyed by its box in the shard) (checked when read: a mismatch is refused
+  naming the file, leaf, shard and step). Written to a temporary file, fsync'ed and renamed (the directory
   fsync'ed); the generation moves once the clean manifest is durable. A write that
   fails (:class:`NvmeWriteError`) before any leaf leaves the previous generation in
   force; after every leaf, the error carries the new state (``err.state``), whose
