@@ -25,10 +25,10 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   dtype, global (padded) shape and the process's shards, each with the ``crc32`` of
   its bytes as written (a shard written a piece at a time: ``"pieces"``, a crc32 per
   piece, keyed by its box in the shard) (checked when read: a mismatch is refused
-  naming the file, leaf, shard and step). Written to a temporary file, fsync'ed and renamed (the directory
-  fsync'ed); the generation moves once the clean manifest is durable. A write that
-  fails (:class:`NvmeWriteError`) before any leaf leaves the previous generation in
-  force; after every leaf, the error carries the new state (``err.state``), whose
+  naming the file, leaf, shard and step). Written to a temporary file, fsync'ed and
+  renamed (the directory fsync'ed); the generation moves once the clean manifest is
+  durable. A write that fails (:class:`NvmeWriteError`) before any leaf leaves the
+  previous generation in force; after every leaf, the error carries the new state (``err.state``), whose
   manifest write is retried at its next use; in between, the files are refused,
   naming the last checkpoint to restore.
 * ``leaf-<i>.bin`` for the i-th leaf of ``opt_state`` (``jax.tree.leaves`` order) of at
