@@ -28,9 +28,9 @@ Files (one set per process, ``DIR/zerojax-nvme-p<process index>/``):
   naming the file, leaf, shard and step). Written to a temporary file, fsync'ed and
   renamed (the directory fsync'ed); the generation moves once the clean manifest is
   durable. A write that fails (:class:`NvmeWriteError`) before any leaf leaves the
-  previous generation in force; after every leaf, the error carries the new state (``err.state``), whose
-  manifest write is retried at its next use; in between, the files are refused,
-  naming the last checkpoint to restore.
+  previous generation in force; after every leaf, the error carries the new state
+  (``err.state``), whose manifest write is retried at its next use; in between, the
+  files are refused, naming the last checkpoint to restore.
 * ``leaf-<i>.bin`` for the i-th leaf of ``opt_state`` (``jax.tree.leaves`` order) of at
   least ``max(min_shard_size, 2)`` elements: the raw bytes (native byte order, C
   order) of this process's distinct shards of that leaf, one after another in the
