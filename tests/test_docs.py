@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import cached_gpt_params
+from helpers import cached_gpt_params, xla_flags
 
 import zerojax
 
@@ -119,8 +119,12 @@ def test_complete_block_runs_as_written(code, tmp_path):
 def test_the_fragments_programs_run(tmp_path):
     """examples/readme_tour.py, the complete program of most README fragments
     (dropout.py and gpt_tensor_parallel.py run in test_examples.py, multiprocess.py
-    under the launcher in test_cli.py)."""
+    under the launcher in test_cli.py). Its 8 simulated devices (what the program sets
+    itself) at this process's LLVM level (tests/conftest.py: -O0 in the main pass), as
+    test_examples.py runs the other examples: what it prints does not depend on the
+    level, and -O0 compiles its many small programs faster (CI time)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = xla_flags(8)
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "readme_tour.py")],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
