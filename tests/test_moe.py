@@ -132,8 +132,8 @@ def test_param_layout_has_experts_leading(model_case):
     assert mlp["wi_0"].shape == (2, 4, 32, 16) and mlp["wo"].shape == (2, 4, 16, 32)
     assert mlp["gate"]["kernel"].shape == (2, 32, 4)
     specs = llama_param_specs(model)["decoder"]["layers"]["mlp"]
-    assert tuple(specs["wi_0"]) == (None, None, None, "model")
-    assert tuple(specs["wo"]) == (None, None, "model", None)
+    assert tuple(specs["wi_0"]) == (None, "expert", None, "model")
+    assert tuple(specs["wo"]) == (None, "expert", "model", None)
 
 
 @pytest.mark.parametrize("stress", ["spread", "same_experts", "one_token"])

@@ -324,6 +324,10 @@ def _param_structs(params: Any, model_specs: Any, mp: int) -> tuple[Any, Any]:
     if model_specs is not None and mp == 1:  # splits over a size-1 axis split nothing
         model_specs = jax.tree.map(lambda s: P(*(None,) * len(tuple(s))), model_specs,
                                    is_leaf=lambda x: isinstance(x, P))
+    elif model_specs is not None:  # the MoE experts' "expert" name: no expert axis here
+        from zerojax.core.partition import EXPERT, drop_axes
+        model_specs = jax.tree.map(lambda s: P(*drop_axes(s, {EXPERT})), model_specs,
+                                   is_leaf=lambda x: isinstance(x, P))
     return structs, model_specs
 
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.api.config import ZeroConfig
 from zerojax.core import partition as part
-from zerojax.core.mesh import REPLICA, SEQ
+from zerojax.core.mesh import EXPERT, REPLICA, SEQ
 from zerojax.core.state import MasterState
 from zerojax.tiers import nvme, offload
 
@@ -44,6 +44,8 @@ class MeshAxes:
     batch_size: int
     row_size: int
     param_size: int
+    expert_axis: str | None = None
+    expert_size: int = 1
 
 
 def resolve_axes(cfg: ZeroConfig, mesh: Mesh) -> MeshAxes:
@@ -66,7 +68,10 @@ def resolve_axes(cfg: ZeroConfig, mesh: Mesh) -> MeshAxes:
     * ``replica_axis``: the node axis of HSDP / hpZ (None for plain ZeRO);
     * ``param_axis`` / ``param_size``: where stage-3 params are held between steps
       and gathered from, and where gradients are reduce-scattered first (hpZ:
-      ``data``; otherwise ``zero_axis``).
+      ``data``; otherwise ``zero_axis``);
+    * ``expert_axis`` / ``expert_size``: the ``expert`` axis (expert parallelism) and
+      its size (None / 1 without one): one more batch axis, along the batch
+      dimension, for the dense params; the experts split over it (:func:`expert_of`).
     """
     data = cfg.data_axis
     shape = dict(mesh.shape)
@@ -98,12 +103,14 @@ def resolve_axes(cfg: ZeroConfig, mesh: Mesh) -> MeshAxes:
             f"data x seq (drop {given}), or make_mesh(...) without seq.")
     seq_axis = seq
     seq_size = int(shape[seq]) if seq is not None else 1
-    row_axes = (rep, data) if rep is not None else data  # the batch dimension
+    expert = _expert_axis(cfg, mesh, rep, seq)
+    # the batch dimension (expert parallelism: split over data x expert as well)
+    row_axes = (rep, data) if rep is not None else (data, expert) if expert else data
     batch_axes = (*((rep,) if rep is not None else ()), data, seq) if seq else (
         row_axes)
     if rep is None:
         zero_axis, replica_axis, mode = (
-            (data, seq) if seq else data), None, "plain"
+            (data, seq) if seq else row_axes), None, "plain"
     elif cfg.hpz:
         zero_axis, replica_axis, mode = (data, rep), rep, "hpz"
     elif cfg.replica_axis is not None:
@@ -116,7 +123,43 @@ def resolve_axes(cfg: ZeroConfig, mesh: Mesh) -> MeshAxes:
     row_size = _axes_size(mesh, row_axes)
     param_size = _axes_size(mesh, param_axis)
     return MeshAxes(zero_axis, replica_axis, mode, seq_axis, seq_size, row_axes, batch_axes,
-                    param_axis, data_size, batch_size, row_size, param_size)
+                    param_axis, data_size, batch_size, row_size, param_size, expert,
+                    int(shape[expert]) if expert else 1)
+
+
+def _expert_axis(cfg: ZeroConfig, mesh: Mesh, rep, seq) -> str | None:
+    """The mesh's ``expert`` axis (None without one), combinations not implemented
+    refused naming them."""
+    if EXPERT not in mesh.shape or cfg.data_axis == EXPERT:
+        return None
+    others = [f"{what} ({name!r})" for what, name in (("a replica axis", rep),
+                                                      ("sequence parallelism", seq)) if name]
+    if others:
+        raise ValueError(
+            f"a mesh with an {EXPERT!r} axis and {' and '.join(others)} is not implemented: "
+            f"expert parallelism is wired for data x expert x model meshes; build the mesh "
+            f"with zerojax.make_mesh(data=D, expert=X, model=M).")
+    unsupported = [f"{name}={getattr(cfg, name)!r}" for name in (
+        "offload_optimizer", "offload_params", "offload_gradients", "quantize_weights",
+        "quantize_gradients") if getattr(cfg, name) not in (None, False)]
+    if unsupported:
+        raise ValueError(
+            f"{', '.join(unsupported)} on a mesh with an {EXPERT!r} axis is not implemented: "
+            f"expert parallelism is wired for the device-resident, exact step; drop "
+            f"{unsupported[0].split('=')[0]}, or build the mesh without expert.")
+    return EXPERT
+
+
+def expert_of(axes: MeshAxes, mesh: Mesh) -> tuple | None:
+    """``(expert size, axis, shards)`` of the experts' ZeRO partition (the batch axes
+    but ``expert``: DeepSpeed-MoE's expert-data group) for
+    :func:`zerojax.partition.layouts`, or None without an expert axis."""
+    if axes.expert_axis is None:
+        return None
+    rest = tuple(a for a in (axes.zero_axis if isinstance(axes.zero_axis, tuple)
+                             else (axes.zero_axis,)) if a != axes.expert_axis)
+    axis = rest[0] if len(rest) == 1 else rest
+    return (axes.expert_size, axis, _axes_size(mesh, axis))
 
 
 def describe(config: ZeroConfig, axes: MeshAxes, mesh: Mesh) -> str:
@@ -166,6 +209,9 @@ class TreeLayout:
             if jax.tree.structure(params) == treedef:
                 model_specs = specs
         if model_specs is not None:
+            if EXPERT not in self.mesh.axis_names:  # MoE blocks name it: whole here
+                model_specs = jax.tree.map(lambda spec: P(*part.drop_axes(spec, {EXPERT})),
+                                           model_specs, is_leaf=lambda x: isinstance(x, P))
             self._check_model_specs(params, model_specs)
             model_specs = self._drop_trivial_axes(model_specs)
         return params, model_specs
@@ -204,7 +250,7 @@ class TreeLayout:
         ``pad=False``: a leaf with no divisible dimension stays replicated."""
         params, model_specs = self._split_model_specs(params)
         return part.layouts(params, self.data_size, self.config.min_shard_size,
-                            self.zero_axis, model_specs, pad)
+                            self.zero_axis, model_specs, pad, expert_of(self.axes, self.mesh))
 
     def logical_params(self, params: Any, like: Any = None) -> Any:
         """ShapeDtypeStructs of ``params`` (stored, as a state holds them) at their own
@@ -345,7 +391,7 @@ class TreeLayout:
         whole, as they hold them)."""
         params, specs = self._split_model_specs(like, model_specs)
         lays = part.layouts(params, self.data_size, self.config.min_shard_size,
-                            self.zero_axis, specs, True)
+                            self.zero_axis, specs, True, expert_of(self.axes, self.mesh))
         mesh = self.mesh
 
         def one(lay):

@@ -606,10 +606,13 @@ def _gather_sharded(tree: Any, layout_tree: Any, out_layouts: Any, mesh: Mesh, a
 
     def body(*shards):
         out = list(shards)
-        gathered = gather_buckets([shards[i] for i in sharded], [lays[i].dim for i in sharded],
-                                  axis, bucket_size)
-        for i, g in zip(sharded, gathered):
-            out[i] = lays[i].unpad(g) if unpad else g
+        # expert parallelism: the experts' leaves are gathered over their own axis
+        for group in _by_axis([lays[i] for i in sharded], axis).values():
+            idx = [sharded[j] for j in group]
+            gathered = gather_buckets([shards[i] for i in idx], [lays[i].dim for i in idx],
+                                      leaf_axis(lays[idx[0]], axis), bucket_size)
+            for i, g in zip(idx, gathered):
+                out[i] = lays[i].unpad(g) if unpad else g
         return tuple(out)
 
     out = jax.shard_map(body, mesh=mesh, in_specs=tuple(lay.spec for lay in lays),
@@ -665,10 +668,26 @@ def primary_slice(tree: Any, layout_tree: Any, secondary_layouts: Any, mesh: Mes
     return jax.tree.unflatten(treedef, list(out))
 
 
+def leaf_axis(lay: LeafLayout, axis):
+    """The axis a leaf's ZeRO collectives run over: ``axis`` (the step's), or for an
+    expert leaf (expert parallelism) its own (the batch axes but ``expert``)."""
+    return lay.axis if lay.expert > 1 else axis
+
+
+def _by_axis(lays: list, axis) -> dict:
+    """Positions in ``lays`` grouped by :func:`leaf_axis` (insertion order: the dense
+    leaves' group first when the first leaf is dense)."""
+    groups: dict = {}
+    for j, lay in enumerate(lays):
+        groups.setdefault(leaf_axis(lay, axis), []).append(j)
+    return groups
+
+
 def slice_local(x: jax.Array, lay: LeafLayout, axis: str) -> jax.Array:
     """This device's slice of a replicated leaf (no communication)."""
     if not lay.sharded:
         return x
+    axis = leaf_axis(lay, axis)
     x = lay.pad_to_split(x)
     n = jax.lax.axis_size(axis)
     size = x.shape[lay.dim] // n
@@ -682,5 +701,5 @@ __all__ = [
     "make_param_use", "param_gather", "grad_reduce_scatter", "reduce_across",
     "refresh_secondary", "primary_slice",
     "plan_buckets", "reduce_scatter_buckets", "gather_buckets", "all_reduce_buckets",
-    "gather_params", "slice_local",
+    "gather_params", "slice_local", "leaf_axis",
 ]

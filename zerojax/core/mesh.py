@@ -13,10 +13,11 @@ DATA = "data"
 MODEL = "model"
 REPLICA = "replica"  # the outer (node) axis of hierarchical sharding
 SEQ = "seq"  # sequence parallelism (Ulysses): the sequence dimension split over it
+EXPERT = "expert"  # expert parallelism (DeepSpeed-MoE): the experts split over it
 
 
 def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
-              seq: int | None = None, devices=None) -> Mesh:
+              seq: int | None = None, expert: int | None = None, devices=None) -> Mesh:
     """A ``jax.sharding.Mesh`` with axes ``("data", "model")``, ``("replica", "data",
     "model")`` when ``replica`` is given, and ``"seq"`` after ``"data"`` when ``seq``
     is given (``("data", "seq", "model")``).
@@ -40,6 +41,14 @@ def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
         parallel for the model states (stages 1-3 partition over ``("data",
         "seq")``, the gradient reduction spans both). A model built with
         ``seq_axis="seq"`` runs its attention Ulysses-style over it.
+      expert: expert parallelism (DeepSpeed-MoE): None (the default) no ``expert``
+        axis; an int X: an ``expert`` axis of size X after ``data`` (``("data",
+        "expert", "model")``). The batch is split over ``data`` x ``expert``; the
+        dense params' states are partitioned over both, the experts (params whose
+        model split names ``"expert"``: :class:`zerojax.models.moe.MoEBlock`'s) split
+        over ``expert`` and each expert's states partitioned over ``data``, the
+        tokens moved to their experts' devices and back by all-to-alls. Not
+        combined with ``replica`` or ``seq`` (a ValueError names them).
       devices: the devices to use (default: ``jax.devices()``, all processes).
 
     Raises:
@@ -59,39 +68,54 @@ def make_mesh(data: int = -1, model: int = 1, *, replica: int | None = None,
         raise ValueError(
             f"make_mesh: seq={seq!r} must be a positive int (the sequence-parallel degree: "
             "devices each sequence is split over) or None for no seq axis.")
-    r = (1 if replica is None else replica) * (1 if seq is None else seq)
+    if expert is not None and (isinstance(expert, bool) or not isinstance(expert, int)
+                               or expert < 1):
+        raise ValueError(
+            f"make_mesh: expert={expert!r} must be a positive int (the expert-parallel "
+            "degree: devices the experts are split over) or None for no expert axis.")
+    if expert is not None and (replica is not None or seq is not None):
+        given = " and ".join(f"{k}={v}" for k, v in (("replica", replica), ("seq", seq))
+                             if v is not None)
+        raise ValueError(
+            f"make_mesh: expert={expert} with {given} is not implemented: the expert axis "
+            f"is wired for data x expert x model meshes. Drop {given}, or drop expert.")
+    r = ((1 if replica is None else replica) * (1 if seq is None else seq)
+         * (1 if expert is None else expert))
     if model == -1 and data == -1:
         raise ValueError("make_mesh: only one of data, model may be -1.")
     if data == -1:
         if n % (model * r):
             raise ValueError(
                 f"make_mesh: {n} devices do not divide by "
-                f"{_outer(replica, seq)}model={model}; "
+                f"{_outer(replica, seq, expert)}model={model}; "
                 f"choose degrees whose product divides {n}."
             )
         data = n // (model * r)
     if model == -1:
         if n % (data * r):
             raise ValueError(f"make_mesh: {n} devices do not divide by "
-                             f"{_outer(replica, seq)}data={data}.")
+                             f"{_outer(replica, seq, expert)}data={data}.")
         model = n // (data * r)
     if data * model * r != n:
-        what = f"{_outer(replica, seq)}data={data} x model={model}"
+        what = f"{_outer(replica, seq, expert)}data={data} x model={model}"
         raise ValueError(
             f"make_mesh: {what} = {data * model * r} but there are {n} "
             "devices; pass data=-1 to use the rest, or pass devices=... with that many."
         )
     names = ((REPLICA,) if replica is not None else ()) + (DATA,) + (
-        (SEQ,) if seq is not None else ()) + (MODEL,)
+        (SEQ,) if seq is not None else ()) + ((EXPERT,) if expert is not None else ()) + (
+        MODEL,)
     sizes = ((replica,) if replica is not None else ()) + (data,) + (
-        (seq,) if seq is not None else ()) + (model,)
+        (seq,) if seq is not None else ()) + ((expert,) if expert is not None else ()) + (
+        model,)
     return Mesh(np.array(devs).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def _outer(replica: int | None, seq: int | None) -> str:
-    """``"replica=R x seq=P x "`` for the degrees given (make_mesh's messages)."""
-    return "".join(f"{name}={val} x " for name, val in (("replica", replica), ("seq", seq))
-                   if val is not None)
+def _outer(replica: int | None, seq: int | None, expert: int | None = None) -> str:
+    """``"replica=R x seq=P x expert=X x "`` for the degrees given (make_mesh's
+    messages)."""
+    return "".join(f"{name}={val} x " for name, val in (
+        ("replica", replica), ("seq", seq), ("expert", expert)) if val is not None)
 
 
 def check_mesh(mesh: Mesh, data_axis: str = DATA) -> Mesh:
@@ -150,3 +174,29 @@ def current_sequence_split() -> tuple | None:
     """``(axis, size)`` of the sequence split being traced (:func:`sequence_split`), or
     None outside one."""
     return _SEQUENCE_SPLIT.get()
+
+
+# --- the expert split a step traces its loss under -----------------------------------
+
+_EXPERT_SPLIT: contextvars.ContextVar = contextvars.ContextVar("zerojax_expert_split",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def expert_split(axis: str, size: int):
+    """While zerojax's step traces the loss on a mesh with an ``expert`` axis: the
+    experts (params whose model split names ``"expert"``) are split ``size`` ways over
+    ``axis``, each device holding ``1 / size`` of them, and the axis is bound
+    (``axis_env``). zerojax's MoE block reads it (:func:`current_expert_split`) to
+    declare its local experts and dispatch the tokens to them by all-to-alls."""
+    token = _EXPERT_SPLIT.set((axis, int(size)))
+    try:
+        yield
+    finally:
+        _EXPERT_SPLIT.reset(token)
+
+
+def current_expert_split() -> tuple | None:
+    """``(axis, size)`` of the expert split being traced (:func:`expert_split`), or
+    None outside one."""
+    return _EXPERT_SPLIT.get()

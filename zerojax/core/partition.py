@@ -30,6 +30,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+EXPERT = "expert"  # the expert-parallel mesh axis (zerojax.core.mesh.EXPERT)
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
@@ -45,6 +47,10 @@ class LeafLayout:
     axis: Any = "data"
     model: tuple = ()  # per-dim model-parallel axes ("model" or None); () = none
     pad: int = 0  # zeros appended along ``dim`` so that it divides by the data degree
+    # expert parallelism: the size of the ``expert`` axis this leaf's model split names
+    # (its experts dimension, split over it; ``axis`` then holds the batch axes but
+    # ``expert``: DeepSpeed-MoE's expert-data group). 1: a dense leaf
+    expert: int = 1
 
     @property
     def sharded(self) -> bool:
@@ -52,7 +58,9 @@ class LeafLayout:
 
     def _entries(self, with_data: bool, with_model: bool) -> P:
         model = self.model or (None,) * len(self.shape)
-        out = [m if with_model else None for m in model]
+        # the expert split is manual in the step's shard_map, as the data split: kept
+        # in every form
+        out = [m if with_model or _names(m, EXPERT) else None for m in model]
         if with_data and self.dim is not None:
             out[self.dim] = self.axis
         while out and out[-1] is None:
@@ -74,6 +82,30 @@ class LeafLayout:
     def model_spec(self) -> P:
         """Only the model split: the layout of the leaf where it is whole over ``data``."""
         return self._entries(False, True)
+
+    @property
+    def expert_spec(self) -> P:
+        """Only the expert split (``P()`` for a dense leaf): the ``in_specs`` of a leaf
+        whole over ``data`` in a shard_map manual over the batch axes."""
+        return self._entries(False, False)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The leaf as one device of the expert axis holds it whole over ``data``: its
+        experts dimension divided by :attr:`expert` (``shape`` for a dense leaf)."""
+        return tuple(s // self.expert if _names(m, EXPERT) else s
+                     for s, m in zip(self.shape, self.model or (None,) * len(self.shape)))
+
+    def body_layout(self) -> LeafLayout:
+        """The layout inside the step's ``shard_map`` (manual over the batch axes): at
+        :attr:`local_shape`, the expert split dropped from ``model`` (``expert`` kept
+        as the mark of a leaf reduced over its own ``axis``). Itself for a dense leaf."""
+        if self.expert == 1:
+            return self
+        model = drop_axes(self.model, {EXPERT}) if self.model else ()
+        if all(m is None for m in model):
+            model = ()
+        return dataclasses.replace(self, shape=self.local_shape, model=tuple(model))
 
     @property
     def model_axes(self) -> frozenset:
@@ -111,6 +143,11 @@ class LeafLayout:
         if not self.pad:
             return x
         return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=self.dim)
+
+
+def _names(entry: Any, axis: str) -> bool:
+    """Whether a PartitionSpec entry names mesh axis ``axis``."""
+    return entry is not None and axis in (entry if isinstance(entry, tuple) else (entry,))
 
 
 def drop_axes(spec: Any, names: Any) -> tuple:
@@ -174,9 +211,27 @@ def choose_split(shape: tuple[int, ...], n: int, min_shard_size: int, taken: tup
 
 
 def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data",
-                model_spec: Any = None, path: str = "", pad: bool = True) -> LeafLayout:
+                model_spec: Any = None, path: str = "", pad: bool = True,
+                expert: tuple | None = None) -> LeafLayout:
+    """``expert``: ``(size, axis, n)`` on a mesh with an ``expert`` axis of that size:
+    a leaf whose model split names ``"expert"`` is partitioned over ``axis`` (the batch
+    axes but ``expert``) in ``n`` shards instead, its experts dimension divided by
+    the expert axis first."""
     shape = tuple(int(s) for s in x.shape)
     model = _model_entries(model_spec, len(shape), path)
+    if expert is not None and any(_names(m, EXPERT) for m in model):
+        size, axis, n = expert
+        for s, m in zip(shape, model):
+            if _names(m, EXPERT) and s % size:
+                raise ValueError(
+                    f"params leaf {path} has {s} experts (shape {shape}), which the "
+                    f"{EXPERT!r} axis of size {size} does not divide: each device holds "
+                    f"experts / {size} of them. Use an expert degree that divides {s} "
+                    f"(make_mesh(expert=X)), or a model with a multiple of {size} experts.")
+        local = tuple(s // size if _names(m, EXPERT) else s for s, m in zip(shape, model))
+        free = tuple(m if not _names(m, EXPERT) else EXPERT for m in model)
+        dim, padding = choose_split(local, n, min_shard_size, free, pad)
+        return LeafLayout(shape, x.dtype, dim, axis, model, padding, size)
     zero_axes = axis if isinstance(axis, tuple) else (axis,)
     for m in model:
         names = m if isinstance(m, tuple) else (m,)
@@ -190,11 +245,12 @@ def leaf_layout(x: Any, n: int, min_shard_size: int, axis: str = "data",
 
 
 def layouts(tree: Any, n: int, min_shard_size: int, axis: str = "data",
-            model_specs: Any = None, pad: bool = True) -> Any:
+            model_specs: Any = None, pad: bool = True, expert: tuple | None = None) -> Any:
     """A tree of :class:`LeafLayout`, one per array leaf of ``tree``.
 
     ``model_specs``: None, or a tree of PartitionSpecs with the same structure giving
-    each leaf's model-parallel split (Megatron layout).
+    each leaf's model-parallel split (Megatron layout). ``expert``: see
+    :func:`leaf_layout`.
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if model_specs is None:
@@ -202,7 +258,7 @@ def layouts(tree: Any, n: int, min_shard_size: int, axis: str = "data",
     else:
         specs = treedef.flatten_up_to(model_specs)
     return jax.tree.unflatten(treedef, [
-        leaf_layout(x, n, min_shard_size, axis, spec, jax.tree_util.keystr(path), pad)
+        leaf_layout(x, n, min_shard_size, axis, spec, jax.tree_util.keystr(path), pad, expert)
         for (path, x), spec in zip(leaves, specs)])
 
 

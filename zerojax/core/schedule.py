@@ -81,11 +81,12 @@ class _Ref:
     # its cotangent unreduced; autodiff sums them and the step reduce-scatters once
     full_grad: bool = False
     size: int | None = None  # the leaf's own length along ``dim`` when stored padded
+    axis: Any = None  # its own gather / reduce-scatter axis (an expert leaf's); None: ctx's
 
     def like(self, raws, dim=None, model=None, key=False) -> _Ref:
         return _Ref(tuple(raws), self.dim if dim is None else dim,
                     self.model if model is None else model,
-                    self.key if key is False else key, self.full_grad, self.size)
+                    self.key if key is False else key, self.full_grad, self.size, self.axis)
 
 
 @dataclasses.dataclass(eq=False)
@@ -164,20 +165,21 @@ class _Ctx:
 
     def materialize_ref(self, ref: _Ref):
         param, zero_shard = ref.raws
+        axis = self.axis if ref.axis is None else ref.axis
         if self.uses is not None:  # counting uses (param_uses): no collective
             if ref.key is not None:
                 self.uses[ref.key] = self.uses.get(ref.key, 0) + 1
             shape = list(param.shape)
             if self.stage == 3:
                 shape[ref.dim] = (ref.size if ref.size is not None
-                                  else shape[ref.dim] * jax.lax.axis_size(self.axis))
+                                  else shape[ref.dim] * jax.lax.axis_size(axis))
             return jnp.zeros(shape, param.dtype)
         param = _on_device(param)
         # the stored (padded) length: the zero shard's rows times the axis size (hpZ
         # pads for its finer optimizer-state partition, not for this axis alone)
         padded = (None if ref.full_grad or ref.size is None
-                  else zero_shard.shape[ref.dim] * jax.lax.axis_size(self.axis))
-        use = make_param_use(ref.dim, self.axis, gather=self.stage == 3,
+                  else zero_shard.shape[ref.dim] * jax.lax.axis_size(axis))
+        use = make_param_use(ref.dim, axis, gather=self.stage == 3,
                              grad_dtype=zero_shard.dtype, reduce_dtype=self.reduce_dtype,
                              bucket_size=self.bucket_size, model_spec=P(*ref.model),
                              reduce=not ref.full_grad, size=ref.size, padded=padded,
@@ -696,8 +698,9 @@ def apply_partitioned(closed_jaxpr, param_args: list, other_args: list, layouts:
     args: list[Any] = []
     for i, (raws, lay) in enumerate(zip(param_args, layouts)):
         size = lay.shape[lay.dim] if lay.pad else None
-        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model, i, i in full_grad, size),),
-                          None) if lay.sharded else raws[0])
+        own = lay.axis if lay.expert > 1 else None  # an expert leaf: its expert-data group
+        args.append(_Lazy((_Ref(tuple(raws), lay.dim, lay.model, i, i in full_grad, size,
+                                own),), None) if lay.sharded else raws[0])
     args.extend(other_args)
     ctx = _Ctx(stage, axis, reduce_dtype, bucket_size, prefetch, remat_policy, model_axis,
                model_size, remesh, weight_bits, grad_bits, uses, pushed, grad_to_host,

@@ -38,7 +38,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from zerojax.core import collectives as C
 from zerojax.core.compat import in_host_memory, zeros_in_memory
-from zerojax.core.mesh import constrain, sequence_split
+from zerojax.core.mesh import constrain, expert_split, sequence_split
 from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
 from zerojax.core.state import LossScaleState, MasterState, PendingGrads, TrainState
@@ -205,9 +205,12 @@ def build_grad_fn(loss_fn: Callable, opt, has_aux: bool, weighted: bool = False)
             return device_grads(call, param_leaves, local_batch, scale, rng)
 
         # manual over data only: model splits stay with the compiler (in_specs and
-        # out_specs name the data split alone)
-        param_specs = tuple(lay.data_spec if axes.stage == 3 else P() for lay in call.in_lays)
-        grad_specs = tuple(lay.data_spec if axes.stage > 0 else P() for lay in call.lays)
+        # out_specs name the data split alone; and the expert split, expert being a
+        # batch axis)
+        param_specs = tuple(lay.data_spec if axes.stage == 3 else lay.expert_spec
+                            for lay in call.in_lays)
+        grad_specs = tuple(lay.data_spec if axes.stage > 0 else lay.expert_spec
+                           for lay in treedef.flatten_up_to(lay_tree))
         in_batch = batch_spec(opt.row_axes, axes.k, axes.seq)
         scale_arg = jnp.ones((), jnp.float32) if scale is None else scale
         g, loss, aux, sum_sq = jax.shard_map(
@@ -256,6 +259,15 @@ class GradAxes:
     model_axis: str | None
     model_size: int
     widen: bool
+    expert: tuple | None = None  # (expert axis, size): expert parallelism, or None
+
+    def shards(self, lay) -> int:
+        """Shards of a (body) layout's ZeRO partition: ``n_in``, or an expert leaf's
+        over its own axis."""
+        if lay.expert == 1:
+            return self.n_in
+        axis = lay.axis if isinstance(lay.axis, tuple) else (lay.axis,)
+        return math.prod(int(self.mesh.shape[a]) for a in axis)
 
     @property
     def stage(self) -> int:
@@ -285,7 +297,8 @@ class GradAxes:
                              if a in batch_names or mesh.shape[a] == 1),
             model_axis=model_axis,
             model_size=int(mesh.shape[model_axis]) if model_axis else 1,
-            widen=model_axis is not None and mesh.devices.flat[0].platform == "cpu")
+            widen=model_axis is not None and mesh.devices.flat[0].platform == "cpu",
+            expert=(opt.expert_axis, opt.expert_size) if opt.expert_axis else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +329,8 @@ class GradCall:
     def of(cls, loss_fn, opt, axes: GradAxes, treedef, lay_tree, grad_dtypes, batch, scale,
            rng, has_aux: bool, weighted: bool) -> GradCall:
         cfg = axes.cfg
-        lays = treedef.flatten_up_to(lay_tree)
+        # as the body sees them: an expert leaf at its local experts
+        lays = [lay.body_layout() for lay in treedef.flatten_up_to(lay_tree)]
         reduce_dtype = cpu_reduce_dtype(cfg.reduce_dtype, [lay.dtype for lay in lays],
                                         axes.widen)
         trace = trace_loss(loss_fn, axes, treedef, lays, batch, rng, has_aux, weighted)
@@ -394,9 +408,11 @@ def trace_loss(loss_fn, axes: GradAxes, treedef, lays, batch, rng, has_aux: bool
              if seq and axes.model_axis and jax.sharding.get_abstract_mesh().empty
              else contextlib.nullcontext())
     split = sequence_split(*seq) if seq else contextlib.nullcontext()
-    with under, split:
+    experts = expert_split(*axes.expert) if axes.expert else contextlib.nullcontext()
+    env = [seq] if seq else [axes.expert] if axes.expert else None
+    with under, split, experts:
         closed, out_shape = jax.make_jaxpr(
-            call_loss, return_shape=True, axis_env=[seq] if seq else None)(
+            call_loss, return_shape=True, axis_env=env)(
             full_structs, local_struct, *key_struct)
         remesh = not jax.sharding.get_abstract_mesh().empty
     if seq and seq[1] > 1 and not uses_axis(closed.jaxpr, seq[0]):
@@ -530,7 +546,8 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
     sd = jax.ShapeDtypeStruct
     pushed: set = set()
     uses = param_uses(
-        call.trace.closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(axes.n_in), x.dtype))
+        call.trace.closed, [(sd(x.shape, x.dtype), sd(lays[i].shard_shape(axes.shards(lays[i])),
+                                                      x.dtype))
                             if lays[i].sharded else (sd(x.shape, x.dtype),)
                             for i, x in enumerate(param_leaves)],
         [sd(x.shape, x.dtype) for x in jax.tree.leaves(call.trace.local_struct)]
@@ -545,7 +562,7 @@ def partitioned_micro_grads(call: GradCall, param_leaves, scale):
                    and red_dtypes[i].itemsize < jnp.dtype(grad_dtypes[i]).itemsize
                    else _acc_dtype(grad_dtypes[i], k)) if lays[i].sharded
                   else _acc_dtype(lays[i].dtype, k) for i in range(len(lays))]
-    zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(axes.n_in)
+    zero_shapes = [lays[i].shape if i in full_grad else lays[i].shard_shape(axes.shards(lays[i]))
                    for i in range(len(lays))]
 
     def micro_grads(mb, acc=None):
@@ -647,28 +664,33 @@ def reduce_grads(call: GradCall, g, full_grad: frozenset) -> list:
     axes, lays, red_dtypes, sharded = call.axes, call.lays, call.red_dtypes, call.sharded
     bucket, stage = axes.cfg.bucket_size, axes.stage
     g = list(g)
-    reduced = list(range(len(g))) if stage == 0 else call.replicated
-    specs = tuple(lays[i].model_spec for i in reduced)
-    out = C.model_local(
-        lambda *xs: tuple(C.all_reduce_buckets(list(xs), axes.batch_axes, bucket,
-                                               axes.ordered)),
-        specs,
-        specs,
-    )(*[g[i].astype(red_dtypes[i]) for i in reduced])
+    every = list(range(len(g))) if stage == 0 else call.replicated
+    # expert parallelism: an expert leaf's gradient is summed over its expert-data
+    # group (its own axis), never over expert: each expert device holds other experts
+    for reduced in _by_reduce_axis(lays, every, axes.batch_axes).values():
+        axis = _reduce_axis(lays[reduced[0]], axes.batch_axes)
+        specs = tuple(lays[i].model_spec for i in reduced)
+        out = C.model_local(
+            lambda *xs, axis=axis: tuple(C.all_reduce_buckets(list(xs), axis, bucket,
+                                                              axes.ordered)),
+            specs,
+            specs,
+        )(*[g[i].astype(red_dtypes[i]) for i in reduced])
+        for i, x in zip(reduced, out):
+            g[i] = x
     # stage 1: every partitioned leaf; stages 2-3: the leaves used more than once
-    scattered = sharded if stage == 1 else sorted(full_grad)
-    if scattered:
+    every = sharded if stage == 1 else sorted(full_grad)
+    for scattered in _by_reduce_axis(lays, every, axes.axis).values():
+        axis = _reduce_axis(lays[scattered[0]], axes.axis)
         specs = tuple(lays[i].model_spec for i in scattered)
         part = C.model_local(
-            lambda *xs: tuple(C.grad_reduce_scatter(
-                list(xs), [lays[i].dim for i in scattered], axes.axis, bucket,
+            lambda *xs, axis=axis, scattered=scattered: tuple(C.grad_reduce_scatter(
+                list(xs), [lays[i].dim for i in scattered], axis, bucket,
                 axes.cfg.grad_bits)), specs,
             specs,
         )(*[lays[i].pad_to_split(g[i].astype(red_dtypes[i])) for i in scattered])
         for i, x in zip(scattered, part):
             g[i] = x
-    for i, x in zip(reduced, out):
-        g[i] = x
     if axes.across is not None and sharded:
         # hierarchical: the node's gradient shards reduced across the replica axis,
         # once per step (after the micro-batches), in reduce_dtype
@@ -681,6 +703,20 @@ def reduce_grads(call: GradCall, g, full_grad: frozenset) -> list:
         for i, x in zip(sharded, crossed):
             g[i] = x
     return g
+
+
+def _reduce_axis(lay, axis):
+    """The axis a (body) layout's gradient is reduced over: ``axis``, or an expert
+    leaf's own (its expert-data group)."""
+    return lay.axis if lay.expert > 1 else axis
+
+
+def _by_reduce_axis(lays: list, idx: list, axis) -> dict:
+    """The leaves ``idx`` grouped by :func:`_reduce_axis` (empty groups never made)."""
+    groups: dict = {}
+    for i in idx:
+        groups.setdefault(_reduce_axis(lays[i], axis), []).append(i)
+    return groups
 
 
 def norm_and_loss(call: GradCall, g, loss_sum, w_total, aux, scale):
@@ -702,7 +738,12 @@ def norm_and_loss(call: GradCall, g, loss_sum, w_total, aux, scale):
     # partitioned slices summed over devices (one scalar all-reduce), plus the
     # replicated leaves, identical everywhere
     part_sq = sq(sharded) if stage > 0 else jnp.zeros((), jnp.float32)
-    rep_sq = sq(replicated if stage > 0 else range(len(g)))
+    whole = replicated if stage > 0 else range(len(g))
+    rep_sq = sq([i for i in whole if call.lays[i].expert == 1])
+    if axes.expert and any(call.lays[i].expert > 1 for i in whole):
+        # an expert leaf whole over data is still split over expert: its square summed
+        rep_sq = rep_sq + C.psum(sq([i for i in whole if call.lays[i].expert > 1]),
+                                 axes.expert[0], axes.ordered)
     sum_sq = ((C.psum(part_sq, axes.zero_axis, axes.ordered) if stage > 0 and sharded
                else 0.0) + rep_sq)
     loss_sum = C.psum(loss_sum, axes.batch_axes, axes.ordered)
@@ -1055,7 +1096,8 @@ def _check_model_splits(flat: list, lay_leaves: list, opt) -> None:
     for (path, _), lay in zip(flat, lay_leaves):
         for entry in tuple(lay.model_spec or ()):
             for name in (entry if isinstance(entry, tuple) else (entry,)):
-                if name is None or name not in batch:
+                if name is None or name not in batch or (
+                        name == opt.expert_axis and lay.expert > 1):  # experts: theirs
                     continue
                 given = (f"replica_axis={name!r}" if name == opt.replica_axis else
                          f"data_axis={name!r}" if name == opt.config.data_axis else

@@ -26,13 +26,18 @@ One block replaces the SwiGLU MLP of a :class:`zerojax.models.llama.Llama` layer
 Parameters (under the layer's ``mlp``; stacked layers add a leading layer axis)::
 
     gate/kernel                  (hidden, experts)            the router, replicated
-    wi_0  (gate_proj / w1)       (experts, hidden, moe_hidden) (None, None, "model")
-    wi_1  (up_proj / w3)         (experts, hidden, moe_hidden) (None, None, "model")
-    wo    (down_proj / w2)       (experts, moe_hidden, hidden) (None, "model", None)
+    wi_0  (gate_proj / w1)       (experts, hidden, moe_hidden) ("expert", None, "model")
+    wi_1  (up_proj / w3)         (experts, hidden, moe_hidden) ("expert", None, "model")
+    wo    (down_proj / w2)       (experts, moe_hidden, hidden) ("expert", "model", None)
     shared_expert/wi_0|wi_1|wo/kernel, shared_expert_gate/kernel   (Qwen2-MoE)
 
-The experts are the leading axis of ``wi_0``/``wi_1``/``wo``: an ``expert`` mesh axis
-splits that axis (their specs' leading ``None``).
+The experts are the leading axis of ``wi_0``/``wi_1``/``wo``, named ``"expert"``: a
+mesh with an ``expert`` axis (``make_mesh(data=D, expert=X)``) splits it, E / X experts
+a device (zerojax's ZeRO ignores the name on a mesh without one: whole there). When
+zerojax's step traces the model with that split (:func:`zerojax.core.mesh.expert_split`)
+the block declares its E / X local experts and :func:`expert_mlp` dispatches each
+device's tokens to the devices holding their experts by all-to-alls and back
+(:func:`_dispatch_dropless`, :func:`_dispatch_capacity`).
 
 **The load-balancing loss** (Switch Transformer's, as transformers'
 ``load_balancing_loss_func`` computes it over every layer's router logits at once):
@@ -57,6 +62,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from zerojax.core.mesh import current_expert_split
 from zerojax.core.modelspec import check_int
 from zerojax.models import grouped
 
@@ -141,7 +147,7 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
 
 def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
                w_up: jax.Array, w_down: jax.Array, capacity_factor: float | None = None,
-               matmul: str = "ragged"):
+               matmul: str = "ragged", split: tuple | None = None):
     """The routed experts' output ``(n, hidden)`` and the number of dropped (token,
     expert) assignments (an int32 scalar; 0 when dropless).
 
@@ -157,17 +163,29 @@ def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax
     (:func:`capacity`), row ``c`` of expert ``e`` its ``c``-th assignment, rows beyond
     ``C`` dropped.
 
-    This is the function an expert-parallel version (an all-to-all over an ``expert``
-    mesh axis in ``shard_map``) replaces: same arguments, experts' leading axis local."""
+    ``split``: ``(axis, X)`` under expert parallelism (a ``shard_map`` manual over
+    the ``expert`` axis ``axis`` of size X): the weights hold this device's ``E / X``
+    experts (global experts ``i E / X ..`` on index ``i``), ``experts`` name global
+    experts, and the rows go to their experts' devices and back by all-to-alls
+    (:func:`_dispatch_dropless`, :func:`_dispatch_capacity`): the same function of
+    this device's tokens as with every expert local."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
+    num_experts = w_gate.shape[0] * (split[1] if split else 1)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignment index of each sorted row
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = n * k
     # where each assignment went among the sorted rows (the inverse permutation)
     inverse = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
-    if capacity_factor is None:
+    if split is not None and capacity_factor is None:
+        y = _dispatch_dropless(x, flat, order, inverse, counts, k, (w_gate, w_up, w_down),
+                               split, matmul)
+        dropped = jnp.zeros((), jnp.int32)
+    elif split is not None:
+        y, dropped = _dispatch_capacity(x, flat, order, inverse, counts, k,
+                                        capacity(n, k, num_experts, capacity_factor),
+                                        (w_gate, w_up, w_down), split)
+    elif capacity_factor is None:
         xs = x[order // k]
         y = _swiglu(xs, w_gate, w_up, w_down,
                     lambda a, w: grouped.grouped_matmul(a, w, counts, matmul))
@@ -189,6 +207,73 @@ def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax
         dropped = jnp.sum(~keep, dtype=jnp.int32)
     y = y.reshape(n, k, -1) * weights[..., None].astype(y.dtype)
     return jnp.sum(y, axis=1), dropped
+
+
+def _dispatch_dropless(x, flat, order, inverse, counts, k, w, split, matmul="ragged"):
+    """Dropless expert parallelism: ``(n k, hidden)`` outputs of the assignments.
+
+    The sorted rows (by global expert, so by destination device) go to device ``p``
+    in a ``(X, n k, hidden)`` send buffer, block ``p`` holding the rows for its
+    experts first and zeros after (``n k`` rows: the worst case, every row to one
+    device; shapes stay static); one ``all_to_all`` over ``axis`` and the per-expert
+    counts with it; each device sorts the ``X n k`` rows it received by local expert
+    (stable: source device, then its order) and runs its experts as one grouped
+    matmul a projection (``matmul``, :func:`zerojax.models.grouped.grouped_matmul`; the
+    zero rows fall outside every group: output 0); the outputs go back to their places
+    and by one more ``all_to_all`` to their source."""
+    axis, size = split
+    rows = flat.shape[0]
+    local = w[0].shape[0]  # experts on this device
+    dest_counts = counts.reshape(size, local).sum(axis=1)
+    dest_starts = jnp.cumsum(dest_counts) - dest_counts
+    slot = jnp.arange(rows, dtype=jnp.int32)
+    filled = slot[None, :] < dest_counts[:, None]  # (X, rows)
+    src = order[jnp.clip(dest_starts[:, None] + slot[None, :], 0, rows - 1)]
+    send = jnp.where(filled[..., None], x[src // k], jnp.zeros((), x.dtype))
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # block q: device q's rows
+    got = jax.lax.all_to_all(counts.reshape(size, local), axis, 0, 0, tiled=True)
+    # each received row's local expert (``local`` for the zero rows after the last)
+    ends = jnp.cumsum(got, axis=1)  # (X, local)
+    expert_of = jnp.sum(slot[None, :, None] >= ends[:, None, :], axis=-1)  # (X, rows)
+    perm = jnp.argsort(expert_of.reshape(-1), stable=True)
+    back_perm = jnp.zeros_like(perm).at[perm].set(jnp.arange(size * rows, dtype=perm.dtype))
+    flat_recv = recv.reshape(size * rows, -1)[perm]
+    group = got.sum(axis=0).astype(jnp.int32)
+    y = _swiglu(flat_recv, *w, lambda a, m: grouped.grouped_matmul(a, m, group, matmul))
+    y = jax.lax.all_to_all(y[back_perm].reshape(size, rows, -1), axis, 0, 0, tiled=True)
+    # assignment a: sorted row inverse[a], sent to device flat[a] // local at its slot
+    dest = flat // local
+    return y.reshape(size * rows, -1)[dest * rows + inverse - dest_starts[dest]]
+
+
+def _dispatch_capacity(x, flat, order, inverse, counts, k, cap, w, split):
+    """Capacity-factor expert parallelism: ``((n k, hidden) outputs, dropped)``.
+
+    Each device fills the ``(E, C, hidden)`` buffer of the one-device model for its
+    own tokens (``C`` from its own token count, as each data-parallel device's), sends
+    experts ``p E / X ..`` to device ``p`` (one ``all_to_all`` of ``(X, E / X, C,
+    hidden)``), each device runs its experts over the ``X C`` rows received for each
+    (batched einsums) and one ``all_to_all`` sends them back."""
+    axis, size = split
+    rows = flat.shape[0]
+    local = w[0].shape[0]
+    num_experts = local * size
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    filled = slot[None, :] < counts[:, None]  # (E, C)
+    src = order[jnp.clip(starts[:, None] + slot[None, :], 0, rows - 1)]
+    buf = jnp.where(filled[..., None], x[src // k], jnp.zeros((), x.dtype))
+    hidden = buf.shape[-1]
+    recv = jax.lax.all_to_all(buf.reshape(size, local, cap, hidden), axis, 0, 0, tiled=True)
+    mine = recv.transpose(1, 0, 2, 3).reshape(local, size * cap, hidden)
+    yb = _swiglu(mine, *w, lambda a, m: jnp.einsum("ech,ehf->ecf", a, m))
+    yb = yb.reshape(local, size, cap, hidden).transpose(1, 0, 2, 3)
+    yb = jax.lax.all_to_all(yb, axis, 0, 0, tiled=True).reshape(num_experts * cap, hidden)
+    pos = inverse - starts[flat]
+    keep = pos < cap
+    y = yb[flat * cap + jnp.minimum(pos, cap - 1)]
+    return (jnp.where(keep[:, None], y, jnp.zeros((), y.dtype)),
+            jnp.sum(~keep, dtype=jnp.int32))
 
 
 def router_stats(probs: jax.Array, experts: jax.Array, mask: jax.Array | None,
@@ -245,13 +330,18 @@ class MoEBlock(nn.Module):
         rdt = cfg.dtype if cfg.router_dtype is None else cfg.router_dtype
         logits = jnp.dot(tokens.astype(rdt), gate.astype(rdt))
         probs, weights, chosen = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
-        w_gate = _param(self, "wi_0", (num_experts, h, f), (None, None, "model"))
-        w_up = _param(self, "wi_1", (num_experts, h, f), (None, None, "model"))
-        w_down = _param(self, "wo", (num_experts, f, h), (None, "model", None))
+        split = local_experts(num_experts)
+        local = num_experts // (split[1] if split else 1)  # this device's experts
+        w_gate = _param(self, "wi_0", (local, h, f), ("expert", None, "model"))
+        w_up = _param(self, "wi_1", (local, h, f), ("expert", None, "model"))
+        w_down = _param(self, "wo", (local, f, h), ("expert", "model", None))
         dt = cfg.dtype
-        y, dropped = expert_mlp(tokens.astype(dt), chosen, weights, w_gate.astype(dt),
-                                w_up.astype(dt), w_down.astype(dt), cfg.capacity_factor,
-                                matmul=cfg.moe_matmul)
+        ws = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+        y, dropped = (expert_mlp(tokens.astype(dt), chosen, weights, *ws, cfg.capacity_factor,
+                                 matmul=cfg.moe_matmul)
+                      if split is None else
+                      expert_mlp(tokens.astype(dt), chosen, weights, *ws, cfg.capacity_factor,
+                                 matmul=cfg.moe_matmul, split=split))
         if cfg.shared_expert_hidden is not None:
             y = y + SharedExpert(cfg, name="shared_expert")(tokens) * jax.nn.sigmoid(
                 nn.Dense(1, use_bias=False, dtype=dt, param_dtype=jnp.float32,
@@ -259,6 +349,22 @@ class MoEBlock(nn.Module):
                              nn.initializers.normal(_INIT_STD), (None, None)),
                          name="shared_expert_gate")(tokens))
         return y.reshape(b, t, h).astype(dt), router_stats(probs, chosen, mask, dropped)
+
+
+def local_experts(num_experts: int) -> tuple | None:
+    """``(axis, X)`` of the expert split being traced (zerojax's step on a mesh with an
+    ``expert`` axis of size X > 1), or None; ``num_experts % X`` refused naming both."""
+    split = current_expert_split()
+    if split is None or split[1] == 1:
+        return None
+    if num_experts % split[1]:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"LlamaConfig.experts={num_experts} does not divide by the {split[0]!r} axis "
+            f"of size {split[1]}: each device holds experts / {split[1]} of them. Use an "
+            f"expert degree dividing {num_experts} ({', '.join(map(str, divisors))}: "
+            f"make_mesh(expert=X)), or a multiple of {split[1]} experts.")
+    return split
 
 
 class RouterParams(nn.Module):
