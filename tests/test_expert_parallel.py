@@ -24,6 +24,7 @@ from helpers import max_rel_err
 
 import zerojax
 from zerojax.analysis.comm import comm_volume
+from zerojax.analysis.cost import moe_all_to_all_bytes
 from zerojax.models import Llama, LlamaConfig, llama_param_specs, llama_params, lm_loss
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4, kv_heads=2, mlp_hidden=48,
@@ -149,6 +150,11 @@ def test_step_equals_one_device(case, stage, d, x, m, remat):
     n = tokens.shape[0] * (tokens.shape[1] - 1) // (d * x)
     want = _a2a_elements(cfg, n, x, passes=3 if remat else 2)
     assert vol[("expert",)].all_to_all == want, (vol[("expert",)].all_to_all, want)
+    # the planner's formula (its operands' bytes: float32 rows, int32 counts)
+    assert vol[("expert",)].bytes_by_kind()["all_to_all"] == moe_all_to_all_bytes(
+        tokens=n, hidden=cfg.hidden, experts=cfg.experts,
+        experts_per_token=cfg.experts_per_token, expert_parallel=x, layers=cfg.layers,
+        value_bytes=4, remat=remat, operands=True)
     other = {k: v.all_to_all for k, v in vol.items() if k != ("expert",)}
     assert not any(other.values()), other
     assert vol[("expert",)].reduce_scatter == vol[("expert",)].all_reduce == 0
@@ -193,8 +199,15 @@ def test_capacity_mode_drops_as_each_device(case):
     model, params, tokens = case
     params = _stress(params, "one_device")
     _, ref = _reference(params, tokens, DEVICES, 0.5)
-    opt, _, new, metrics, _, _ = _run(params, tokens, 3, 4, 2, capacity_factor=0.5)
+    opt, _, new, metrics, compiled, mesh = _run(params, tokens, 3, 4, 2, capacity_factor=0.5)
     assert np.isfinite(float(metrics["loss"]))
+    # (X, E / X, C, hidden) buffers, dispatch and combine forward and backward: the
+    # planner's capacity-mode bytes
+    got = comm_volume(compiled, mesh=mesh).by_axes()[("expert",)].bytes_by_kind()
+    assert got["all_to_all"] == moe_all_to_all_bytes(
+        tokens=8, hidden=32, experts=4, experts_per_token=2, expert_parallel=2, layers=2,
+        value_bytes=4, capacity_factor=0.5, remat=False, operands=True) == 4 * 2 * 4 * 2 * 32 * 4
+
     assert max_rel_err(ref, opt.full_params(new)) < TOL
     # each device: 8 tokens x 2 assignments a layer, all to experts 0 and 1, which
     # take C = ceil(0.5 * 8 * 2 / 4) = 2 rows each: 12 dropped a layer, 2 layers
