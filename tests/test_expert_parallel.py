@@ -72,9 +72,12 @@ def case():
 
 
 @functools.cache
-def _step(stage, d, x, m=1, capacity_factor=None, remat=False):
-    """``(opt, step, mesh)``: one optimizer and train step per configuration."""
-    model = _model(capacity_factor=capacity_factor, remat=remat)
+def _step(stage, d, x, m=1, capacity_factor=None, variant=""):
+    """``(opt, step, mesh)``: one optimizer and train step per configuration
+    (``variant``: "remat", the layers rematerialised; "blocked", the blocked grouped
+    matmul)."""
+    model = _model(capacity_factor=capacity_factor, remat=variant == "remat",
+                   moe_matmul="blocked" if variant == "blocked" else "ragged")
     mesh = zerojax.make_mesh(data=d, expert=x, model=m)
     opt = zerojax.zero(optax.sgd(0.1, momentum=0.9), mesh, stage=stage)
     return opt, opt.train_step(lm_loss(model, with_aux=True), has_aux=True), mesh
@@ -83,13 +86,13 @@ def _step(stage, d, x, m=1, capacity_factor=None, remat=False):
 _COMPILED: dict = {}
 
 
-def _run(params, tokens, stage, d, x, m=1, capacity_factor=None, remat=False):
+def _run(params, tokens, stage, d, x, m=1, capacity_factor=None, variant=""):
     """The step on ``params`` and ``tokens``, compiled once per configuration and
     batch shape: ``(opt, state, new, metrics, compiled, mesh)``."""
-    opt, step, mesh = _step(stage, d, x, m, capacity_factor, remat)
+    opt, step, mesh = _step(stage, d, x, m, capacity_factor, variant)
     state = opt.init_state(params, model_specs=llama_param_specs(_model()))
     placed = step.place_batch(tokens)
-    key = (stage, d, x, m, capacity_factor, remat, tokens.shape)
+    key = (stage, d, x, m, capacity_factor, variant, tokens.shape)
     if key not in _COMPILED:
         _COMPILED[key] = step.lower(state, placed).compile()
     new, metrics = _COMPILED[key](state, placed, None)
@@ -106,21 +109,23 @@ def _a2a_elements(cfg, tokens_per_device, x, passes=2):
     return cfg.layers * (passes * 2 * x * n * k * cfg.hidden + (passes - 1) * cfg.experts)
 
 
-@pytest.mark.parametrize("stage,d,x,m,remat", [
-    (3, 2, 4, 1, False), (3, 4, 2, 1, False), (2, 4, 2, 1, True), (1, 2, 4, 1, False),
-    (0, 4, 2, 1, False), (3, 2, 2, 2, False)])
-def test_step_equals_one_device(case, stage, d, x, m, remat):
+@pytest.mark.parametrize("stage,d,x,m,variant", [
+    (3, 2, 4, 1, ""), (3, 4, 2, 1, ""), (2, 4, 2, 1, "remat"), (1, 2, 4, 1, "blocked"),
+    (0, 4, 2, 1, ""), (3, 2, 2, 2, "")])
+def test_step_equals_one_device(case, stage, d, x, m, variant):
     """The step's loss and update equal one device's; the experts' leaves are split
     E / X over expert and their ZeRO share over data only (the dense ones over data x
     expert); the all-to-alls run over expert alone, the formula's elements (remat: the
-    layer's forward recomputed, its two all-to-alls again)."""
+    layer's forward recomputed, its two all-to-alls again; blocked: the grouped matmul
+    of models/grouped.py on the received rows)."""
     model, params, tokens = case
     opt, state, new, metrics, compiled, mesh = _run(params, tokens, stage, d, x, m,
-                                                    remat=remat)
+                                                    variant=variant)
+    remat = variant == "remat"
     got = opt.full_params(new)
     want_loss, ref = _reference(params, tokens, d * x)
     err = max_rel_err(ref, got)
-    print(f"stage {stage} data {d} expert {x} model {m}: max rel err {err:.3g}, loss "
+    print(f"stage {stage} data {d} expert {x} model {m} {variant}: max rel err {err:.3g}, loss "
           f"{float(metrics['loss'])!r} vs {float(want_loss)!r}")
     assert err < TOL
     assert max_rel_err(params, got) > 1e-3
