@@ -236,3 +236,25 @@ def test_bad_degrees_are_refused(case):
     mesh = zerojax.make_mesh(data=4, expert=2)
     assert mesh.axis_names == ("data", "expert", "model") and mesh.devices.shape == (4, 2, 1)
     assert zerojax.make_mesh(data=8).axis_names == ("data", "model")
+
+
+def test_load_hf_into_the_expert_layout():
+    """A Mixtral checkpoint (tests/fixtures/hf_moe) read by load_hf straight into stage 3
+    over data 2 x expert 4: each device reads its E / X experts' 1 / D share; the state
+    made from them holds the one-device load's values, bitwise."""
+    import os
+
+    from zerojax import load_hf
+    from zerojax.models.llama import load_hf_llama
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_moe", "mixtral", "fp32")
+    opt = zerojax.zero(optax.sgd(0.1), zerojax.make_mesh(data=2, expert=4), stage=3)
+    model, loaded = load_hf(path, opt, remat=False)
+    for leaf in ("wi_0", "wi_1", "wo"):
+        a = loaded["decoder"]["layers"]["mlp"][leaf]
+        assert a.sharding.spec[1] == "expert", (leaf, a.sharding)
+        assert a.addressable_shards[0].data.shape[1] == model.config.experts // 4
+        assert a.size // a.addressable_shards[0].data.size == 8, (leaf, a.sharding)
+    got = opt.full_params(opt.init_state(loaded))
+    want = load_hf_llama(path, Llama(model.config))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 want, got)
