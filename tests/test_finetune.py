@@ -99,6 +99,16 @@ def test_finetune_refuses_bad_input_naming_it(hf_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["finetune", str(ckpt), str(root / "data.txt"), "--out", "o", "--batch", "6"])
     assert "--batch 6 must be a multiple of the data degree 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["finetune", str(ckpt), str(root / "data.txt"), "--out", "o",
+              "--expert-parallel", "3"])
+    assert "--devices 8 is not a multiple of --mp 1 x --expert-parallel 3" in (
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        main(["finetune", str(ckpt), str(root / "data.txt"), "--out", "o",
+              "--expert-parallel", "2"])
+    assert "--expert-parallel 2: " in (err := capsys.readouterr().err) and (
+        "is not a mixture of experts" in err), err
     for flag, value, words in (("--lr", "inf", "is not finite"), ("--steps", "0", "must be >= 1"),
                                ("--max-shard-size", "20000", "no unambiguous unit")):
         with pytest.raises(SystemExit) as e:

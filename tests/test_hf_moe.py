@@ -233,12 +233,15 @@ def test_configs_read_and_written_back():
 FINETUNE_BOUND = 1e-4
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_finetune_trains_and_its_export_is_what_transformers_computed(name, tmp_path,
+@pytest.mark.parametrize("name, extra", [("mixtral", []),
+                                         ("qwen3_moe", ["--expert-parallel", "2"])])
+def test_finetune_trains_and_its_export_is_what_transformers_computed(name, extra, tmp_path,
                                                                        capsys):
-    """``zerojax finetune`` on a tiny Mixtral / Qwen3-MoE: the loss falls; the export
-    reads back as the same config; its logits, as zerojax computes them, equal the
-    logits transformers computed from the recording run's export of the same run
+    """``zerojax finetune`` on a tiny Mixtral (data=8) / Qwen3-MoE (data=4 x expert=2:
+    the recording ran on data=8; the same rows reach the same batch devices, so the
+    same per-device aux losses): the loss falls; the export reads back as the same
+    config; its logits, as zerojax computes them, equal the logits transformers
+    computed from the recording run's export of the same run
     (tests/fixtures/hf_moe/finetuned.npz)."""
     import finetune_case
 
@@ -246,8 +249,11 @@ def test_finetune_trains_and_its_export_is_what_transformers_computed(name, tmp_
 
     ckpt, data = finetune_case.write_moe_case(tmp_path, _fixture(name, "fp32"))
     out = tmp_path / "out"
-    assert main(finetune_case.moe_finetune_args(ckpt, data, out, tmp_path / "l.png")) == 0
+    assert main(finetune_case.moe_finetune_args(ckpt, data, out, tmp_path / "l.png")
+                + extra) == 0
     printed = capsys.readouterr().out
+    if extra:
+        assert "stage 3 on data=4 x expert=2 x model=1" in printed, printed
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over steps 1-12",
                                        printed).groups())
     assert last < first - 0.5, printed

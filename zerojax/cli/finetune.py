@@ -8,7 +8,8 @@ line, its ``--text-key`` field a document); documents are tokenized, joined with
 config's ``eos_token_id`` between them when it has one, and batches are random windows
 of ``--seq + 1`` tokens (seeded). The model is loaded straight into the stage's layout
 (:func:`zerojax.models.llama.load_hf`: each leaf split over ``data`` and, with ``--mp``,
-over ``model``), trained with AdamW under a warm-up + cosine schedule (progress bar with
+over ``model``; a mixture of experts' experts, with ``--expert-parallel X``, over an
+``expert`` axis of X devices, the batch over data x expert), trained with AdamW under a warm-up + cosine schedule (progress bar with
 the loss and tokens/s), saved to ``--ckpt-dir`` every ``--save-every`` steps, at the
 end and at a SIGTERM (a preemption: that step saved, exit 0; a run with the same
 directory resumes; the loop is ``zerojax train``'s, ``demo.run_steps``), the loss
@@ -86,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "uses all of jax's devices")
     g.add_argument("--mp", type=positive_int, default=1,
                    help="tensor-parallel (Megatron) degree M: data = devices / M")
+    g.add_argument("--expert-parallel", type=positive_int, default=1, metavar="X",
+                   help="a mixture of experts' expert degree X: its experts split over X "
+                        "devices (make_mesh(expert=X)), the tokens moved to them by "
+                        "all-to-alls; data = devices / (M X) (default 1: every device "
+                        "holds every expert, ZeRO-partitioned)")
     offload_arguments(p.add_argument_group("offload (ZeRO-Offload, ZeRO-Infinity)"))
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=100, help="training steps")
@@ -117,16 +123,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no progress bar (print a few loss lines instead)")
 
 
+def _mesh_text(args) -> str:
+    """``data=D x model=M`` (``x expert=X`` with ``--expert-parallel``)."""
+    x = args.expert_parallel
+    return (f"data={args.devices // (args.mp * x)}" + (f" x expert={x}" if x > 1 else "")
+            + f" x model={args.mp}")
+
+
 def _check(args: argparse.Namespace) -> None:
     from zerojax.cli.args import offload_options
 
     if not 0 <= args.seed < 2**32:
         args.error(f"--seed {args.seed} must be in [0, 2**32) (numpy's seeds); write e.g. 0")
-    if args.devices % args.mp:
-        args.error(f"--devices {args.devices} is not a multiple of --mp {args.mp}")
+    x = args.expert_parallel
+    if args.devices % (args.mp * x):
+        what = f"--mp {args.mp}" + (f" x --expert-parallel {x}" if x > 1 else "")
+        args.error(f"--devices {args.devices} is not a multiple of {what}")
     if args.batch % (args.devices // args.mp):
         args.error(f"--batch {args.batch} must be a multiple of the data degree "
-                   f"{args.devices // args.mp} (--devices / --mp)")
+                   f"{args.devices // args.mp} (--devices / --mp"
+                   + (": the batch is split over data x expert" if x > 1 else "") + ")")
     if not args.lr > 0:
         args.error(f"--lr must be positive, got {args.lr}")
     if args.save_every < 0:
@@ -277,7 +293,7 @@ def save_plot(path: str, losses: list[float], first: int, args) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("next-token loss (nats)")
     ax.set_title(f"zerojax finetune {os.path.basename(os.path.abspath(args.checkpoint))}, "
-                 f"data={args.devices // args.mp} x model={args.mp}", fontsize=10)
+                 f"{_mesh_text(args)}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -309,8 +325,14 @@ def run(args: argparse.Namespace) -> int:
     if len(ids) < args.seq + 2:
         args.error(f"{args.data} holds {len(ids)} tokens, fewer than --seq + 2 = "
                    f"{args.seq + 2}; give more text or a shorter --seq")
-    mesh = zerojax.make_mesh(data=args.devices // args.mp, model=args.mp)
+    x = args.expert_parallel
+    if x > 1 and not hf.get("num_local_experts", hf.get("num_experts")):
+        args.error(f"--expert-parallel {x}: {args.checkpoint} is not a mixture of experts "
+                   f"(its config.json has no num_local_experts / num_experts); drop "
+                   "--expert-parallel")
     try:
+        mesh = zerojax.make_mesh(data=args.devices // (args.mp * x), model=args.mp,
+                                 expert=x if x > 1 else None)
         opt = zerojax.zero(demo.make_optimizer(args), mesh, stage=args.stage,
                            max_grad_norm=args.max_grad_norm, **args.zero_options)
     except ValueError as e:
@@ -321,8 +343,7 @@ def run(args: argparse.Namespace) -> int:
     config = model.config
     print(f"loaded {args.checkpoint}: {llama.llama_param_count(config) / 1e6:.2f}M params, "
           f"{config.layers} layers, vocab {config.vocab}; {len(ids):,} tokens of "
-          f"{args.data}; stage {args.stage} on data={args.devices // args.mp} x "
-          f"model={args.mp}", flush=True)
+          f"{args.data}; stage {args.stage} on {_mesh_text(args)}", flush=True)
     state = opt.init_state(params)  # the model split carried from load_hf
     mgr, first = None, 0
     if args.ckpt_dir is not None:
