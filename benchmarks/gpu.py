@@ -176,10 +176,11 @@ def run_row(args, name: str) -> dict:
            "attention": resolve_attention(config), "fits": False}
     tx = optax.adam(args.lr)
     loss_fn = lm_loss(model)
-    if args.dry_run:  # every row in this process: flax's eager init once, not per row
-        key = (config, args.seed)
+    if args.dry_run:  # every row in this process: the init once (one jitted program,
+        key = (config, args.seed)  # not flax's eager op-by-op init), not per row
         if key not in _DRY_RUN_PARAMS:
-            _DRY_RUN_PARAMS[key] = jax.tree.map(np.asarray, gpt_params(model, args.seed))
+            init = jax.jit(lambda rng: gpt_params(model, rng))
+            _DRY_RUN_PARAMS[key] = jax.tree.map(np.asarray, init(jax.random.key(args.seed)))
         params = jax.tree.map(jax.numpy.asarray, _DRY_RUN_PARAMS[key])
     else:
         params = gpt_params(model, args.seed)
