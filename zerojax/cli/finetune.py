@@ -9,17 +9,17 @@ config's ``eos_token_id`` between them when it has one, and batches are random w
 of ``--seq + 1`` tokens (seeded). The model is loaded straight into the stage's layout
 (:func:`zerojax.models.llama.load_hf`: each leaf split over ``data`` and, with ``--mp``,
 over ``model``; a mixture of experts' experts, with ``--expert-parallel X``, over an
-``expert`` axis of X devices, the batch over data x expert), trained with AdamW under a warm-up + cosine schedule (progress bar with
-the loss and tokens/s), saved to ``--ckpt-dir`` every ``--save-every`` steps, at the
-end and at a SIGTERM (a preemption: that step saved, exit 0; a run with the same
-directory resumes; the loop is ``zerojax train``'s, ``demo.run_steps``), the loss
-curve written as a PNG, and the params exported to ``OUT`` in the Hugging Face layout
-(the model's own tensor names, files of at most ``--max-shard-size``,
-``model.safetensors.index.json``) in the dtype the checkpoint's files have (``--dtype``
-to choose), with ``config.json`` saying it and the tokenizer files copied beside them.
-``--offload-optimizer {host,nvme}``, ``--offload-params`` and ``--nvme-path`` are
-zero()'s offload options (:func:`zerojax.cli.args.offload_options`), the option sets
-``zerojax plan``'s offload rows plan.
+``expert`` axis of X devices, the batch over data x expert), trained with AdamW under a
+warm-up + cosine schedule (progress bar with the loss and tokens/s), saved to
+``--ckpt-dir`` every ``--save-every`` steps, at the end and at a SIGTERM (a preemption:
+that step saved, exit 0; a run with the same directory resumes; the loop is ``zerojax
+train``'s, ``demo.run_steps``), the loss curve written as a PNG, and the params exported
+to ``OUT`` in the Hugging Face layout (the model's own tensor names, files of at most
+``--max-shard-size``, ``model.safetensors.index.json``) in the dtype the checkpoint's
+files have (``--dtype`` to choose), with ``config.json`` saying it and the tokenizer
+files copied beside them. ``--offload-optimizer {host,nvme}``, ``--offload-params`` and
+``--nvme-path`` are zero()'s offload options (:func:`zerojax.cli.args.offload_options`),
+the option sets ``zerojax plan``'s offload rows plan.
 """
 
 from __future__ import annotations
