@@ -62,6 +62,8 @@ def speed(args) -> None:
     if "expert" in inspect.signature(zerojax.make_mesh).parameters:
         for x in args.expert_degrees:
             variants += [(f"moe dropless, expert={x}", _config(args, **moe), x),
+                         (f"moe dropless, blocked, expert={x}",
+                          _config(args, **moe, moe_matmul="blocked"), x),
                          (f"moe capacity 1.25, expert={x}",
                           _config(args, **moe, capacity_factor=1.25), x)]
     tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.seq + 1))

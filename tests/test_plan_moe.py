@@ -226,7 +226,7 @@ def test_expert_states_placed_over_data_x_expert():
     """The planner's per-device states of a tiny MoE over data 4 x expert 2 (each device
     4 of the 8 experts, their states over the 4 data devices; the dense states over all
     8) against what init_state places, stages 1 and 3 (the optimizer's scalar step
-    counted in both parts: 8 bytes over, measured on the expert worktree's axis); and
+    counted in both parts: 8 bytes over, measured at stages 1 and 3); and
     the compiled stage-3 step's all-to-all bytes (comm_volume: the operands) equal to
     moe_all_to_all_bytes(operands=True), fp32, no remat, 64 tokens a device."""
     from zerojax.analysis.comm import comm_volume
@@ -256,8 +256,8 @@ def test_expert_states_placed_over_data_x_expert():
 @pytest.mark.skipif(not _has_expert_axis(), reason="make_mesh(expert=X) not on this tree")
 def test_expert_step_against_compiled():
     """gpt_step_prediction of the tiny MoE (capacity factor 1) at stage 3 over data 4 x
-    expert 2 against the compiled step's peak (on the expert worktree's axis, jax
-    0.10.2: 1.003; X = 4 1.016; dropless 2.09, the CPU's dense ragged_dot)."""
+    expert 2 against the compiled step's peak (jax 0.10.2: 1.003; X = 4 1.016; dropless
+    with ragged_dot 2.09, the CPU's dense rewrite)."""
     tx = optax.adamw(1e-3)
     cfg = LlamaConfig(**TINY_MOE, capacity_factor=1.0)
     model = Llama(cfg)

@@ -200,10 +200,10 @@ def moe_all_to_all_bytes(*, tokens: int, hidden: int, experts: int,
     operand). 0 for X = 1 (no all-to-all).
 
     The convention (that of the expert-parallel dispatch in
-    :mod:`zerojax.models.moe`, ``_dispatch_dropless`` / ``_dispatch_capacity``, read
-    while it was being written): one all-to-all of rows per direction per layer, in
-    the compute dtype, the router's indices and weights not sent (each device keeps
-    its tokens' routing and only the combine's rows come back), no
+    :mod:`zerojax.models.moe`, ``_dispatch_dropless`` / ``_dispatch_capacity``; the
+    compiled steps' all-to-all bytes equal it): one all-to-all of rows per direction
+    per layer, in the compute dtype, the router's indices and weights not sent (each
+    device keeps its tokens' routing and only the combine's rows come back), no
     ``ragged_all_to_all`` (whose sent bytes would be the routed rows, ``tokens k
     hidden (X - 1) / X`` on balanced routing)."""
     for name, v, lo in (("tokens", tokens, 0), ("hidden", hidden, 1),
