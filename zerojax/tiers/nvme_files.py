@@ -12,6 +12,7 @@ generations, and calls these with its directory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -215,6 +216,23 @@ def _verify_whole(fd: int, s: dict, nbytes: int, path: str, e: dict, corrupt, ke
         raise NvmeError(corrupt(path, e, key, s, crc, nbytes))
 
 
+@contextlib.contextmanager
+def _leaf_shards(directory: str, e: dict):
+    """Leaf ``e``'s file opened for reading (its size checked first): ``(fd, path,
+    [(shard, its index key, its shape), ...])``, the file closed on leaving."""
+    path = os.path.join(directory, e["file"])
+    check_size(directory, e)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        shards = []
+        for s in e["shards"]:
+            key = tuple(tuple(k) for k in s["index"])
+            shards.append((s, key, tuple(b - a for a, b in key)))
+        yield fd, path, shards
+    finally:
+        os.close(fd)
+
+
 def read_box(directory: str, e: dict, region: tuple, corrupt, verified: set) -> dict:
     """Leaf ``e``'s piece ``region`` (``(start, size)`` per axis of the leaf, cut only
     along axes its shards hold whole) read from each shard into a host buffer, by shard
@@ -222,14 +240,9 @@ def read_box(directory: str, e: dict, region: tuple, corrupt, verified: set) -> 
     it was written as this piece, else (written whole) the shard's crc32 is checked once
     (``verified``: the shards checked this step)."""
     dtype, shape = np.dtype(e["dtype"]), tuple(e["shape"])
-    path = os.path.join(directory, e["file"])
-    check_size(directory, e)
     host: dict = {}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for s in e["shards"]:
-            key = tuple(tuple(k) for k in s["index"])
-            sub = tuple(b - a for a, b in key)
+    with _leaf_shards(directory, e) as (fd, path, shards):
+        for s, key, sub in shards:
             box = _local_box(key, region, shape)
             buf = np.empty(tuple(n for _, n in box), dtype)
             raw = buf.view(np.uint8).reshape(-1)
@@ -247,8 +260,6 @@ def read_box(directory: str, e: dict, region: tuple, corrupt, verified: set) -> 
                               path, e, corrupt, key)
                 verified.add((e["file"], key))
             host[key] = buf
-    finally:
-        os.close(fd)
     return host
 
 
@@ -331,14 +342,9 @@ def read_shards(directory: str, e: dict, corrupt) -> dict:
     whose crc32 differs from the manifest's raises ``NvmeError(corrupt(path, e, key,
     shard, crc32 read, bytes))``."""
     dtype = np.dtype(e["dtype"])
-    path = os.path.join(directory, e["file"])
-    check_size(directory, e)
     host: dict = {}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for s in e["shards"]:
-            key = tuple(tuple(k) for k in s["index"])
-            sub = tuple(b - a for a, b in key)
+    with _leaf_shards(directory, e) as (fd, path, shards):
+        for s, key, sub in shards:
             buf = np.empty(sub, dtype)
             raw = buf.view(np.uint8).reshape(-1)
             pread_all(fd, raw, s["offset"], path, e)
@@ -351,6 +357,4 @@ def read_shards(directory: str, e: dict, corrupt) -> dict:
                     raise NvmeError(corrupt(path, e, key, dict(s, crc32=want), zlib.crc32(
                         got.view(np.uint8).reshape(-1)), got.nbytes))
             host[key] = buf
-    finally:
-        os.close(fd)
     return host
