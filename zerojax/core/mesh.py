@@ -152,6 +152,17 @@ def constrain(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
+@contextlib.contextmanager
+def _traced_split(var: contextvars.ContextVar, axis: str, size: int):
+    """``var`` set to ``(axis, size)`` while the block runs (a split the step traces
+    its loss under: :func:`sequence_split`, :func:`expert_split`)."""
+    token = var.set((axis, int(size)))
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 # --- the sequence split a step traces its loss under ---------------------------------
 
 _SEQUENCE_SPLIT: contextvars.ContextVar = contextvars.ContextVar("zerojax_sequence_split",
@@ -163,11 +174,8 @@ def sequence_split(axis: str, size: int):
     """While zerojax's step traces the loss on a ``seq`` mesh: each device's batch holds
     ``1 / size`` of every sequence, split over ``axis``. zerojax's models read it
     (:func:`current_sequence_split`) to refuse running as whole sequences there."""
-    token = _SEQUENCE_SPLIT.set((axis, int(size)))
-    try:
+    with _traced_split(_SEQUENCE_SPLIT, axis, size):
         yield
-    finally:
-        _SEQUENCE_SPLIT.reset(token)
 
 
 def current_sequence_split() -> tuple | None:
@@ -189,11 +197,8 @@ def expert_split(axis: str, size: int):
     ``axis``, each device holding ``1 / size`` of them, and the axis is bound
     (``axis_env``). zerojax's MoE block reads it (:func:`current_expert_split`) to
     declare its local experts and dispatch the tokens to them by all-to-alls."""
-    token = _EXPERT_SPLIT.set((axis, int(size)))
-    try:
+    with _traced_split(_EXPERT_SPLIT, axis, size):
         yield
-    finally:
-        _EXPERT_SPLIT.reset(token)
 
 
 def current_expert_split() -> tuple | None:
