@@ -69,6 +69,17 @@ def test_gradients_are_ragged_dots():
     assert not np.asarray(got[1])[1].any()  # the empty group's gradient is 0
 
 
+def test_bad_arguments_are_refused_naming_them():
+    lhs, rhs, sizes = _case(CASES["uneven"])
+    for block in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"block={block!r} must be a positive int"):
+            grouped_matmul(lhs, rhs, sizes, impl="blocked", block=block)
+    with pytest.raises(ValueError, match="impl='dense' is not one of"):
+        grouped_matmul(lhs, rhs, sizes, impl="dense")
+    with pytest.raises(ValueError, match=r"rhs \(5, 16, 24\), group_sizes \(4,\)"):
+        grouped_matmul(lhs, rhs, sizes[:4], impl="blocked")
+
+
 def test_tile_schedule():
     start, group, rows = tiles(jnp.asarray([7, 0, 13, 1, 19], jnp.int32), M, 8)
     live = np.asarray(rows) > 0

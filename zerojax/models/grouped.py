@@ -149,6 +149,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
             group_sizes.shape != (rhs.shape[0],)):
         raise ValueError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes "
                          f"{group_sizes.shape}: want (m, k), (g, k, n) and (g,)")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"grouped_matmul: block={block!r} must be a positive int (rows "
+                         f"a tile with impl='blocked'; default {DEFAULT_BLOCK})")
     if impl == "ragged":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-    return _blocked(lhs, rhs, group_sizes, max(1, min(int(block), lhs.shape[0])))
+    return _blocked(lhs, rhs, group_sizes, max(1, min(block, lhs.shape[0])))
