@@ -5,6 +5,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -12,6 +13,7 @@ from helpers import cached_gpt_params, max_rel_err, reference_run
 
 import zerojax
 from zerojax.analysis import compiled_memory, saved_checkpoints
+from zerojax.analysis.report import compile_step, gpt_param_shapes
 from zerojax.models import GPT, GPTConfig, gpt_param_specs, lm_loss
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
@@ -53,9 +55,16 @@ def test_policies_train_like_single_device(stage, policy):
 
 @functools.cache
 def _compiled(stage, policy, layers=8, seq=64, hidden=64):
-    model = GPT(GPTConfig(vocab=64, seq=seq, layers=layers, hidden=hidden, heads=4))
-    opt, state = _opt_state(model, stage, policy)
-    return opt.train_step(lm_loss(model)).lower(state, _batches(1, seq)[0]).compile()
+    """The step compiled from shapes (compile_step: no flax init, nothing placed; the
+    same HLO as lowering an ``init_state`` state, metadata aside, on jax 0.10.2 and
+    0.12)."""
+    cfg = GPTConfig(vocab=64, seq=seq, layers=layers, hidden=hidden, heads=4)
+    model = GPT(cfg)
+    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=DATA, model=MODEL),
+                       stage=stage, remat_policy=policy)
+    return compile_step(opt, lm_loss(model), gpt_param_shapes(cfg),
+                        jax.ShapeDtypeStruct((BATCH, seq + 1), jnp.int32),
+                        model_specs=gpt_param_specs(model, 0))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
