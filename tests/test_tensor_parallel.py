@@ -11,18 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import cached_gpt_params, max_rel_err, reference_run, xla_flags
+from helpers import max_rel_err, reference_run, xla_flags
 from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax.analysis import device_bytes
+from zerojax.analysis.report import abstract_state, gpt_param_shapes
 from zerojax.models import GPT, GPTConfig, gpt_param_specs, lm_loss
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 DATA, MODEL = 4, 2
-
-
-_gpt_params = cached_gpt_params
 
 
 def _mesh():
@@ -37,7 +35,7 @@ def _batches(n, vocab=64, seq=16, batch=16):
 @functools.cache
 def _reference():
     model = GPT(GPTConfig(**TINY))
-    return reference_run(optax.adam(1e-3), _gpt_params(model, 0), lm_loss(model), _batches(4))
+    return reference_run(optax.adam(1e-3), _gpt_params(), lm_loss(model), _batches(4))
 
 
 @functools.cache
@@ -53,14 +51,23 @@ def _boxed_params():
     return jax.tree.map(jnp.asarray, _host_boxed_params())
 
 
+def _gpt_params():
+    """The TINY GPT's params unboxed: ``gpt_params(model, 0)`` (flax's values depend on
+    the key and the shapes only), from the one init of the module."""
+    import flax.linen as nn
+
+    return nn.meta.unbox(_boxed_params())
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gpt_matches_single_device(stage):
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
     # boxed params: the Megatron layout is read from the flax metadata
     state = opt.init_state(_boxed_params())
-    # the same layout as the specs read by gpt_param_specs, so the same program: the
-    # one compiled for the model-axis collectives below (stages 0 and 3) trains here
-    step, compiled, layout = _program(stage, 2, True)
+    # the same layout as the specs read by gpt_param_specs (placed from shapes), so the
+    # same program: the one compiled for the model-axis collectives below trains here
+    # (remat or not changes neither the maths nor the params)
+    step, compiled, layout = _program(stage, 2, stage in (0, 3))
     assert _layout(state) == layout
     for b in _batches(4):
         state, _ = compiled(state, step.place_batch(b), None)
@@ -71,7 +78,7 @@ def test_gpt_matches_single_device(stage):
 def test_model_split_leaves_get_their_data_split_on_another_dim():
     model = GPT(GPTConfig(**TINY))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=3)
-    state = opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
+    state = opt.init_state(_gpt_params(), model_specs=gpt_param_specs(model, 0))
     p = state.params
     blocks = p["blocks"]
     assert blocks["qkv"]["kernel"].sharding.spec == P(None, "data", "model")  # column-parallel
@@ -92,8 +99,10 @@ def test_model_split_leaves_get_their_data_split_on_another_dim():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_state_bytes_are_the_formula_over_model_degree(stage):
-    model = GPT(GPTConfig(vocab=256, seq=16, layers=2, hidden=256, heads=4))
-    params, specs = _gpt_params(model, 0), gpt_param_specs(model, 0)
+    cfg = GPTConfig(vocab=256, seq=16, layers=2, hidden=256, heads=4)
+    # the bytes held depend on the shapes only: zeros of the model's shapes
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), gpt_param_shapes(cfg))
+    specs = gpt_param_specs(GPT(cfg), 0)
     psi = sum(x.size for x in jax.tree.leaves(params))
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
     state = opt.init_state(params, model_specs=specs)
@@ -104,18 +113,22 @@ def test_model_state_bytes_are_the_formula_over_model_degree(stage):
 
 
 def _layout(state):
-    return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state)
+    return jax.tree.map(lambda x: (tuple(x.shape), x.dtype, x.sharding), state)
 
 
 @functools.cache
 def _program(stage, layers, remat):
     """(train step, its compiled program, the state's layout) on the GPT with params
-    laid out by gpt_param_specs: one compile per (stage, layers, remat) in the module."""
-    model = GPT(GPTConfig(**{**TINY, "layers": layers, "remat": remat}))
+    laid out by gpt_param_specs, from shapes (no flax init, nothing placed): one compile
+    per (stage, layers, remat) in the module."""
+    cfg = GPTConfig(**{**TINY, "layers": layers, "remat": remat})
+    model = GPT(cfg)
     opt = zerojax.zero(optax.adam(1e-3), _mesh(), stage=stage)
-    state = opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
+    state = abstract_state(opt, gpt_param_shapes(cfg), gpt_param_specs(model, 0))
     step = opt.train_step(lm_loss(model))
-    return step, step.lower(state, _batches(1)[0]).compile(), _layout(state)
+    batch = jax.ShapeDtypeStruct((16, TINY["seq"] + 1), jnp.int32,
+                                 sharding=step.batch_sharding)
+    return step, step.jitted.lower(state, batch, None).compile(), _layout(state)
 
 
 @functools.cache
