@@ -11,7 +11,9 @@
 # 4. a model whose state is >= 3x the device memory the process is given, trained with
 #    host offload, its losses against the same model with enough memory:
 #    benchmarks/offload_big.py;
-# 5. no offload vs host vs NVMe tier, losses and master-weight bits: tier_parity.py.
+# 5. no offload vs host vs NVMe tier, losses and master-weight bits: tier_parity.py;
+# 6. the optimizer step on the CPU under the GPU's pass (ZeRO-Offload's schedule), probed
+#    with plain JAX before it is built: benchmarks/host_adam_probe.py.
 # Everything goes to $OUT/log.txt (and gpu_lease.sh's rows.jsonl / env.txt).
 set -u
 : "${OUT:?set OUT to a folder for the results}"
@@ -30,4 +32,6 @@ mark "big $OG"
 timeout "${T_BIG:-150}" python3 benchmarks/offload_big.py --layers 12 --mem-fraction 0.022 --timeout 72 $OG >> "$L" 2>&1
 mark "parity"
 timeout "${T_PARITY:-40}" python3 benchmarks/tier_parity.py --stages 3 >> "$L" 2>&1
+mark "host adam"
+timeout "${T_HOST:-60}" python3 benchmarks/host_adam_probe.py >> "$L" 2>&1
 mark "end"

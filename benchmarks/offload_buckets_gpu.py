@@ -8,7 +8,9 @@ issue 50), and whether the two train bitwise alike.
 
 A row per piece form (``zerojax.tiers.offload.PIECE_FORMS``: ``static``, the pieces'
 offsets constants, and ``opaque``, runtime values so their slices stay
-``dynamic-slice`` / ``dynamic-update-slice`` when compiled), each with the count of
+``dynamic-slice`` / ``dynamic-update-slice`` when compiled), written in place over the
+donated state (``offload.IN_PLACE``, a GPU's default), a row of the static pieces
+written into host buffers of their own (the form before 2026-11-28), each with the count of
 asynchronous transfers in the compiled step (``copy-start``, ``dynamic-slice-start``,
 ``dynamic-update-slice-start``: on a GPU what moves by DMA), and the whole-leaf row.
 
@@ -103,6 +105,14 @@ def main():
     for form in offload.PIECE_FORMS:
         os.environ["ZEROJAX_PIECE_FORM"] = form
         got[f"pieces, {form}"] = run(a.layers, a.width, a.steps, True)
+    os.environ.pop("ZEROJAX_PIECE_FORM", None)
+    # the pieces written into host buffers of their own (before 2026-11-28; on a GPU
+    # the default is in place over the donated state: offload.IN_PLACE)
+    offload.IN_PLACE = False
+    try:
+        got["pieces, own buffers"] = run(a.layers, a.width, a.steps, True)
+    finally:
+        offload.IN_PLACE = None
     got["whole-leaf"] = run(a.layers, a.width, a.steps, False)
     for name, r in got.items():
         m = r["mem"]

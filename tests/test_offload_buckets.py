@@ -142,6 +142,40 @@ def test_the_buckets_do_not_grow_with_the_largest_leaf():
                                                                "tensor<i32>"]
 
 
+@pytest.mark.parametrize("axes, options", [
+    (dict(data=8), dict(stage=1)),
+    (dict(data=4, model=2), dict(stage=3, param_dtype=jnp.float16, offload_params=True)),
+], ids=["stage1_fp32", "stage3_fp16_model"])
+def test_pieces_written_over_the_donated_state_train_bitwise(monkeypatch, axes, options):
+    """offload.IN_PLACE (the form a GPU mesh gets): each piece's new master weights and
+    moments written into the donated old leaf, one piece behind its reads, instead of
+    into a host buffer of their own: bitwise the same training, at stage 1 fp32 and at
+    stage 3 with fp16 params over fp32 master weights, the params offloaded too, on a
+    model axis; and lowered for CUDA, no host buffer is made for those leaves (two
+    scalar broadcasts to a whole cut leaf fewer per leaf: its mu and nu)."""
+    mesh = zerojax.make_mesh(**axes)
+    monkeypatch.setattr(offload, "DEFAULT_BUCKET_PER_DEVICE", 710 // axes["data"])
+    runs, buffers = {}, {}
+    for form in (False, True):
+        monkeypatch.setattr(offload, "IN_PLACE", form)
+        runs[form] = _run(mesh, offload_optimizer=True, **options)
+        if options["stage"] == 3:
+            continue
+        opt = zerojax.zero(optax.adamw(1e-2), mesh, offload_optimizer=True, **options)
+        state = opt.init_state(awkward_params())
+        step = opt.train_step(awkward_loss)
+        text = step.jitted.trace(state, step.place_batch(regression_batches(1)[0]),
+                                 None).lower(lowering_platforms=("cuda",)).as_text()
+        buffers[form] = len(re.findall(
+            r"broadcast_in_dim %\S+, dims = \[\] : \(tensor<f32>\) -> tensor<64x37xf32>",
+            text))
+    assert not _same(runs[False], runs[True])
+    if buffers:  # dense2's kernel (64 x 37) is cut; its mu and nu get no buffer
+        assert buffers[True] == buffers[False] - 2, buffers
+    monkeypatch.setattr(offload, "IN_PLACE", None)
+    assert not offload.in_place(mesh)  # the CPU keeps buffers of their own (see IN_PLACE)
+
+
 def test_the_step_lowered_for_a_gpu_moves_pieces_never_a_whole_large_leaf(monkeypatch):
     """The stage-3 step (fp32 Adam, mu and nu offloaded, buckets of 704 elements), lowered
     for CUDA from the CPU: what moves between host and device memory is pieces of at
@@ -162,6 +196,31 @@ def test_the_step_lowered_for_a_gpu_moves_pieces_never_a_whole_large_leaf(monkey
     assert max(sizes) <= 704 // 2, sorted(sizes)
     assert {w for w, _ in moves} == {"device", "pinned_host"}
     assert "dynamic_update_slice" in text
+
+
+def test_an_axis_named_for_a_one_device_mesh_axis_may_be_cut():
+    """sharded_axes names only axes split over more than one device: on one GPU
+    (data=1) ZeRO's ``data`` axis is whole, so a stacked leaf is cut along its leading
+    axes (contiguous pieces) and not along the minor axis (a strided range, one DMA a
+    row), which the H200-compiled GPT step had: f32[32000, 174] pieces of the
+    embedding, f32[1, 8192, 682] of the MLP stack."""
+    P = jax.sharding.PartitionSpec
+    one, eight = zerojax.make_mesh(data=1, devices=jax.devices()[:1]), zerojax.make_mesh(data=8)
+    two = zerojax.make_mesh(data=2, model=4)
+    got = offload.sharded_axes([
+        jax.sharding.NamedSharding(one, P(None, "data")),
+        jax.sharding.NamedSharding(eight, P(None, "data")),
+        jax.sharding.NamedSharding(two, P(("data", "model"), None)),
+        jax.sharding.NamedSharding(two, P(None, "model", "data")), None])
+    assert got == [(), (1,), (0,), (1, 2), None]
+    params = {"stack": jnp.ones((4, 64, 32))}
+    fn, operands, on_host, _ = _adam_update(params)
+    sharded = [offload.sharded_axes([jax.sharding.NamedSharding(one, P(None, "data"))])[0]
+               if getattr(x, "ndim", 0) == 3 else None for x in operands]
+    plan = offload.bucket_plan(fn, operands, on_host, 3 * 16 * 32, 16, sharded=sharded,
+                               detail=True)
+    regions = [p["region"] for p in plan]
+    assert len(regions) == 16 and all(r[2] == (0, 32) for r in regions), regions
 
 
 # -- what is refused, what is kept whole ----------------------------------------------

@@ -1441,7 +1441,10 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     def run(flat):
         return offload.update_in_buckets(
             fn, flat, on_host, out_host, offload.bucket_elements(cfg.bucket_size, opt.data_size),
-            cfg.min_shard_size, sharded=sharded, names=names)
+            cfg.min_shard_size, sharded=sharded, names=names,
+            # the new state written over the donated old (not donated: XLA would copy it)
+            alias=list(range(n_own + n_inner))
+            if cfg.donate and offload.in_place(mesh) else None)
 
     if explicit:  # as in the plain update: the padding is cut under Auto axes
         own_sh = jax.tree.leaves(placed.opt_state.master if mixed else (

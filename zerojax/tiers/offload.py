@@ -386,13 +386,20 @@ def bucket_plan(fn, operands: list, on_host: list, capacity: int | None,
 
 
 def sharded_axes(shardings: list) -> list:
-    """Per ``NamedSharding`` (or None), the axes its spec splits over a mesh axis: what
-    :func:`update_in_buckets` never cuts."""
+    """Per ``NamedSharding`` (or None), the axes its spec splits over a mesh axis of
+    more than one device: what :func:`update_in_buckets` never cuts. (An axis named
+    for a mesh axis of size 1, ZeRO's ``data`` on one GPU, is whole on the device: it
+    may be cut, and the leading axes are cut first, so a piece is contiguous in memory
+    rather than a strided range of the minor axis.)"""
     out = []
     for sh in shardings:
         spec = getattr(sh, "spec", None)
-        out.append(None if spec is None else tuple(i for i, e in enumerate(spec)
-                                                   if e is not None))
+        if spec is None:
+            out.append(None)
+            continue
+        sizes = dict(getattr(getattr(sh, "mesh", None), "shape", {}) or {})
+        out.append(tuple(i for i, e in enumerate(spec) if e is not None and int(np.prod(
+            [sizes.get(n, 2) for n in (e if isinstance(e, tuple) else (e,))])) > 1))
     return out
 
 
@@ -411,6 +418,24 @@ def sharded_axes(shardings: list) -> list:
 # compare them in one process (benchmarks/offload_buckets_gpu.py --forms).
 PIECE_FORMS = ("static", "opaque")
 PIECE_FORM = "static"
+
+
+# Where a cut group's new state is written (issue 50): over the donated old state in
+# place (``update_in_buckets``' ``alias``), or into a buffer of its own. In place, the
+# GPU compiler (XLA:GPU, compiled for an H200 by benchmarks/gpu_aot.py) makes each
+# piece's read and write one asynchronous DMA, with no host buffer beside the state and
+# no copy; XLA:CPU instead folds a piece's read into the original leaf and copies the
+# leaf whole for every piece's write (memory spaces mean nothing there). None: in place
+# on GPUs only; True / False: always / never (the CPU tests check both are bitwise
+# alike).
+IN_PLACE: bool | None = None
+
+
+def in_place(mesh: Mesh) -> bool:
+    """Whether the update writes its pieces over the donated state on ``mesh``."""
+    if IN_PLACE is not None:
+        return bool(IN_PLACE)
+    return mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
 
 
 def piece_form() -> str:
@@ -497,7 +522,7 @@ class _Pieces:
 
 def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
                       capacity: int | None, min_size: int, sharded: list | None = None,
-                      names: list | None = None) -> list:
+                      names: list | None = None, alias: list | None = None) -> list:
     """``fn(*operands)`` (a flat list in, a flat list out) inside ``jit``, with the
     operands marked ``on_host`` brought to the device bucket by bucket and the outputs
     marked ``out_to_host`` written back to host memory as each bucket finishes.
@@ -511,6 +536,16 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
     operand, for messages) and ``bucket_size``; a bucket smaller than one row of a
     leaf is refused. Returns the flat outputs, those marked ``out_to_host`` in host
     memory.
+
+    ``alias``: per output, the operand it replaces (None: none), both in host memory,
+    the operand donated by the caller. A cut group's pieces of such an output are then
+    written into the operand's own buffer (``dynamic_update_slice`` in place), one
+    bucket behind its reads: piece ``b``'s new values are written after piece ``b + 1``
+    is read, which reads the buffer as left by the writes before ``b``, untouched in
+    its region. A buffer of its own instead costs host memory for a second copy of the
+    leaf, and XLA:GPU copied one such buffer host to host whole at the step's end
+    (``benchmarks/gpu_aot.py``: a ``copy`` in ``S(5)``, on the GPU a kernel reading and
+    writing host memory over PCIe).
     """
     ops, out_refs = _trace(fn, operands, on_host)
     plan = _Plan(ops, operands, on_host, capacity, min_size, sharded=sharded, names=names)
@@ -540,11 +575,14 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
         tie0 = [env[o] for _, (_, _, outs) in cross_ops for o in outs]
     landed: dict = {}  # bucket -> its outputs in host memory
     result: dict = {}  # output position -> value
+    chain = _Chain(operands, on_host, out_to_host, alias)
     for b in range(len(plan.buckets)):
         tie = landed.get(b - 2) if b >= 2 else tie0
         piece = None if plan.regions[b] is None else _Pieces(
             plan.regions[b], plan.shape[plan.buckets[b][0]])
-        local = _load(plan, operands, b, tie, env, piece)
+        local = _load(plan, chain.sources(operands), b, tie, env, piece)
+        if chain.pending:  # the previous piece's writes, after this piece's reads
+            landed[b - 1] += chain.flush(result, [local[i] for i in plan.buckets[b]])
         mine_ops = by_bucket.get(plan.home[b], [])
         if piece is not None:  # the device values it reads, from their own pieces
             mine_ops = _recomputed(plan, ops, mine_ops, piece) + mine_ops
@@ -553,20 +591,62 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
         moved = [_read(local, env, out_refs[k], piece) for k in mine]
         if piece is not None:  # computed into a buffer of its own, then written
             moved = jax.lax.optimization_barrier(moved)
-        moved = [to_host(x) if out_to_host[k] else x for k, x in zip(mine, moved)]
+        # a piece written in place moves to host memory when it is written (Chain.flush)
+        later = {k for k in mine if piece is not None and chain.in_place(k)}
+        moved = [to_host(x) if out_to_host[k] and k not in later else x
+                 for k, x in zip(mine, moved)]
         if piece is None:
             result.update(zip(mine, moved))
         else:
             for k, x in zip(mine, moved):
-                result[k] = piece.write(result.get(k), x, plan.shape[out_refs[k]],
-                                        out_to_host[k])
-        landed[b] = [x for k, x in zip(mine, moved) if out_to_host[k]]
+                if k in later:
+                    chain.pending.append((k, piece, x))
+                else:
+                    result[k] = piece.write(result.get(k), x, plan.shape[out_refs[k]],
+                                            out_to_host[k])
+        landed[b] = [x for k, x in zip(mine, moved) if out_to_host[k] and k not in later]
+    chain.flush(result, [])
     if not plan.reads_cross:  # cross values only the outputs read (a norm reported)
         _run(cross_ops, env, env)
     for k, r in enumerate(out_refs):
         if k not in result:
             result[k] = to_host(_read(env, env, r)) if out_to_host[k] else _read(env, env, r)
     return [result[k] for k in range(len(out_refs))]
+
+
+class _Chain:
+    """The host buffers a cut group's aliased outputs are written into in place (see
+    :func:`update_in_buckets`' ``alias``): per operand, its value after the writes made
+    so far; the writes of the last piece, pending until the next piece is read."""
+
+    def __init__(self, operands: list, on_host: list, out_to_host: list, alias):
+        self.target = {k: i for k, i in enumerate(alias or [])
+                       if i is not None and out_to_host[k] and on_host[i]}
+        self.buf = {i: operands[i] for i in self.target.values()}
+        self.pending: list = []
+
+    def in_place(self, k: int) -> bool:
+        return k in self.target
+
+    def sources(self, operands: list) -> list:
+        """The operands as a bucket reads them (an aliased one: its buffer now)."""
+        return [self.buf.get(i, x) for i, x in enumerate(operands)]
+
+    def flush(self, result: dict, after: list) -> list:
+        """The pending writes, ordered after ``after`` (the next piece's reads: an
+        optimization barrier), each the output's value so far; returns the buffers
+        written (what a later bucket's reads wait for)."""
+        if not self.pending:
+            return []
+        xs = [x for _, _, x in self.pending]
+        if after:
+            xs, _ = jax.lax.optimization_barrier((xs, after))
+        for (k, piece, _), x in zip(self.pending, xs):
+            i = self.target[k]
+            self.buf[i] = result[k] = piece.write(self.buf[i], to_host(x), None, True)
+        written = [result[k] for k, _, _ in self.pending]
+        self.pending = []
+        return written
 
 
 def _recomputed(plan, ops, group_ops: list, piece) -> list:
