@@ -26,9 +26,14 @@ compiler. Cases (``--case``, several allowed):
 - ``fetch``: a scanned stack in ``pinned_host`` moved to the device a layer at a time
   inside the scan body (the form ``param_fetch="layer"`` takes), forward and gradient;
 - ``buckets``: the stage-3 step with ``offload_optimizer=True`` (``offload_buckets_gpu.py``'s
-  model), its update cut into pieces (each ``offload.PIECE_FORMS``) and in whole-leaf
-  buckets;
-- ``delayed``: the same step with ``delayed_update=True``.
+  model), its update cut into pieces (each ``offload.PIECE_FORMS``, written in place
+  over the donated state as on a GPU; the static form into buffers of their own, as
+  before 2026-11-28) and in whole-leaf buckets;
+- ``delayed``: the same step with ``delayed_update=True`` (the program of the steps
+  after the first, a gradient pending);
+- ``gpt``: ``gpu.py``'s 1.28B GPT at stage 3, bf16 over fp32 Adam (``--gpt-rows``: no
+  offload, ``offload_optimizer`` in place, with buffers of their own, and with
+  ``delayed_update``); ``xla`` attention (cuDNN's lowering asks the local cuDNN).
 
 For each program: the compiled asynchronous transfers by kind and, from the schedule,
 how many have compute (a fusion, a GEMM, a custom call) scheduled between their start
