@@ -12,7 +12,8 @@ step of a configuration is predicted as::
                (+ Megatron's activation all-reduces when mp > 1, inside the node)
     exposed  = the part of comm the stage cannot hide under compute
     PCIe     = offload's transfers (:class:`PcieTraffic`), each direction at
-               pcie_bw (full duplex: host-to-device and device-to-host overlap):
+               pcie_bw (full duplex where the program lets the two directions run
+               at once: the streamed gradients beside the fetches; not the update's):
       under    = the streamed gradients (device to host, under the backward;
                  offload_gradients) and, where they overlap compute, the per-layer
                  param fetches (host to device; 2 x accum_steps x the shards):
@@ -22,7 +23,12 @@ step of a configuration is predicted as::
                  measured: plan.FETCH_OVERLAPS_COMPUTE), a global norm's second pass
                  over host gradients, and the update's (state in with the
                  gradients, state out with the new params, after the backward; no
-                 delayed update): fetch / pcie_bw + max(update in, update out) / pcie_bw
+                 delayed update): fetch / pcie_bw + (update in + update out) / pcie_bw.
+                 The update's two directions do not overlap: on one H200 the 1.28B
+                 GPT's whole-leaf offloaded update added 612 ms at 64K tokens
+                 (benchmarks/README.md, issue 50), 15.4 GB each way: 0.56 s one after
+                 the other at 55 GB/s, 0.28 s overlapped; and in place a piece's read
+                 waits for the write before it (tiers/offload.py, IN_PLACE)
     disk     = NVMe tier (offload_optimizer="nvme"): the node's state (with
                offload_params="nvme" its param shards too) read once and written
                once per step, read / disk_read_bw + write / disk_write_bw (one disk
@@ -244,8 +250,9 @@ class PcieTraffic:
     accumulator's layers read back there, host to device). ``update_in`` /
     ``update_out``: the update's, after the backward: the offloaded state (and the
     streamed gradients) in; the state (and, with ``offload_params``, the new params)
-    out. ``other``: exposed bytes moved one after the other (Pa+cpu's checkpoints, out
-    in the forward and back in the backward; a global norm's pass over host gradients).
+    out; one after the other (measured on an H200: the module's docstring).
+    ``other``: exposed bytes moved one after the other (Pa+cpu's checkpoints, out in
+    the forward and back in the backward; a global norm's pass over host gradients).
     """
 
     fetch: int = 0
@@ -267,7 +274,7 @@ class PcieTraffic:
         under = max((self.fetch if self.fetch_hidden else 0) + self.grads_in,
                     self.grads_out) / bandwidth
         exposed = ((0 if self.fetch_hidden else self.fetch)
-                   + max(self.update_in, self.update_out) + self.other) / bandwidth
+                   + self.update_in + self.update_out + self.other) / bandwidth
         return under, exposed
 
 

@@ -419,7 +419,7 @@ def _plan_assumptions(p: ModelPlan) -> str:
                 "under compute as the stage allows, offload at "
                 f"{a.pcie_bw / GB:.0f} GB/s PCIe each way (the streamed gradients under "
                 "the backward; the fetches, as measured, and the update's transfers after "
-                "the backward, in and out at once, exposed); tokens/s of the whole job)")
+                "the backward, in then out, exposed); tokens/s of the whole job)")
     if sp > 1:
         a2a = p.rows[0].alltoall_bytes
         out += (f"\n(sequence parallel, Ulysses over {sp} devices (arXiv:2309.14509): "
