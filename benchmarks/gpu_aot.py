@@ -188,6 +188,30 @@ def transfers(text: str) -> list[Transfer]:
     return out
 
 
+def duplex(text: str) -> tuple[int, int]:
+    """``(reads, of them beside a write)``: the host-to-device slices
+    (``dynamic-slice-start``) and how many are in flight while a device-to-host write
+    (``dynamic-update-slice-start``) is: the two PCIe directions at once."""
+    reads = beside = 0
+    for instrs in _instructions(text).values():
+        done_at = {}
+        for k, (_name, op, operands) in enumerate(instrs):
+            if op.endswith("-done"):
+                first = re.match(r"%(\S+?)[,)]", operands)
+                if first:
+                    done_at[first.group(1)] = k
+        spans = {"r": [], "w": []}
+        for k, (name, op, _) in enumerate(instrs):
+            if op.endswith("-start") and name in done_at:
+                if name.startswith("dynamic-slice-start"):
+                    spans["r"].append((k, done_at[name]))
+                elif name.startswith("dynamic-update-slice-start"):
+                    spans["w"].append((k, done_at[name]))
+        reads += len(spans["r"])
+        beside += sum(1 for a, b in spans["r"] if any(c < b and d > a for c, d in spans["w"]))
+    return reads, beside
+
+
 def summary(text: str, kinds=("copy-start", "dynamic-slice-start",
                               "dynamic-update-slice-start")) -> str:
     """One line per transfer kind: count, how many under compute, most in flight."""
@@ -380,7 +404,8 @@ def main():
         print(f"{name:>24}: device peak {c.device_peak / 2**20:9.1f} MiB, host args "
               f"{c.stats.host_argument_size_in_bytes / 2**20:9.1f} MiB, host temp "
               f"{c.stats.host_temp_size_in_bytes / 2**20:7.1f} MiB, host-to-host copies "
-              f"{host_copies(c.text)}; {summary(c.text)}")
+              f"{host_copies(c.text)}, reads beside a write {duplex(c.text)[1]}; "
+              f"{summary(c.text)}")
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)
             with open(os.path.join(a.dump, re.sub(r"\W+", "_", name) + ".hlo"), "w") as f:

@@ -576,13 +576,17 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
     landed: dict = {}  # bucket -> its outputs in host memory
     result: dict = {}  # output position -> value
     chain = _Chain(operands, on_host, out_to_host, alias)
-    for b in range(len(plan.buckets)):
-        tie = landed.get(b - 2) if b >= 2 else tie0
+    order = _interleaved(plan) if chain.target else list(range(len(plan.buckets)))
+    for pos, b in enumerate(order):
+        tie = landed.get(order[pos - 2]) if pos >= 2 else tie0
         piece = None if plan.regions[b] is None else _Pieces(
             plan.regions[b], plan.shape[plan.buckets[b][0]])
+        if chain.pending and not chain.reads(plan.buckets[b]):  # another leaf's: now
+            landed[order[pos - 1]] += chain.flush(result, [])
         local = _load(plan, chain.sources(operands), b, tie, env, piece)
         if chain.pending:  # the previous piece's writes, after this piece's reads
-            landed[b - 1] += chain.flush(result, [local[i] for i in plan.buckets[b]])
+            landed[order[pos - 1]] += chain.flush(
+                result, [local[i] for i in plan.buckets[b]])
         mine_ops = by_bucket.get(plan.home[b], [])
         if piece is not None:  # the device values it reads, from their own pieces
             mine_ops = _recomputed(plan, ops, mine_ops, piece) + mine_ops
@@ -628,6 +632,10 @@ class _Chain:
     def in_place(self, k: int) -> bool:
         return k in self.target
 
+    def reads(self, members: list) -> bool:
+        """Whether a bucket of ``members`` reads a buffer a pending write goes to."""
+        return any(self.target[k] in members for k, _, _ in self.pending)
+
     def sources(self, operands: list) -> list:
         """The operands as a bucket reads them (an aliased one: its buffer now)."""
         return [self.buf.get(i, x) for i, x in enumerate(operands)]
@@ -647,6 +655,32 @@ class _Chain:
         written = [result[k] for k, _, _ in self.pending]
         self.pending = []
         return written
+
+
+def _interleaved(plan) -> list:
+    """The buckets in the order the in-place update runs them: the pieces of the cut
+    groups taken in turn (one of each group, then the next of each), so consecutive
+    buckets mostly touch different leaves and a piece's read of one leaf need not wait
+    for the write of the piece before it, which went to another leaf's buffer (host to
+    device and device to host may then run at once); the whole buckets first, in
+    their order."""
+    runs: list = []
+    for b in range(len(plan.buckets)):
+        key = None if plan.regions[b] is None else tuple(plan.buckets[b])
+        if runs and key is not None and runs[-1][0] == key:
+            runs[-1][1].append(b)
+        else:
+            runs.append((key, [b]))
+    order, pending = [], []
+    for key, bs in runs:
+        if key is None:
+            order.extend(bs)
+        else:
+            pending.append(bs)
+    while pending:  # round robin over the cut groups
+        order.extend(bs.pop(0) for bs in pending)
+        pending = [bs for bs in pending if bs]
+    return order
 
 
 def _recomputed(plan, ops, group_ops: list, piece) -> list:
