@@ -163,6 +163,8 @@ class Transfer:
     computation: str
     compute_under: int  # compute instructions scheduled between start and done
     in_flight: int      # most other transfers started and not done meanwhile
+    start: int = 0      # the start's and the done's places in the computation's schedule
+    done: int = 0
 
 
 def transfers(text: str) -> list[Transfer]:
@@ -184,7 +186,7 @@ def transfers(text: str) -> list[Transfer]:
             kind = re.sub(r"(-start).*$", r"\1", kind)
             under = sum(1 for _, op, _ in instrs[a + 1:b] if op in _COMPUTE)
             flight = sum(1 for (c, d) in spans if (c, d) != (a, b) and c < b and d > a)
-            out.append(Transfer(kind, comp, under, flight))
+            out.append(Transfer(kind, comp, under, flight, a, b))
     return out
 
 
@@ -192,24 +194,12 @@ def duplex(text: str) -> tuple[int, int]:
     """``(reads, of them beside a write)``: the host-to-device slices
     (``dynamic-slice-start``) and how many are in flight while a device-to-host write
     (``dynamic-update-slice-start``) is: the two PCIe directions at once."""
-    reads = beside = 0
-    for instrs in _instructions(text).values():
-        done_at = {}
-        for k, (_name, op, operands) in enumerate(instrs):
-            if op.endswith("-done"):
-                first = re.match(r"%(\S+?)[,)]", operands)
-                if first:
-                    done_at[first.group(1)] = k
-        spans = {"r": [], "w": []}
-        for k, (name, op, _) in enumerate(instrs):
-            if op.endswith("-start") and name in done_at:
-                if name.startswith("dynamic-slice-start"):
-                    spans["r"].append((k, done_at[name]))
-                elif name.startswith("dynamic-update-slice-start"):
-                    spans["w"].append((k, done_at[name]))
-        reads += len(spans["r"])
-        beside += sum(1 for a, b in spans["r"] if any(c < b and d > a for c, d in spans["w"]))
-    return reads, beside
+    got = transfers(text)
+    reads = [t for t in got if t.kind == "dynamic-slice-start"]
+    writes = [t for t in got if t.kind == "dynamic-update-slice-start"]
+    beside = sum(1 for r in reads if any(w.computation == r.computation and w.start < r.done
+                                         and w.done > r.start for w in writes))
+    return len(reads), beside
 
 
 def summary(text: str, kinds=("copy-start", "dynamic-slice-start",

@@ -58,6 +58,10 @@ def test_a_written_schedule_is_read_as_written():
     assert "copy-start 2 (1 under compute, <= 2 in flight)" in line
     assert "dynamic-slice-start 1 (1 under compute, <= 2 in flight)" in line
     assert "dynamic-update-slice-start 0" in line
+    # the two PCIe directions at once: a read with a write in flight beside it
+    assert aot.duplex(SCHEDULE) == (1, 0)
+    written = SCHEDULE.replace("%copy-start.2", "%dynamic-update-slice-start.2")
+    assert aot.duplex(written) == (1, 1)
 
 
 def test_xla_gpu_hlo_pairs_every_start_with_its_done():
