@@ -243,3 +243,49 @@ def test_the_fetch_benchmark_runs_on_the_cpu(capsys, monkeypatch):
     out = capsys.readouterr().out
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["device_put", "fetch slice_then_move", "resident"], out
+
+
+def _plain_scan_loss(params, batch):
+    """A layer stack under a bare ``lax.scan``, no checkpoint, the weights cast inside
+    the body (bf16 params over fp32 master weights)."""
+    x, y = batch
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.astype(h.dtype)), None), x,
+                        params["stack"])
+    return jnp.mean((h @ params["head"].astype(h.dtype) - y) ** 2)
+
+
+def test_a_stack_scanned_without_a_checkpoint_is_fetched_a_layer_at_a_time():
+    """A scanned stack with no ``jax.checkpoint`` around its body: each layer's use is a
+    stage-3 unit (gather + the equation, a custom_vjp whose backward fetches the layer
+    again). Its backward once handed back a layer-shaped cotangent for the whole host
+    stack it was given ("Custom VJP bwd rule must produce an output with the same
+    type": every such model failed to trace with the default param_fetch="layer").
+    Now: two steps bitwise the run with the params on the device, and lowered for a
+    GPU, only layer shards move to the device inside the loops, never the stack."""
+    k1, k2 = jax.random.split(jax.random.key(1))
+    params = {"stack": jax.random.normal(k1, (4, 16, 16)) / 4,
+              "head": jax.random.normal(k2, (16, 16)) / 4}
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(16, 16)).astype(np.float32),
+                rng.normal(size=(16, 16)).astype(np.float32)) for _ in range(2)]
+    mesh = zerojax.make_mesh(data=8)
+    got = {}
+    for fetch in (None, "layer"):
+        extra = {} if fetch is None else dict(offload_params=True, param_fetch=fetch)
+        opt = zerojax.zero(optax.adam(1e-2), mesh, stage=3, param_dtype=jnp.bfloat16,
+                           offload_optimizer=True, min_shard_size=16, **extra)
+        state = opt.init_state(params)
+        step = opt.train_step(_plain_scan_loss)
+        if fetch:
+            text = step.jitted.trace(state, step.place_batch(batches[0])).lower(
+                lowering_platforms=("cuda",)).as_text()
+            moves = [m for m in memory_moves(text) if m.to == "device"]
+            # the stack's per-device layer shard (16 x 16 split over 8: 2 x 16) in the
+            # forward loop and in the backward one; the (4, 2, 16) stack never
+            assert collections.Counter(m.type for m in moves if m.loops) == {
+                "tensor<2x16xbf16>": 2}, moves
+            assert not [m for m in moves if m.type == "tensor<4x2x16xbf16>"], moves
+        for b in batches:
+            state, metrics = step(state, b)
+        got[fetch] = jax.tree.map(np.asarray, (opt.full_params(state), metrics["loss"]))
+    assert _same_bits(got[None], got["layer"])

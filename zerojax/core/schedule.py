@@ -552,10 +552,20 @@ def _unit(eqn, ins, ctx: _Ctx) -> list:
         raws, tagged = res
         regulars, active = _untag(tagged)
         ct = _instantiate(ct)
-        return (*_vjp_active(compute, _after(raws, _probe(ct)), regulars, active, ct), None)
+        d_raws, d_regs = _vjp_active(compute, _after(raws, _probe(ct)), regulars, active, ct)
+        return _like_raws(d_raws, raws), d_regs, None
 
     unit.defvjp(fwd, bwd, symbolic_zeros=True)
     return unit([list(r.raws) for r in refs], regulars, dep)
+
+
+def _like_raws(d_raws: list, raws: list) -> list:
+    """The raws' cotangents in the raws' own structure. A layer fetched from a host
+    stack (a :class:`_Fetch`: the stack and the loop's index) gets none (a zero): the
+    backward differentiated its device copy, a layer's shape, and the gradient goes
+    to the zero shard beside it, as a shard's does."""
+    return [[None if isinstance(rw[0], _Fetch) else d[0], *d[1:]]
+            for d, rw in zip(d_raws, raws)]
 
 
 # -- differentiate only what the user's program differentiates ---------------------
