@@ -5,7 +5,6 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -13,7 +12,7 @@ from helpers import cached_gpt_params, max_rel_err, reference_run
 
 import zerojax
 from zerojax.analysis import compiled_memory, saved_checkpoints
-from zerojax.analysis.report import compile_step, gpt_param_shapes
+from zerojax.analysis.report import abstract_state, gpt_param_shapes
 from zerojax.models import GPT, GPTConfig, gpt_param_specs, lm_loss
 
 TINY = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
@@ -34,10 +33,28 @@ def _reference():
     return reference_run(optax.adam(1e-3), _gpt_params(model, 0), lm_loss(model), _batches(3))
 
 
-def _opt_state(model, stage, policy):
+# CI time: one optimizer and train step per (stage, policy, layers), shared by the tests
+# below, so each program compiles once in the module (jax caches the compile on the
+# step: calling it, or lowering it after a call, reuses it). TINY (2 layers) is what
+# test_policies_train_like_single_device trains; the Pa all-gather count compares it
+# with 4 layers, which the checkpoint and remat memory tests read.
+@functools.cache
+def _step(stage, policy, layers):
+    cfg = GPTConfig(**{**TINY, "layers": layers})
+    model = GPT(cfg)
     opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=DATA, model=MODEL),
                        stage=stage, remat_policy=policy)
-    return opt, opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
+    # the state as shapes (no flax init, nothing placed; the optimizer learns the
+    # Megatron specs from it, before the step is built), to lower and trace the step
+    # with: the same program as an init_state state's
+    state = abstract_state(opt, gpt_param_shapes(cfg), model_specs=gpt_param_specs(model, 0))
+    return model, opt, opt.train_step(lm_loss(model)), state
+
+
+def _state(stage, policy, layers):
+    """A real state for ``_step(stage, policy, layers)``, to step (and donate)."""
+    model, opt, _, _ = _step(stage, policy, layers)
+    return opt.init_state(_gpt_params(model, 0), model_specs=gpt_param_specs(model, 0))
 
 
 @pytest.mark.parametrize("stage,policy", [
@@ -45,26 +62,17 @@ def _opt_state(model, stage, policy):
     (2, "none"), (3, "full"), (1, "layer_inputs"), (0, "partitioned_host"),
     (3, "partitioned_host")])
 def test_policies_train_like_single_device(stage, policy):
-    model = GPT(GPTConfig(**TINY))
-    opt, state = _opt_state(model, stage, policy)
-    step = opt.train_step(lm_loss(model))
+    _, opt, step, _ = _step(stage, policy, 2)
+    state = _state(stage, policy, 2)
     for b in _batches(3):
         state, _ = step(state, b)
     assert max_rel_err(_reference(), opt.full_params(state)) < 3e-4
 
 
 @functools.cache
-def _compiled(stage, policy, layers=8, seq=64, hidden=64):
-    """The step compiled from shapes (compile_step: no flax init, nothing placed; the
-    same HLO as lowering an ``init_state`` state, metadata aside, on jax 0.10.2 and
-    0.12)."""
-    cfg = GPTConfig(vocab=64, seq=seq, layers=layers, hidden=hidden, heads=4)
-    model = GPT(cfg)
-    opt = zerojax.zero(optax.adam(1e-3), zerojax.make_mesh(data=DATA, model=MODEL),
-                       stage=stage, remat_policy=policy)
-    return compile_step(opt, lm_loss(model), gpt_param_shapes(cfg),
-                        jax.ShapeDtypeStruct((BATCH, seq + 1), jnp.int32),
-                        model_specs=gpt_param_specs(model, 0))
+def _compiled(stage, policy, layers):
+    _, _, step, state = _step(stage, policy, layers)
+    return step.jitted.lower(state, step.place_batch(_batches(1)[0]), None).compile()
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -73,16 +81,17 @@ def test_partitioned_checkpoints_are_one_over_model_degree(stage):
     the forward loop's stacked output: (layers, batch/data, seq, hidden) per device
     without Pa, (layers, batch/data/model, seq, hidden) with it (read from the HLO)."""
     local = BATCH // DATA
-    whole = f"f32[8,{local},64,64]"
-    split = f"f32[8,{local // MODEL},64,64]"
-    plain = _compiled(stage, "full").as_text()
-    pa = _compiled(stage, "partitioned").as_text()
+    whole = f"f32[4,{local},16,32]"
+    split = f"f32[4,{local // MODEL},16,32]"
+    plain = _compiled(stage, "full", 4).as_text()
+    pa = _compiled(stage, "partitioned", 4).as_text()
     assert whole in plain and split not in plain
     assert split in pa and whole not in pa
     # and the compiled step's temporaries fall by at least a third of the whole copy
-    saved = 8 * local * 64 * 64 * 4
-    drop = compiled_memory(_compiled(stage, "full")).temp - compiled_memory(
-        _compiled(stage, "partitioned")).temp
+    # (measured, jax 0.10.2: by half of it, 8 KiB, at stages 0 and 3)
+    saved = 4 * local * 16 * 32 * 4
+    drop = compiled_memory(_compiled(stage, "full", 4)).temp - compiled_memory(
+        _compiled(stage, "partitioned", 4)).temp
     assert drop >= saved / MODEL / 3, (drop, saved)
 
 
@@ -92,13 +101,12 @@ def test_pa_host_keeps_the_split_checkpoints_in_host_memory(stage):
     memory (device-side bytes: 0), and the compiled program still holds them split
     1/M per device. XLA:CPU ignores memory spaces, so placement is read from the
     traced program and from the step lowered for a GPU (cross-lowered here)."""
-    model = GPT(GPTConfig(vocab=64, seq=16, layers=4, hidden=32, heads=4))
     local = BATCH // DATA
     whole = (4, local, 16, 32)  # (layers, batch/data, seq, hidden) as traced
     by_space = {}
     for policy in ("full", "partitioned", "partitioned_host"):
-        opt, state = _opt_state(model, stage, policy)
-        ckpts = saved_checkpoints(opt.train_step(lm_loss(model)), state, _batches(1)[0])
+        _, _, step, state = _step(stage, policy, 4)
+        ckpts = saved_checkpoints(step, state, _batches(1)[0])
         assert [c.shape for c in ckpts] == [whole], (policy, ckpts)
         by_space[policy] = {s: sum(c.nbytes for c in ckpts if c.memory_space == s)
                             for s in ("device", "host")}
@@ -109,7 +117,6 @@ def test_pa_host_keeps_the_split_checkpoints_in_host_memory(stage):
     # lowered for a GPU: each layer's kept slice (batch/data/model, seq, hidden), one
     # per device, goes to pinned_host in the forward loop and comes back to the device
     # before Pa's all-gather in the backward loop; nothing else moves
-    step = opt.train_step(lm_loss(model))
     text = step.jitted.trace(state, step.place_batch(_batches(1)[0])).lower(
         lowering_platforms=("cuda",)).as_text()
     moves = re.findall(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = "
@@ -133,10 +140,8 @@ def test_host_offload_without_a_model_axis_moves_the_whole_checkpoint():
     assert max_rel_err(_reference(), opt.full_params(state)) < 3e-4
 
 
-@functools.cache
 def _model_axis(stage, policy, layers):
-    return zerojax.comm_volume(_compiled(stage, policy, layers=layers, seq=16, hidden=32)
-                               ).by_group_size()[MODEL]
+    return zerojax.comm_volume(_compiled(stage, policy, layers)).by_group_size()[MODEL]
 
 
 @pytest.mark.parametrize("stage,policy", [(0, "partitioned"), (3, "partitioned"),
@@ -152,8 +157,8 @@ def test_pa_adds_one_activation_all_gather_per_layer(stage, policy):
 
 
 def test_no_remat_keeps_more_than_full_remat():
-    assert compiled_memory(_compiled(0, "none")).temp > 2 * compiled_memory(
-        _compiled(0, "full")).temp
+    assert compiled_memory(_compiled(0, "none", 4)).temp > 2 * compiled_memory(
+        _compiled(0, "full", 4)).temp
 
 
 def test_unknown_policy_is_rejected():
