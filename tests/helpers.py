@@ -53,7 +53,7 @@ def reference_run(tx, params, loss_fn, batches):
     """Plain single-device optax on the whole batches."""
     dev = jax.devices()[0]
     params = jax.device_put(params, dev)
-    state = tx.init(params)
+    state = jax.device_put(tx.init(params), dev)
 
     @jax.jit
     def step(p, s, b):
