@@ -107,8 +107,11 @@ def _gpt(**kw):
 
 
 def _random_like(shapes):
-    keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(shapes))))
-    return jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), shapes)
+    def draw():  # one program, not one eager normal per leaf shape (CI time)
+        keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(shapes))))
+        return jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), shapes)
+
+    return jax.jit(draw)()
 
 
 def test_llama_lm_loss_tiled():
@@ -191,7 +194,9 @@ def test_loss_curve_20_steps_stage3():
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
-    p, s, want = params, tx.init(params), []
+    # committed to one device from the first call (uncommitted inputs compiled the
+    # step a second time for the committed ones it returns)
+    p, s, want = jax.device_put((params, tx.init(params)), jax.devices()[0]) + ([],)
     for b in batches:
         p, s, loss = ref_step(p, s, b)
         want.append(float(loss))
