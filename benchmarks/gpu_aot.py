@@ -297,7 +297,7 @@ def _case_buckets(target: str, layers: int, width: int):
 
 
 def _case_gpt(target: str, accum: int, attention: str,
-              which=("none", "offload", "own", "delayed")):
+              which=("none", "offload", "own", "delayed", "fetch", "fetch-own")):
     """gpu.py's 1.28B GPT (24 x 2048, seq 1024, batch 8), stage 3, bf16 params over fp32
     Adam: without offload, with ``offload_optimizer`` and with ``delayed_update`` too
     (abstract state: nothing allocated)."""
@@ -320,11 +320,15 @@ def _case_gpt(target: str, accum: int, attention: str,
             ("offload", "GPT 1.28B, offload_optimizer", {"offload_optimizer": True}),
             ("own", "GPT 1.28B, offload, own buffers", {"offload_optimizer": True}),
             ("delayed", "GPT 1.28B, + delayed_update", {"offload_optimizer": True,
-                                                        "delayed_update": True})):
+                                                        "delayed_update": True}),
+            ("fetch", "GPT 1.28B, + offload_params", {"offload_optimizer": True,
+                                                      "offload_params": True}),
+            ("fetch-own", "GPT 1.28B, + offload_params, own buffers",
+             {"offload_optimizer": True, "offload_params": True})):
         if key not in which:
             continue
         from zerojax.tiers import offload
-        offload.IN_PLACE = key != "own"  # "own": the pieces into buffers of their own
+        offload.IN_PLACE = not key.endswith("own")  # the pieces into buffers of their own
         opt = zerojax.zero(optax.adam(1e-4), mesh, stage=3, param_dtype=jnp.bfloat16,
                            accum_steps=accum, **extra)
         step = opt.train_step(lm_loss(model))
@@ -367,7 +371,8 @@ def main():
     ap.add_argument("--case", action="append", choices=("fetch", "buckets", "delayed", "gpt"))
     ap.add_argument("--accum", type=int, default=1, help="gpt: micro-batches a step")
     ap.add_argument("--gpt-rows", default="none,offload,own,delayed",
-                    help="gpt: which of none, offload, own, delayed (comma-separated)")
+                    help="gpt: which of none, offload, own, delayed, fetch (offload_params, "
+                         "per-layer fetch), fetch-own (comma-separated)")
     ap.add_argument("--attention", default="xla",
                     help="gpt: GPTConfig.attention (cudnn's lowering asks the local cuDNN)")
     ap.add_argument("--layers", type=int, default=8)

@@ -642,8 +642,10 @@ class _Chain:
 
     def flush(self, result: dict, after: list) -> list:
         """The pending writes, ordered after ``after`` (the next piece's reads: an
-        optimization barrier), each the output's value so far; returns the buffers
-        written (what a later bucket's reads wait for)."""
+        optimization barrier), each the output's value so far; returns the pieces
+        written, on the device (what a later bucket's reads wait for: never the
+        buffers, which a barrier would keep alive beside their next write, so XLA
+        would copy them whole)."""
         if not self.pending:
             return []
         xs = [x for _, _, x in self.pending]
@@ -652,9 +654,8 @@ class _Chain:
         for (k, piece, _), x in zip(self.pending, xs):
             i = self.target[k]
             self.buf[i] = result[k] = piece.write(self.buf[i], to_host(x), None, True)
-        written = [result[k] for k, _, _ in self.pending]
         self.pending = []
-        return written
+        return list(xs)
 
 
 def _interleaved(plan) -> list:
