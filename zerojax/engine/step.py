@@ -1233,7 +1233,10 @@ def step_function(opt, grad_fn, has_aux: bool):
         if offloading:
             new_owned, new_inner, new_params = _offloaded_update(
                 update, applied, owned, inner_state, grads, opt, logical, lay_tree,
-                grads_host=cfg.delayed_update)
+                grads_host=cfg.delayed_update,
+                # the old compute params' host buffers, rewritten in place (not with
+                # delayed_update: this step's gradient pass still reads them)
+                old_params=None if cfg.delayed_update else given.params)
         else:
             new_owned, new_inner, new_params = device_update(
                 opt, update, finish, applied, (owned, inner_state, grads), logical, lay_tree,
@@ -1386,7 +1389,7 @@ def update_tail(new, old, finite, laid, param_dtype) -> list:
 
 
 def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree,
-                      grads_host: bool = False):
+                      grads_host: bool = False, old_params=None):
     """The update of a step with offloaded state: ``(new_owned, new_inner,
     new_params)``, the offloaded ones in host memory.
 
@@ -1397,7 +1400,9 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     host memory there. A step with a non-finite gradient (loss scaling) keeps the old
     values, selected per leaf on the device (``lax.cond`` would take host-memory
     operands). ``grads_host``: the gradients are host-memory operands too
-    (``delayed_update``'s pending gradient), brought in with their bucket."""
+    (``delayed_update``'s pending gradient), brought in with their bucket.
+    ``old_params``: the state's compute params, whose host buffers (``offload_params``)
+    the new ones are written into where the update writes in place."""
     cfg, mesh, stage = opt.config, opt.mesh, opt.config.stage
     mixed = cfg.param_dtype is not None
     specs = opt.specs(logical)
@@ -1438,13 +1443,16 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     names += [("opt_state.inner" if mixed else "opt_state") + jax.tree_util.keystr(p) for p, _ in
               jax.tree_util.tree_flatten_with_path(inner_state)[0]]
 
+    in_place = cfg.donate and offload.in_place(mesh)
+
     def run(flat):
         return offload.update_in_buckets(
             fn, flat, on_host, out_host, offload.bucket_elements(cfg.bucket_size, opt.data_size),
             cfg.min_shard_size, sharded=sharded, names=names,
             # the new state written over the donated old (not donated: XLA would copy it)
-            alias=list(range(n_own + n_inner))
-            if cfg.donate and offload.in_place(mesh) else None)
+            alias=list(range(n_own + n_inner)) if in_place else None,
+            into=dict(enumerate(jax.tree.leaves(old_params), n_own + n_inner))
+            if in_place and mixed and params_host and old_params is not None else None)
 
     if explicit:  # as in the plain update: the padding is cut under Auto axes
         own_sh = jax.tree.leaves(placed.opt_state.master if mixed else (

@@ -522,7 +522,8 @@ class _Pieces:
 
 def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
                       capacity: int | None, min_size: int, sharded: list | None = None,
-                      names: list | None = None, alias: list | None = None) -> list:
+                      names: list | None = None, alias: list | None = None,
+                      into: dict | None = None) -> list:
     """``fn(*operands)`` (a flat list in, a flat list out) inside ``jit``, with the
     operands marked ``on_host`` brought to the device bucket by bucket and the outputs
     marked ``out_to_host`` written back to host memory as each bucket finishes.
@@ -545,7 +546,9 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
     its region. A buffer of its own instead costs host memory for a second copy of the
     leaf, and XLA:GPU copied one such buffer host to host whole at the step's end
     (``benchmarks/gpu_aot.py``: a ``copy`` in ``S(5)``, on the GPU a kernel reading and
-    writing host memory over PCIe).
+    writing host memory over PCIe). ``into``: per output position, a donated host
+    buffer of its shape that no equation reads (the old compute params, which the new
+    ones replace), written into the same way.
     """
     ops, out_refs = _trace(fn, operands, on_host)
     plan = _Plan(ops, operands, on_host, capacity, min_size, sharded=sharded, names=names)
@@ -575,7 +578,7 @@ def update_in_buckets(fn, operands: list, on_host: list, out_to_host: list,
         tie0 = [env[o] for _, (_, _, outs) in cross_ops for o in outs]
     landed: dict = {}  # bucket -> its outputs in host memory
     result: dict = {}  # output position -> value
-    chain = _Chain(operands, on_host, out_to_host, alias)
+    chain = _Chain(operands, on_host, out_to_host, alias, into)
     order = _interleaved(plan) if chain.target else list(range(len(plan.buckets)))
     for pos, b in enumerate(order):
         tie = landed.get(order[pos - 2]) if pos >= 2 else tie0
@@ -623,10 +626,15 @@ class _Chain:
     :func:`update_in_buckets`' ``alias``): per operand, its value after the writes made
     so far; the writes of the last piece, pending until the next piece is read."""
 
-    def __init__(self, operands: list, on_host: list, out_to_host: list, alias):
+    def __init__(self, operands: list, on_host: list, out_to_host: list, alias,
+                 into: dict | None = None):
         self.target = {k: i for k, i in enumerate(alias or [])
                        if i is not None and out_to_host[k] and on_host[i]}
         self.buf = {i: operands[i] for i in self.target.values()}
+        for k, x in (into or {}).items():  # a donated buffer no bucket reads
+            if out_to_host[k]:
+                self.target[k] = ("into", k)
+                self.buf[("into", k)] = x
         self.pending: list = []
 
     def in_place(self, k: int) -> bool:
