@@ -103,6 +103,7 @@ def compile_for_gpu(jitted, *args, target: str = "h200", devices: int = 1) -> Gp
     """``jitted(*args)`` lowered on the CPU for CUDA and compiled by a compile-only CUDA
     client for ``devices`` GPUs of kind ``target`` (nothing runs). ``args`` are arrays
     or ``ShapeDtypeStruct``s on the CPU devices, with their shardings and memory kinds."""
+    import numpy as np
     from jax._src import compiler
     from jax._src.lib import _jax
     from jax.experimental import topologies
@@ -112,7 +113,6 @@ def compile_for_gpu(jitted, *args, target: str = "h200", devices: int = 1) -> Gp
     gpus = list(topo.devices)[:devices]
     lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
     module = lowered.compiler_ir("stablehlo")
-    import numpy as np
     opts = compiler.get_compile_options(
         num_replicas=1, num_partitions=devices,
         device_assignment=np.array(gpus).reshape(1, devices))
@@ -299,8 +299,9 @@ def _case_buckets(target: str, layers: int, width: int):
 def _case_gpt(target: str, accum: int, attention: str,
               which=("none", "offload", "own", "delayed", "fetch", "fetch-own")):
     """gpu.py's 1.28B GPT (24 x 2048, seq 1024, batch 8), stage 3, bf16 params over fp32
-    Adam: without offload, with ``offload_optimizer`` and with ``delayed_update`` too
-    (abstract state: nothing allocated)."""
+    Adam: the rows ``which`` names (no offload; ``offload_optimizer`` in place or with
+    buffers of its own; with ``delayed_update``; with ``offload_params``, in place or
+    not) on an abstract state (nothing allocated)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -308,6 +309,7 @@ def _case_gpt(target: str, accum: int, attention: str,
     import zerojax
     from zerojax.analysis.report import abstract_state
     from zerojax.models import GPT, GPTConfig, gpt_params, lm_loss
+    from zerojax.tiers import offload
 
     config = GPTConfig(vocab=32000, seq=1024, layers=24, hidden=2048, heads=16,
                        dtype=jnp.bfloat16, attention=attention, remat_policy="dots")
@@ -327,7 +329,6 @@ def _case_gpt(target: str, accum: int, attention: str,
              {"offload_optimizer": True, "offload_params": True})):
         if key not in which:
             continue
-        from zerojax.tiers import offload
         offload.IN_PLACE = not key.endswith("own")  # the pieces into buffers of their own
         opt = zerojax.zero(optax.adam(1e-4), mesh, stage=3, param_dtype=jnp.bfloat16,
                            accum_steps=accum, **extra)
