@@ -1,6 +1,7 @@
 """The public contract: inputs it accepts, errors it gives, what it leaves alone."""
 
 import functools
+import logging
 import re
 
 import jax
@@ -98,6 +99,56 @@ def test_init_state_leaves_callers_params_usable(mesh, stage):
     # donation consumed the old states, never the caller's arrays
     np.testing.assert_array_equal(np.asarray(params["dense1"]["kernel"]),
                                   np.asarray(awkward_params()["dense1"]["kernel"]))
+
+
+def _compiles(caplog) -> list:
+    # a persistent-cache hit (ZEROJAX_TEST_COMPILE_CACHE) is logged beside its compile
+    return [r.getMessage()[:120] for r in caplog.records
+            if r.getMessage().startswith("Compiling ")]
+
+
+def _check_state(opt, state, params, specs=None):
+    """``state`` is ``params`` placed as ``opt`` lays them out (shapes, shardings, values)."""
+    want = opt.shardings(params)
+    for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params)):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+    for x, s in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(want.opt_state)):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+    lays = jax.tree.leaves(opt.layouts(params), is_leaf=lambda x: hasattr(x, "padded_shape"))
+    assert [x.shape for x in jax.tree.leaves(state.params)] == [lay.padded_shape for lay in lays]
+    for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_state_compiles_once_per_tree(mesh, caplog):
+    """A second init_state of the same tree on the same optimizer compiles nothing;
+    another leaf shape, dtype or model split gets its own program and its own state."""
+    opt = zerojax.zero(optax.adam(1e-2), mesh, stage=3, min_shard_size=16)
+    params = awkward_params()
+    other = {**params, "head": params["head"][:, :2]}  # (7, 2): another padding
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True):
+        for p in (params, other, bf16):
+            caplog.clear()
+            state = opt.init_state(p)
+            assert any("jit(init)" in m for m in _compiles(caplog)), _compiles(caplog)
+            _check_state(opt, state, p)
+            caplog.clear()
+            state = opt.init_state(p)
+            assert _compiles(caplog) == []
+            _check_state(opt, state, p)
+    # a model split: the same shapes split over model or not are two programs
+    opt = zerojax.zero(optax.adam(1e-2), zerojax.make_mesh(data=4, model=2), stage=3,
+                       min_shard_size=16)
+    whole = jax.tree.map(lambda x: P(), params)
+    split = {**whole, "dense1": {**whole["dense1"], "kernel": P(None, "model")}}
+    for specs in (split, whole, split):
+        state = opt.init_state(params, model_specs=specs)
+        _check_state(opt, state, params)
+        kernel = state.params["dense1"]["kernel"].sharding.spec
+        assert ("model" in tuple(kernel)) == (specs is split), kernel
 
 
 def test_explicit_axis_mesh_and_device_subset_work():

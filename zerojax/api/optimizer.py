@@ -68,8 +68,9 @@ class ZeroOptimizer:
         self.config = config
         self.mesh = check_mesh(mesh, config.data_axis)
         self._resolve_axes()
-        self._full_params_fns: dict = {}  # (treedef, partitioned) -> jitted gather
+        self._full_params_fns: dict = {}  # (tree_key, partitioned) -> jitted gather
         self._init_jits: dict = {}  # (init_fn, argument shapes) -> init_sharded's jit
+        self._init_plans: dict = {}  # (params tree, shapes, model specs) -> init_state's
         if config.bucket_size is not None and config.bucket_size < self.data_size:
             raise ValueError(
                 f"bucket_size={config.bucket_size} is smaller than the {config.data_axis!r} "

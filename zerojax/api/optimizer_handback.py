@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.api.optimizer_layout import tree_key
 from zerojax.core import collectives as C, partition as part
 from zerojax.core.state import TrainState
 from zerojax.tiers import nvme, offload
@@ -53,16 +54,21 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
 
     The result is always new arrays (never the state's own buffers), so it survives
     the donated steps that follow: ``before = opt.full_params(state)`` stays
-    readable. One ``jax.jit`` per optimizer, params tree structure and
-    ``sharding``. Offloaded master weights or params are read from host memory."""
+    readable. One ``jax.jit`` per optimizer, params tree (structure, leaf shapes
+    and dtypes, model specs) and ``sharding``. Offloaded master weights or params
+    are read from host memory."""
     cfg = opt.config
     src, partitioned = weights(opt, state)
     logical = opt.logical_params(state.params, like)
-    treedef = jax.tree.structure(logical)
+    # per tree, leaf shapes, dtypes and model specs: a tree of the same structure and
+    # other shapes (or model split) has other layouts, never this program (kept only
+    # where the model specs can be a key)
+    tree = tree_key(logical, opt._split_model_specs(logical)[1])
+    fns = opt._full_params_fns if tree is not None else {}
     if sharding is not None:
         targets = target_shardings(opt, logical, sharding)
-        key = (treedef, partitioned, tuple(jax.tree.leaves(targets)))
-        fn = opt._full_params_fns.get(key)
+        key = (tree, partitioned, tuple(jax.tree.leaves(targets)))
+        fn = fns.get(key)
         if fn is None:
             lays = opt.layouts(logical)
 
@@ -72,9 +78,9 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
                     p = part.unpad_tree(p, lays)
                 return jax.tree.map(jnp.copy, p)
 
-            fn = opt._full_params_fns[key] = jax.jit(_resharded, out_shardings=targets)
+            fn = fns[key] = jax.jit(_resharded, out_shardings=targets)
         return fn(src)
-    fn = opt._full_params_fns.get((treedef, partitioned))
+    fn = fns.get((tree, partitioned))
     if fn is None:
         lays = opt.layouts(logical)
         if cfg.param_dtype is None:  # hpZ: the params are the secondary copy
@@ -87,7 +93,7 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
                 p = C.gather_params(p, lays, opt.mesh, axis, cfg.bucket_size)
             return jax.tree.map(jnp.copy, p)  # a copy: never the donated buffers
 
-        fn = opt._full_params_fns[(treedef, partitioned)] = jax.jit(_full_params)
+        fn = fns[(tree, partitioned)] = jax.jit(_full_params)
     return fn(src)
 
 

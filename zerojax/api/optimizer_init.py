@@ -17,7 +17,7 @@ from flax.core import meta as flax_meta
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax.api.optimizer_layout import _axes_size
+from zerojax.api.optimizer_layout import _axes_size, tree_key
 from zerojax.core import partition as part
 from zerojax.core.state import LossScaleState, MasterState, TrainState
 from zerojax.tiers import nvme, offload, streamed
@@ -227,11 +227,13 @@ def init_state(opt, params: Any, model_specs: Any = None) -> TrainState:
     params, model_specs = opt._split_model_specs(params, model_specs)
     _check_params(params)
     opt._remember(params, model_specs)
-    shardings = opt.shardings(params)
+    plan = _init_plan(opt, params, model_specs)
+    shardings = plan["shardings"]
     if _host_offload(opt.config):  # the bytes checked before anything is placed
-        offload.check_host_memory(jax.eval_shape(init_body(opt, params, shardings), params),
+        offload.check_host_memory(jax.eval_shape(_init_program(opt, plan, params, False)[0],
+                                                 params),
                                   (shardings.params, shardings.opt_state), opt.config)
-    lays = opt.layouts(params)
+    lays = plan["layouts"]
     # Leaves not yet on the mesh are placed whole over data (their model split kept),
     # then padded and split under jit; leaves on the mesh go in as they are.
     devices = set(opt.mesh.devices.flat)
@@ -247,25 +249,57 @@ def init_state(opt, params: Any, model_specs: Any = None) -> TrainState:
 
     placed_in = jax.tree.map(place, params, lays)
     on_host = any(k not in (None, offload.DEVICE) for k in offload.memory_kinds(placed_in))
-    build = init_body(opt, params, shardings, to_device=on_host)
+    build, jitted, params_jitted = _init_program(opt, plan, params, on_host)
     if opt._nvme is not None:
         # offload_optimizer="nvme": the params placed, then the optimizer state made
         # and written to the files group by group, never whole (nvme.init_streamed)
-        placed = jax.jit(lambda p: build(p)[0], out_shardings=shardings.params)(placed_in)
+        placed = params_jitted(placed_in)
         flat_in, in_def = jax.tree.flatten(placed_in)
         opt_state = nvme.init_streamed(
             opt, lambda *xs: build(jax.tree.unflatten(in_def, xs))[1], flat_in,
             shardings.opt_state)
         return train_state(opt, placed, opt_state, params)
-    out_shardings = (shardings.params, shardings.opt_state)
     if _host_offload(opt.config):  # the state made a bounded group at a time
         flat_in, in_def = jax.tree.flatten(placed_in)
         placed, opt_state = streamed.run_streamed(
-            lambda *xs: build(jax.tree.unflatten(in_def, xs)), flat_in, out_shardings,
-            _init_capacity(opt))
+            lambda *xs: build(jax.tree.unflatten(in_def, xs)), flat_in,
+            (shardings.params, shardings.opt_state), _init_capacity(opt))
     else:
-        placed, opt_state = jax.jit(build, out_shardings=out_shardings)(placed_in)
+        placed, opt_state = jitted(placed_in)
     return train_state(opt, placed, opt_state, params)
+
+
+def _init_plan(opt, params: Any, model_specs: Any) -> dict:
+    """The stage's shardings and layouts of ``params`` (plain, at their own shapes) with
+    ``model_specs`` (as split), and the init programs made for them
+    (:func:`_init_program`), kept on the optimizer per
+    :func:`~zerojax.api.optimizer_layout.tree_key` (tree structure, leaf shapes and
+    dtypes, model specs: everything the programs' Python depends on besides the
+    optimizer's own mesh, configuration and optax transformation). The jitted
+    programs compile again for other input shardings, memory kinds or weak types
+    (jax.jit's own cache); a second ``init_state`` of the same tree compiles
+    nothing (``tests/test_api.py::test_init_state_compiles_once_per_tree`` counts)."""
+    key = tree_key(params, model_specs)
+    plan = opt._init_plans.get(key) if key is not None else None
+    if plan is None:
+        plan = {"shardings": opt.shardings(params), "layouts": opt.layouts(params)}
+        if key is not None:
+            opt._init_plans[key] = plan
+    return plan
+
+
+def _init_program(opt, plan: dict, params: Any, to_device: bool) -> tuple:
+    """``(build, jit of build, jit of its params alone)`` for ``plan`` (see
+    :func:`init_body`; ``to_device``: leaves a loader left in host memory), made once
+    per plan and ``to_device``."""
+    programs = plan.get(to_device)
+    if programs is None:
+        shardings = plan["shardings"]
+        build = init_body(opt, params, shardings, to_device=to_device)
+        programs = plan[to_device] = (
+            build, jax.jit(build, out_shardings=(shardings.params, shardings.opt_state)),
+            jax.jit(lambda p: build(p)[0], out_shardings=shardings.params))
+    return programs
 
 
 def _host_offload(cfg) -> bool:

@@ -162,6 +162,28 @@ def expert_of(axes: MeshAxes, mesh: Mesh) -> tuple | None:
     return (axes.expert_size, axis, _axes_size(mesh, axis))
 
 
+def tree_key(params: Any, model_specs: Any = None) -> tuple | None:
+    """A hashable key of what a program laid out for ``params`` (plain, at their own
+    shapes) with ``model_specs`` (as split, or None) depends on: the tree structure,
+    each leaf's shape and dtype, and the model specs; None where a spec cannot be a
+    key (the caller then makes its program afresh). The programs kept per key on an
+    optimizer (its mesh, configuration and optax transformation fixed) are never
+    reused for another layout; jax.jit's own cache covers input shardings, memory
+    kinds and weak types."""
+    leaves, treedef = jax.tree.flatten(params)
+    key: tuple = (treedef, tuple((tuple(int(d) for d in x.shape), jax.numpy.dtype(x.dtype))
+                                 for x in leaves))
+    if model_specs is not None:
+        specs, spec_def = jax.tree.flatten(
+            model_specs, is_leaf=lambda s: s is None or isinstance(s, P))
+        key += (spec_def, tuple(specs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def describe(config: ZeroConfig, axes: MeshAxes, mesh: Mesh) -> str:
     """``ZeroOptimizer(stage=3, data=8, mesh={...})``: the optimizer's repr."""
     axis = axes.zero_axis if isinstance(axes.zero_axis, str) else "x".join(axes.zero_axis)
