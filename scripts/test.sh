@@ -9,7 +9,8 @@ cd "$here/.."
 # dev dependency) the -O0 pass is two: the modules not marked serial on
 # ZEROJAX_TEST_WORKERS workers (default 2; a module stays in one worker, so its
 # module-scoped fixtures compile once), then the serial ones (process groups, memory and
-# seconds measured) alone. ZEROJAX_TEST_WORKERS=1 runs the -O0 pass in one process.
+# seconds measured) alone; the full_opt pass likewise. ZEROJAX_TEST_WORKERS=1 runs each
+# pass in one process.
 # Exit status 5 (no test selected, e.g. arguments naming only one pass's tests) counts
 # as passing; every pass must pass.
 run() {
@@ -21,8 +22,12 @@ workers="${ZEROJAX_TEST_WORKERS:-2}"
 if [ "$workers" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
   run "$PY" -m pytest -q -n "$workers" --dist loadfile -m "not serial" "$@"
   run "$PY" -m pytest -q -m serial "$@"
+  # the full_opt pass split alike (test_sharded_init's in-process tests beside test_zeropp's)
+  ZEROJAX_TEST_FULL_OPT=1 run "$PY" -m pytest -q -n "$workers" --dist loadfile \
+    -m "full_opt and not serial" "$@"
+  ZEROJAX_TEST_FULL_OPT=1 run "$PY" -m pytest -q -m "full_opt and serial" "$@"
 else
   run "$PY" -m pytest -q "$@"
+  ZEROJAX_TEST_FULL_OPT=1 run "$PY" -m pytest -q -m full_opt "$@"
 fi
-ZEROJAX_TEST_FULL_OPT=1 run "$PY" -m pytest -q -m full_opt "$@"
 exit 0

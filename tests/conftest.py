@@ -50,7 +50,7 @@ if os.environ.get("ZEROJAX_TEST_COMPILE_CACHE"):
 SERIAL_MODULES = frozenset({
     "test_checkpoint_memory.py", "test_hostmem.py",
     "test_launchers.py", "test_mpirun.py", "test_multiprocess.py",
-    "test_preemption.py", "test_sharded_init.py",
+    "test_preemption.py",
 })
 # Modules whose other tests run on the workers: only these tests start a process (a
 # group, a child killed or signalled, a lock race) or measure resident or device memory.
@@ -70,6 +70,9 @@ SERIAL_TESTS = {
         "test_a_save_survives_the_end_of_the_script",
         "test_a_colliding_save_fails_at_save_and_temporaries_are_removed",
     },
+    # (every test of test_sharded_init is full_opt: scripts/test.sh's full_opt pass runs
+    # the others on the workers too)
+    "test_sharded_init.py": {"test_two_processes_each_make_only_their_shards"},
     "test_nvme.py": {
         "test_one_path_one_owner_and_a_dead_runs_files_are_not_a_state",
         "test_simultaneous_starts_on_one_path_make_one_owner",
