@@ -199,3 +199,70 @@ def test_explicit_mesh_under_set_mesh(stage):
     ref = reference_run(optax.adam(1e-2), awkward_params(), awkward_loss, batches)
     assert max_rel_err(ref, full) <= 2e-6  # adam: jit DP measures ~1e-7 on this model
     assert state.params["dense1"]["kernel"].sharding.mesh is mesh
+
+
+@pytest.mark.parametrize("shape, options", [
+    ((8,), dict(stage=1, max_grad_norm=0.05)),
+    ((4, 2), dict(stage=3, param_dtype=jnp.float16, max_grad_norm=0.05,
+                  offload_optimizer=True, offload_params=True)),
+], ids=["stage1_clip_data", "stage3_fp16_clip_offload_model"])
+def test_explicit_axes_train_bitwise_as_auto_axes(monkeypatch, shape, options):
+    """Clipping (``max_grad_norm``) and loss scaling on a mesh of Explicit axes (what
+    ``jax.make_mesh`` makes by default: a data-only mesh, and data x model): bitwise the
+    same mesh with Auto axes. The update runs with the axes Auto (``auto_axes``), so
+    the loss scale, the global norm and, with offload written in place
+    (``offload.IN_PLACE``, a GPU's form), the old params it writes over are its
+    operands: closed over, they failed to trace ("context mesh ... should match the
+    aval mesh") at every stage before 2026-11-28."""
+    from helpers import awkward_loss, awkward_params, regression_batches
+
+    from zerojax.tiers import offload
+
+    monkeypatch.setattr(offload, "IN_PLACE", True)
+    batches, out = regression_batches(2), {}
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh(shape, ("data", "model")[:len(shape)],
+                             axis_types=(kind,) * len(shape))
+        with jax.set_mesh(mesh):
+            opt = zerojax.zero(optax.adamw(1e-2), mesh, min_shard_size=16, **options)
+            state = opt.init_state(awkward_params())
+            step = opt.train_step(awkward_loss)
+            for b in batches:
+                state, metrics = step(state, b)
+            out[kind] = jax.tree.map(np.asarray, (opt.full_params(state), state.opt_state))
+    assert float(metrics["grad_norm"]) > options["max_grad_norm"]  # clipping ran
+    for a, b in zip(jax.tree.leaves(out[AxisType.Auto]), jax.tree.leaves(out[AxisType.Explicit]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_explicit_mesh_checkpoint_restores_and_hands_back(tmp_path):
+    """On ``jax.make_mesh``'s default (Explicit) axes, stage 3 bf16 over fp32 master
+    weights: a saved step restores bitwise (its compute copy made from the padded
+    master: the padding cut with the axes Auto), and ``full_params`` hands the params
+    back on one device (made whole on the mesh, then moved) equal to the whole
+    replicated ones; a split that does not divide a leaf is refused naming it. Before
+    2026-11-28 the restore and the one-device hand-back failed inside jit (the
+    latter on Auto axes too: "incompatible devices")."""
+    from helpers import awkward_loss, awkward_params, regression_batches
+
+    mesh = jax.make_mesh((8,), ("data",))
+    assert mesh.axis_types == (AxisType.Explicit,)
+    opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=3, param_dtype=jnp.bfloat16,
+                       min_shard_size=16)
+    state = opt.init_state(awkward_params())
+    state, _ = opt.train_step(awkward_loss)(state, regression_batches(1)[0])
+    with zerojax.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.save(1, state)
+    with zerojax.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        back = mgr.restore(opt, like=awkward_params())
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    whole = opt.full_params(state)
+    one = opt.full_params(state, jax.sharding.SingleDeviceSharding(jax.devices()[1]))
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(one), strict=True):
+        assert b.sharding.device_set == {jax.devices()[1]}
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"\['dense2'\]\['bias'\] of shape \(37,\) cannot "
+                       r"be split by P\('data',\).*sharding='split'"):
+        opt.full_params(state, P("data"))

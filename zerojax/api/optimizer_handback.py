@@ -8,6 +8,7 @@ memory for export (:func:`iter_full_params`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.api.optimizer_layout import tree_key
 from zerojax.core import collectives as C, partition as part
+from zerojax.core.mesh import with_auto_axes
 from zerojax.core.state import TrainState
 from zerojax.tiers import nvme, offload
 
@@ -45,7 +47,10 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
       :meth:`init_state` takes back as it is.
     * a ``jax.sharding.Sharding`` (e.g. ``NamedSharding(mesh, P())``, or one on
       ``pinned_host`` memory) or a ``PartitionSpec`` on this mesh, for every leaf;
-      or a tree of them with the params' structure.
+      or a tree of them with the params' structure. A sharding off this mesh (one
+      device: ``SingleDeviceSharding``, another mesh) gets the leaf made whole on the
+      mesh first (as ``None``), then moved there. A split that does not divide a
+      leaf's dimension is refused, naming the leaf (``"split"`` picks ones that do).
 
     To read the weights on the host leaf by leaf (export), see
     :meth:`iter_full_params`. ``like``: the params tree (arrays or
@@ -78,8 +83,16 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
                     p = part.unpad_tree(p, lays)
                 return jax.tree.map(jnp.copy, p)
 
-            fn = fns[key] = jax.jit(_resharded, out_shardings=targets)
-        return fn(src)
+            # laid out on this mesh (with its axes Auto where they are Explicit: the
+            # padding is cut there); a target off the mesh takes the whole leaf after
+            inner = jax.tree.map(lambda t: t if _on_mesh(t, opt.mesh)
+                                 else NamedSharding(opt.mesh, P()), targets)
+            fn = fns[key] = jax.jit(
+                with_auto_axes(_resharded, opt.mesh, inner), out_shardings=inner)
+        out = fn(src)
+        if not all(_on_mesh(t, opt.mesh) for t in jax.tree.leaves(targets)):
+            out = jax.device_put(out, targets)
+        return out
     fn = fns.get((tree, partitioned))
     if fn is None:
         lays = opt.layouts(logical)
@@ -97,8 +110,37 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
     return fn(src)
 
 
+def _on_mesh(s: Any, mesh) -> bool:
+    """Whether sharding ``s`` lays a leaf out on ``mesh`` itself."""
+    return isinstance(s, NamedSharding) and s.mesh == mesh
+
+
+def _check_divides(path, x, s) -> None:
+    """Refuse a ``NamedSharding`` that splits one of ``x``'s dimensions unevenly."""
+    if not isinstance(s, NamedSharding):
+        return
+    for dim, (n, names) in enumerate(zip(x.shape, s.spec)):
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+        ways = math.prod(s.mesh.shape[a] for a in names)
+        if n % ways:
+            raise ValueError(
+                f"full_params(sharding=...): leaf {jax.tree_util.keystr(path) or 'params'} "
+                f"of shape {tuple(x.shape)} cannot be split by {s.spec} (dimension {dim}: "
+                f"{n} is not divisible by {ways}); pass a spec whose axes divide it, "
+                f"sharding='split' (each leaf split where it divides), or None (whole).")
+
+
 def target_shardings(opt, logical: Any, sharding: Any) -> Any:
-    """A Sharding per leaf of ``logical`` for ``full_params(sharding=...)``."""
+    """A Sharding per leaf of ``logical`` for ``full_params(sharding=...)``, each checked
+    to divide its leaf."""
+    out = _target_shardings(opt, logical, sharding)
+    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(logical)[0],
+                            jax.tree.leaves(out)):
+        _check_divides(path, x, s)
+    return out
+
+
+def _target_shardings(opt, logical: Any, sharding: Any) -> Any:
     if isinstance(sharding, str):
         if sharding != "split":
             raise ValueError(

@@ -152,6 +152,22 @@ def constrain(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
+def is_explicit(mesh) -> bool:
+    """Whether ``mesh`` has an Explicit axis (``jax.make_mesh``'s default axis type)."""
+    return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def with_auto_axes(fn, mesh, out_shardings):
+    """``fn`` run with ``mesh``'s axes Auto when it has Explicit ones
+    (``jax.sharding.auto_axes``, its results laid out by ``out_shardings``), else
+    ``fn``: on Explicit axes a sharding is part of the type, and slicing the padding
+    off a split dimension (``partition.unpad``) is refused there. Values ``fn`` reads
+    must be its arguments: ones typed on the Explicit mesh cannot be closed over."""
+    if not is_explicit(mesh):
+        return fn
+    return jax.sharding.auto_axes(fn, out_sharding=out_shardings)
+
+
 @contextlib.contextmanager
 def _traced_split(var: contextvars.ContextVar, axis: str, size: int):
     """``var`` set to ``(axis, size)`` while the block runs (a split the step traces

@@ -1227,19 +1227,24 @@ def step_function(opt, grad_fn, has_aux: bool):
             applied = jnp.isfinite(upd_sum_sq) if state.loss_scale is not None else finite
         else:
             upd_scale, upd_sum_sq = scale, sum_sq
-        finish = functools.partial(_finish_for_update, dtypes=grad_dtypes, scale=upd_scale,
-                                   norm=jnp.sqrt(upd_sum_sq), max_norm=cfg.max_grad_norm)
+        # the loss scale and the global norm the gradients are finished with: operands of
+        # the update, not values it closes over (under Explicit axes it runs with the
+        # axes Auto, where values typed on the Explicit mesh cannot enter)
+        scalars = (upd_scale, jnp.sqrt(upd_sum_sq))
+        finish = functools.partial(_finish_for_update, dtypes=grad_dtypes,
+                                   max_norm=cfg.max_grad_norm)
         update = make_update(opt, tx, logical, lay_tree, finish)
         if offloading:
             new_owned, new_inner, new_params = _offloaded_update(
-                update, applied, owned, inner_state, grads, opt, logical, lay_tree,
+                update, applied, owned, inner_state, grads, scalars, opt, logical, lay_tree,
                 grads_host=cfg.delayed_update,
                 # the old compute params' host buffers, rewritten in place (not with
                 # delayed_update: this step's gradient pass still reads them)
                 old_params=None if cfg.delayed_update else given.params)
         else:
             new_owned, new_inner, new_params = device_update(
-                opt, update, finish, applied, (owned, inner_state, grads), logical, lay_tree,
+                opt, update, finish, applied, (owned, inner_state, grads, scalars), logical,
+                lay_tree,
                 scaled=state.loss_scale is not None)
         new_opt_state = MasterState(new_owned, new_inner) if mixed else new_inner
         new_ls = None
@@ -1289,11 +1294,13 @@ def update_operands(opt, state: TrainState, lay_tree):
     return state, owned, inner_state
 
 
-def _finish_for_update(grads, *, dtypes, scale, norm, max_norm):
+def _finish_for_update(grads, scalars, *, dtypes, max_norm):
     """The gradients as the update takes them, leaf by leaf, in the update: cast to the
-    master's dtype, unscaled (:func:`finish_grads`) and clipped to ``max_norm``
-    (:func:`clip_by_global_norm`); these fuse into the optimizer's arithmetic (no
-    whole fp32 gradient copy)."""
+    master's dtype, unscaled by the loss scale (:func:`finish_grads`) and clipped to
+    ``max_norm`` by the global norm (:func:`clip_by_global_norm`), ``scalars = (scale
+    or None, norm)``; these fuse into the optimizer's arithmetic (no whole fp32
+    gradient copy)."""
+    scale, norm = scalars
     grads = finish_grads(grads, dtypes, scale)
     if max_norm is not None:
         grads = clip_by_global_norm(grads, norm, max_norm)
@@ -1301,9 +1308,10 @@ def _finish_for_update(grads, *, dtypes, scale, norm, max_norm):
 
 
 def make_update(opt, tx, logical, lay_tree, finish):
-    """``update((owned, inner_state, grads), finished=False) -> (new_owned,
+    """``update((owned, inner_state, grads, scalars), finished=False) -> (new_owned,
     new_inner)``: ``tx``'s update and ``optax.apply_updates`` on the partitioned
-    values, after ``finish`` (unless the gradients are ``finished`` already). The
+    values, after ``finish(grads, scalars)`` (unless the gradients are ``finished``
+    already; ``scalars``: the loss scale and the global norm). The
     optimizer sees every leaf at its own shape: padding is cut off here (inside jit,
     the compiler holds the uneven split) and put back after."""
     mixed, stage = opt.config.param_dtype is not None, opt.config.stage
@@ -1313,9 +1321,9 @@ def make_update(opt, tx, logical, lay_tree, finish):
         lambda lay: dataclasses.replace(lay, dim=None, pad=0), lay_tree, is_leaf=is_layout)
 
     def update(operands, finished=False):
-        owned, inner_state, grads = operands
+        owned, inner_state, grads, scalars = operands
         if not finished:
-            grads = finish(grads)
+            grads = finish(grads, scalars)
         p = unpad_tree(owned, own_lays)
         updates, new_inner = tx.update(unpad_tree(grads, own_lays),
                                        unpad_tree(inner_state, inner_lays), p)
@@ -1342,15 +1350,15 @@ def device_update(opt, update, finish, finite, operands, logical, lay_tree, scal
         owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
                     else part_sh if stage > 0 else shardings(mesh, opt_specs.params))
         update = jax.sharding.auto_axes(update, out_sharding=(owned_sh, inner_sh))
-    owned, inner_state, grads = operands
+    owned, inner_state, grads, scalars = operands
     if not scaled:
-        new_owned, new_inner = update((owned, inner_state, grads))
+        new_owned, new_inner = update(operands)
     else:
         # the finished gradients are the cond's operand (a select of new and old values
         # instead would keep both alive: 12 MiB more of a 62 MiB peak)
         new_owned, new_inner = jax.lax.cond(
             finite, functools.partial(update, finished=True), lambda ops: ops[:2],
-            (owned, inner_state, finish(grads)))
+            (owned, inner_state, finish(grads, scalars), ()))
     if stage > 0:
         new_owned = constrain(new_owned, part_sh)
     new_inner = constrain(new_inner, inner_sh)
@@ -1388,8 +1396,8 @@ def update_tail(new, old, finite, laid, param_dtype) -> list:
             *jax.tree.leaves(compute)]
 
 
-def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, lay_tree,
-                      grads_host: bool = False, old_params=None):
+def _offloaded_update(update, finite, owned, inner_state, grads, scalars, opt, logical,
+                      lay_tree, grads_host: bool = False, old_params=None):
     """The update of a step with offloaded state: ``(new_owned, new_inner,
     new_params)``, the offloaded ones in host memory.
 
@@ -1414,21 +1422,25 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     n_own, n_inner = len(jax.tree.leaves(owned)), len(jax.tree.leaves(inner_state))
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     flat, treedef = jax.tree.flatten((owned, inner_state, grads))
+    sc_leaves, sc_def = jax.tree.flatten(scalars)  # small operands, like finite
 
     # (under Explicit axes, auto_axes' out_sharding lays the new values out)
     laid = None if explicit else (part_sh if stage > 0 else shardings(mesh, specs.params),
                                   inner_sh)
 
     def fn(*leaves):
-        *leaves, finite = leaves  # an operand: under Explicit axes, of the Auto mesh
+        # the scalars and finite are operands: under Explicit axes, of the Auto mesh
+        *leaves, finite = leaves
+        leaves, sc = leaves[:len(flat)], jax.tree.unflatten(sc_def, leaves[len(flat):])
         ops = jax.tree.unflatten(treedef, leaves)
-        return update_tail(update(ops), ops[:2], finite, laid, cfg.param_dtype)
+        return update_tail(update((*ops, sc)), ops[:2], finite, laid, cfg.param_dtype)
 
     n_grads = len(flat) - n_own - n_inner
     # the gradients: host operands with delayed_update (the pending gradient) or
     # offload_gradients (streamed to host memory in the backward pass)
     on_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
-               + [grads_host or in_host_memory(x) for x in flat[n_own + n_inner:]] + [False])
+               + [grads_host or in_host_memory(x) for x in flat[n_own + n_inner:]]
+               + [False] * (len(sc_leaves) + 1))
     out_host = ([owned_host] * n_own + [cfg.offload_optimizer] * n_inner
                 + [params_host] * (n_own if mixed else 0))
 
@@ -1437,7 +1449,8 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
     own_split = offload.sharded_axes(jax.tree.leaves(
         part_sh if stage > 0 else shardings(mesh, specs.params)))
     sharded = (own_split + offload.sharded_axes(jax.tree.leaves(inner_sh))
-               + (own_split if n_grads == n_own else [None] * n_grads) + [None])
+               + (own_split if n_grads == n_own else [None] * n_grads)
+               + [None] * (len(sc_leaves) + 1))
     names = [("opt_state.master" if mixed else "params") + jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_flatten_with_path(owned)[0]]
     names += [("opt_state.inner" if mixed else "opt_state") + jax.tree_util.keystr(p) for p, _ in
@@ -1445,14 +1458,18 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
 
     in_place = cfg.donate and offload.in_place(mesh)
 
-    def run(flat):
+    # the new compute params written over the old ones' host buffers (operands of run:
+    # under Explicit axes values typed on the Explicit mesh cannot be closed over)
+    olds = (jax.tree.leaves(old_params)
+            if in_place and mixed and params_host and old_params is not None else None)
+
+    def run(flat, olds):
         return offload.update_in_buckets(
             fn, flat, on_host, out_host, offload.bucket_elements(cfg.bucket_size, opt.data_size),
             cfg.min_shard_size, sharded=sharded, names=names,
             # the new state written over the donated old (not donated: XLA would copy it)
             alias=list(range(n_own + n_inner)) if in_place else None,
-            into=dict(enumerate(jax.tree.leaves(old_params), n_own + n_inner))
-            if in_place and mixed and params_host and old_params is not None else None)
+            into=None if olds is None else dict(enumerate(olds, n_own + n_inner)))
 
     if explicit:  # as in the plain update: the padding is cut under Auto axes
         own_sh = jax.tree.leaves(placed.opt_state.master if mixed else (
@@ -1464,7 +1481,7 @@ def _offloaded_update(update, finite, owned, inner_state, grads, opt, logical, l
         par_sh = [s.with_memory_kind(offload.HOST if params_host else offload.DEVICE)
                   for s in own_sh] if mixed else []
         run = jax.sharding.auto_axes(run, out_sharding=[*own_sh, *in_sh, *par_sh])
-    out = run([*flat, finite])
+    out = run([*flat, *sc_leaves, finite], olds)
     own_def = jax.tree.structure(owned)
     new_owned = jax.tree.unflatten(own_def, out[:n_own])
     new_inner = jax.tree.unflatten(jax.tree.structure(inner_state), out[n_own:n_own + n_inner])

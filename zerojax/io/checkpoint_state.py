@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core import partition as part
+from zerojax.core.mesh import with_auto_axes
 from zerojax.core.state import LossScaleState, MasterState, TrainState
 from zerojax.io.checkpoint_reader import FORMAT, CheckpointError
 from zerojax.runtime import hostmem
@@ -355,8 +356,10 @@ def restore_state(opt, meta: dict, target: RestoreTarget, read) -> TrainState:
     if mixed:
         # the restored buffers are donated: the master and the moments pass through
         # in place, only the compute copy is new (no second copy of the state)
-        params, opt_state = jax.jit(build, out_shardings=(param_sh, opt_sh),
-                                    donate_argnums=(0, 1))(weights, inner_state)
+        # (on Explicit mesh axes with the axes Auto: the padding is cut off there)
+        params, opt_state = jax.jit(
+            with_auto_axes(build, opt.mesh, (param_sh, opt_sh)),
+            out_shardings=(param_sh, opt_sh), donate_argnums=(0, 1))(weights, inner_state)
     else:  # restored straight into their final layout
         params, opt_state = jax.device_put((weights, inner_state), (param_sh, opt_sh))
     part.register_logical(params, target.structs)
