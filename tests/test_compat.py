@@ -248,3 +248,34 @@ def test_this_jax_compiles_the_fixtures_figures(name):
     cases = {n: f for n, _, f in [*capture.gspmd_cases(), *capture.gpt_cases()]}
     live = _figures(comm_volume(cases[name]()))
     assert live == _fixture_figures("jax-0.12.0.1", name), name
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_psum_scatter_beside_explicit_axes(tiled):
+    """compat.psum_scatter in a shard_map manual over data of jax.make_mesh((4, 2))'s
+    Explicit axes: jax 0.12's own psum_scatter fails to lower there ("Length of
+    sharding.spec (2) must be equal to aval's ndim (0)"; jax 0.10.2 lowers it); this
+    one lowers on both, typed as the operand, equal to the sum on an Auto mesh."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from zerojax.core import compat
+
+    x = jnp.arange(128.0).reshape(16, 8)
+    out = {}
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind,) * 2)
+        body = functools.partial(compat.psum_scatter, axis_name="data", scatter_dimension=0,
+                                 tiled=tiled)
+        f = jax.jit(jax.shard_map(
+            lambda v, body=body: body(jnp.tile(v, (4, 1)) if tiled else v),
+            mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"},
+            check_vma=False))
+        placed = jax.device_put(x, NamedSharding(mesh, P("data")))
+        assert compat.needs_auto_scatter(placed) is (kind == AxisType.Explicit)
+        out[kind] = np.asarray(f(placed))
+    # the sum of the 4 devices' rows: each device's block of it (tiled, its 4 rows
+    # tiled 4 times in), or its one row (not tiled)
+    total = np.asarray(x).reshape(4, 4, 8).sum(0)
+    want = np.tile(total, (4, 1)) if tiled else total.reshape(-1)
+    np.testing.assert_array_equal(out[AxisType.Auto], want)
+    np.testing.assert_array_equal(out[AxisType.Explicit], want)

@@ -433,9 +433,35 @@ class TreeLayout:
 
         return jax.tree.map(one, lays, is_leaf=part.is_layout)
 
+    def _check_explicit_split(self, params: Any, model_specs: Any) -> None:
+        """Refuse, at stages 2-3, a leaf split over a mesh axis of Explicit type (a
+        ``model`` axis of ``jax.make_mesh``'s default): the stage's per-use gather and
+        reduce-scatter (``collectives.make_param_use``) are typed on Auto axes there and
+        fail to trace (checked on jax 0.10.2 and 0.12, 2026-11-28); stages 0-1 train
+        such leaves (the same params as one device, to 5e-8)."""
+        if self.config.stage < 2:
+            return
+        explicit = {a for a, t, n in zip(self.mesh.axis_names, self.mesh.axis_types,
+                                         self.mesh.devices.shape)
+                    if t == jax.sharding.AxisType.Explicit and n > 1}
+        flat = jax.tree_util.tree_flatten_with_path(
+            model_specs, is_leaf=lambda x: isinstance(x, P) or x is None)[0]
+        for path, spec in flat:
+            names = {a for part in (spec or ()) if part is not None
+                     for a in ((part,) if isinstance(part, str) else part)}
+            if names & explicit:
+                raise ValueError(
+                    f"leaf {jax.tree_util.keystr(path) or 'params'} is split over the "
+                    f"mesh axis {sorted(names & explicit)[0]!r} ({spec}), which has "
+                    f"AxisType.Explicit (jax.make_mesh's default): stage "
+                    f"{self.config.stage} on a split over Explicit axes is not "
+                    f"implemented. Build the mesh with axis_types=(AxisType.Auto, ...) "
+                    f"(zerojax.make_mesh does), or use stage 0 or 1.")
+
     def _remember(self, params: Any, model_specs: Any = None) -> None:
         """Keep the params' own shapes (and model splits) for steps of this tree."""
         if model_specs is not None:
+            self._check_explicit_split(params, model_specs)
             self._model_specs = (jax.tree.structure(params), model_specs)
         self._logical[jax.tree.structure(params)] = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)

@@ -158,7 +158,7 @@ def all_reduce_local(x: jax.Array, axis: str) -> jax.Array:
 
 def reduce_scatter_local(x: jax.Array, dim: int, axis: str) -> jax.Array:
     """Sum the full-size ``x`` over ``axis`` and keep this device's 1/N slice of ``dim``."""
-    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    return compat.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
 def gather_local(shard: jax.Array, dim: int, axis: str) -> jax.Array:
@@ -188,10 +188,20 @@ def _gather_bits_fwd(x, axis, dim):
 
 
 def _gather_bits_bwd(axis, dim, _, ct):
-    return (jax.lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True),)
+    return (compat.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True),)
 
 
 _gather_bits.defvjp(_gather_bits_fwd, _gather_bits_bwd)
+
+
+def _gather_impl(x, axis, dim):
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+# all_gather with compat.psum_scatter as its transpose (JAX's own transpose would emit
+# the reduce-scatter jax 0.12 cannot lower beside Explicit mesh axes)
+_gather = jax.custom_vjp(_gather_impl, nondiff_argnums=(1, 2))
+_gather.defvjp(lambda x, axis, dim: (_gather(x, axis, dim), None), _gather_bits_bwd)
 
 
 def all_gather_bits(x: jax.Array, axis, dim: int = 0) -> jax.Array:
@@ -202,6 +212,8 @@ def all_gather_bits(x: jax.Array, axis, dim: int = 0) -> jax.Array:
     the CPU higher than the fp32 one's; on GPUs the bitcast is free. Its transpose is
     the reduce-scatter, as ``all_gather``'s."""
     if jnp.dtype(x.dtype) not in _BITS:
+        if compat.needs_auto_scatter(x):  # (its transpose: compat.psum_scatter)
+            return _gather(x, axis, dim)
         return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     return _gather_bits(x, axis, dim)
 

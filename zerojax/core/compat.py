@@ -25,6 +25,13 @@ finds rather than for a version string, so a new JAX that keeps either form work
   (``jax.memory.Space``, jax 0.6+; before it, ``TransferToMemoryKind``);
   :func:`in_host_memory`: whether a traced value lives in host memory.
 
+- :func:`psum_scatter`: ``jax.lax.psum_scatter`` inside a ``shard_map`` manual over
+  ``data`` only, on a mesh whose other axes are Explicit (``jax.make_mesh``'s default):
+  jax 0.12's reduce-scatter lowering types its reducer's scalar with the operand's
+  sharding and fails there ("Length of sharding.spec (2) must be equal to aval's ndim
+  (0)"; its all-reduce lowering resets it), so the collective runs with those axes
+  Auto; :func:`needs_auto_scatter` says when.
+
 ``tests/test_compat.py`` checks each against HLO text captured from jax 0.10.2 and
 jax 0.12.0.1 (``tests/fixtures/hlo/``), so both forms are tested whichever JAX is installed.
 """
@@ -254,3 +261,44 @@ def zeros_in_memory(shape, dtype, host: bool):
     if empty2 is None or space is None:
         return to_memory_space(jnp.zeros(shape, dtype), host=True)
     return jax.lax.broadcast(empty2(jnp.dtype(dtype), memory_space=space.Host), tuple(shape))
+
+
+def _explicit_axes(x) -> tuple:
+    """The Explicit (non-manual) axes of the mesh ``x``'s type is on, inside ``jit``."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # pragma: no cover - a JAX without typed shardings
+        return ()
+    sharding = getattr(typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return ()
+    explicit = jax.sharding.AxisType.Explicit
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == explicit)
+
+
+def needs_auto_scatter(x) -> bool:
+    """Whether a reduce-scatter of ``x`` runs with its mesh's Explicit axes made Auto
+    (:func:`psum_scatter`)."""
+    return bool(_explicit_axes(x))
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+    """``jax.lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=...)``, the
+    same collective and bits; where ``x``'s mesh has Explicit axes beside the manual
+    ones (a ``shard_map`` over ``data`` of ``jax.make_mesh((4, 2), ("data",
+    "model"))``) it runs inside ``jax.sharding.auto_axes`` over those axes, its result
+    typed as ``x`` is (the scattered dimension shorter, or gone when not ``tiled``):
+    jax 0.12 fails to lower it there (this module's docstring); jax 0.10.2 lowers both."""
+    def scatter(v):
+        return jax.lax.psum_scatter(v, axis_name, scatter_dimension=scatter_dimension,
+                                    tiled=tiled)
+
+    axes = _explicit_axes(x)
+    if not axes:
+        return scatter(x)
+    sharding = jax.typeof(x).sharding
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    if not tiled:
+        del spec[scatter_dimension]
+    out = sharding.update(spec=jax.sharding.PartitionSpec(*spec))
+    return jax.sharding.auto_axes(scatter, axes=axes, out_sharding=out)(x)

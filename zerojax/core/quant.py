@@ -83,6 +83,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.core import compat
+
 __all__ = [
     "DEFAULT_BLOCK", "quantize_blocks", "dequantize_blocks", "quantized_all_gather",
     "quantized_reduce_scatter", "wire_bytes", "ROUNDINGS",
@@ -393,7 +395,7 @@ def _qag_fwd(x, axes, bits, block, axis, tiled):
 
 
 def _qag_bwd(axes, bits, block, axis, tiled, _, ct):
-    return (jax.lax.psum_scatter(ct, _name(axes), scatter_dimension=axis, tiled=tiled),)
+    return (compat.psum_scatter(ct, _name(axes), scatter_dimension=axis, tiled=tiled),)
 
 
 _qag.defvjp(_qag_fwd, _qag_bwd)
