@@ -31,6 +31,9 @@ compiler. Cases (``--case``, several allowed):
   before 2026-11-28) and in whole-leaf buckets;
 - ``delayed``: the same step with ``delayed_update=True`` (the program of the steps
   after the first, a gradient pending);
+- ``inloop``: a scanned stack whose loop body also updates one piece of an fp32 state
+  kept in host memory (what ``delayed_update`` would need to run under the gradient
+  pass): are the piece's transfers scheduled under the layer's matmul?
 - ``gpt``: ``gpu.py``'s 1.28B GPT at stage 3, bf16 over fp32 Adam (``--gpt-rows``: no
   offload, ``offload_optimizer`` in place, with buffers of their own, and with
   ``delayed_update``); ``xla`` attention (cuDNN's lowering asks the local cuDNN).
@@ -296,6 +299,55 @@ def _case_buckets(target: str, layers: int, width: int):
     return got
 
 
+def _case_inloop(target: str, layers: int, width: int) -> list[tuple[str, GpuCompiled]]:
+    """The design ``delayed_update`` would need to run under the gradient pass, probed
+    in plain JAX: a scanned stack whose loop body, beside its layer's matmul, updates
+    one piece of an fp32 optimizer state kept in ``pinned_host`` (master, mu, nu: the
+    body's index slices each piece to the device, an Adam step, the piece written back
+    in place). Does the schedule put the piece's transfers under the matmul?"""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    cpu = jax.devices("cpu")[0]
+    dev, host = SingleDeviceSharding(cpu), SingleDeviceSharding(cpu, memory_kind="pinned_host")
+    rows = width // 4
+    state = jax.ShapeDtypeStruct((layers, rows, width), jnp.float32, sharding=host)
+    grad = jax.ShapeDtypeStruct((layers, rows, width), jnp.bfloat16, sharding=host)
+    ws = jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=dev)
+    h = jax.ShapeDtypeStruct((4 * width, width), jnp.bfloat16, sharding=dev)
+    to_dev, to_host = jax.memory.Space.Device, jax.memory.Space.Host
+
+    def step(ws, h, master, mu, nu, g):
+        master, mu, nu = jax.device_put((master, mu, nu), to_host)
+
+        def body(carry, xs):
+            h, master, mu, nu = carry
+            w, i = xs
+            h = jnp.tanh(h @ w)
+
+            def piece(a):
+                return jax.device_put(jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                                      to_dev)
+
+            p, m, v, gi = piece(master), piece(mu), piece(nu), piece(g).astype(jnp.float32)
+            m = 0.9 * m + 0.1 * gi
+            v = 0.999 * v + 0.001 * gi * gi
+            p = p - 1e-4 * m / (jnp.sqrt(v) + 1e-8)
+
+            def put(a, x):
+                return jax.lax.dynamic_update_index_in_dim(a, jax.device_put(x, to_host), i, 0)
+
+            return (h, put(master, p), put(mu, m), put(nu, v)), None
+
+        out, _ = jax.lax.scan(body, (h, master, mu, nu), (ws, jnp.arange(layers)))
+        return out
+
+    jitted = jax.jit(step, donate_argnums=(2, 3, 4))
+    return [("update pieces in a loop", compile_for_gpu(jitted, ws, h, state, state, state,
+                                                         grad, target=target))]
+
+
 def _case_gpt(target: str, accum: int, attention: str,
               which=("none", "offload", "own", "delayed", "fetch", "fetch-own")):
     """gpu.py's 1.28B GPT (24 x 2048, seq 1024, batch 8), stage 3, bf16 params over fp32
@@ -369,7 +421,8 @@ def host_copies(text: str) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200")
-    ap.add_argument("--case", action="append", choices=("fetch", "buckets", "delayed", "gpt"))
+    ap.add_argument("--case", action="append",
+                    choices=("fetch", "buckets", "delayed", "gpt", "inloop"))
     ap.add_argument("--accum", type=int, default=1, help="gpt: micro-batches a step")
     ap.add_argument("--gpt-rows", default="none,offload,own,delayed",
                     help="gpt: which of none, offload, own, delayed, fetch (offload_params, "
@@ -394,6 +447,8 @@ def main():
             rows += _case_gpt(a.target, a.accum, a.attention, a.gpt_rows.split(","))
         elif case == "buckets":
             rows += _case_buckets(a.target, a.layers, a.width)
+        elif case == "inloop":
+            rows += _case_inloop(a.target, a.layers, a.width)
         else:
             rows.append(("delayed_update", _offload_step(a.layers, a.width, True, a.target)))
     for name, c in rows:
