@@ -48,8 +48,8 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
     * a ``jax.sharding.Sharding`` (e.g. ``NamedSharding(mesh, P())``, or one on
       ``pinned_host`` memory) or a ``PartitionSpec`` on this mesh, for every leaf;
       or a tree of them with the params' structure. A sharding off this mesh (one
-      device: ``SingleDeviceSharding``, another mesh) gets the leaf made whole on the
-      mesh first (as ``None``), then moved there. A split that does not divide a
+      device: ``SingleDeviceSharding``, another mesh) gets the leaf split first (as
+      ``"split"``), then moved there. A split that does not divide a
       leaf's dimension is refused, naming the leaf (``"split"`` picks ones that do).
 
     To read the weights on the host leaf by leaf (export), see
@@ -84,9 +84,13 @@ def full_params(opt, state: TrainState, sharding: Any = None, *, like: Any = Non
                 return jax.tree.map(jnp.copy, p)
 
             # laid out on this mesh (with its axes Auto where they are Explicit: the
-            # padding is cut there); a target off the mesh takes the whole leaf after
-            inner = jax.tree.map(lambda t: t if _on_mesh(t, opt.mesh)
-                                 else NamedSharding(opt.mesh, P()), targets)
+            # padding is cut there); a target off the mesh gets the leaf split as
+            # input_shardings says, then moved (no device holds more than its share
+            # on the way)
+            off = not all(_on_mesh(t, opt.mesh) for t in jax.tree.leaves(targets))
+            split = opt.input_shardings(logical) if off else targets
+            inner = jax.tree.map(lambda t, s: t if _on_mesh(t, opt.mesh) else s,
+                                 targets, split)
             fn = fns[key] = jax.jit(
                 with_auto_axes(_resharded, opt.mesh, inner), out_shardings=inner)
         out = fn(src)

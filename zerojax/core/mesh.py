@@ -145,7 +145,7 @@ def constrain(tree, shardings):
     the mesh has Explicit axes (there a sharding is part of the type and a constraint
     may only name Auto axes)."""
     def one(x, s):
-        if any(t == AxisType.Explicit for t in s.mesh.axis_types):
+        if is_explicit(s.mesh):
             return jax.sharding.reshard(x, s)
         return jax.lax.with_sharding_constraint(x, s)
 

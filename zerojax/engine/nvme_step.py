@@ -25,8 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 
+from zerojax.core.mesh import is_explicit
 from zerojax.core.state import TrainState
 from zerojax.engine import nvme_pipeline, nvme_plan, nvme_update, step as S
 from zerojax.runtime import distributed, hostmem
@@ -64,7 +64,7 @@ class NvmeTrainStep:
         self._plans: dict = {}
         self.overlap = True  # benchmarks turn it off: read, update, write one after another
         self.timings: list[dict] = []
-        if any(t == AxisType.Explicit for t in opt.mesh.axis_types):
+        if is_explicit(opt.mesh):
             raise NotImplementedError(
                 "offload_optimizer='nvme' on a mesh with Explicit axes is not implemented: "
                 "build the mesh with Auto axes (zerojax.make_mesh's default).")

@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend import core as jcore
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core import collectives as C
 from zerojax.core.compat import in_host_memory, zeros_in_memory
-from zerojax.core.mesh import constrain, expert_split, sequence_split
+from zerojax.core.mesh import constrain, expert_split, is_explicit, sequence_split
 from zerojax.core.partition import is_layout, pad_tree, partitioned_specs, shardings, unpad_tree
 from zerojax.core.schedule import apply_partitioned, localize_constraints, param_uses
 from zerojax.core.state import LossScaleState, MasterState, PendingGrads, TrainState
@@ -1344,7 +1344,7 @@ def device_update(opt, update, finish, finite, operands, logical, lay_tree, scal
     opt_specs = opt.specs(logical)
     part_sh = shardings(mesh, partitioned_specs(lay_tree))
     inner_sh = shardings(mesh, opt_specs.opt_state.inner if mixed else opt_specs.opt_state)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
+    if is_explicit(mesh):
         # Explicit axes type every sharding: cutting the padding off a split dimension
         # is refused there, so the update runs with the axes Auto
         owned_sh = (shardings(mesh, opt_specs.opt_state.master) if mixed
@@ -1420,7 +1420,7 @@ def _offloaded_update(update, finite, owned, inner_state, grads, scalars, opt, l
     owned_host = cfg.offload_optimizer if mixed else (stage == 3 and cfg.offload_params)
     params_host = stage == 3 and cfg.offload_params
     n_own, n_inner = len(jax.tree.leaves(owned)), len(jax.tree.leaves(inner_state))
-    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    explicit = is_explicit(mesh)
     flat, treedef = jax.tree.flatten((owned, inner_state, grads))
     sc_leaves, sc_def = jax.tree.flatten(scalars)  # small operands, like finite
 
