@@ -136,6 +136,35 @@ def test_the_tier_rounds_alike_at_every_bucket_size(runs, tmp_path):
     assert _same(want.opt_state, nvme.read_state(got))
 
 
+def test_one_optimizer_steps_states_of_other_dtypes(mesh, tmp_path):
+    """The step's plan (its traced update and bucket programs) is kept per tree: a
+    state of the same structure and shapes in other dtypes (the params made bf16
+    without param_dtype) gets its own, and trains as a fresh optimizer does. Keyed by
+    shapes alone it reused the fp32 plan and the update failed (lax.mul float32 x
+    bfloat16)."""
+    p32 = awkward_params()
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim else x, p32)
+
+    def run(opt, step, params):
+        state = opt.init_state(params)
+        state, metrics = step(state, regression_batches(1)[0])
+        return opt.full_params(state), float(metrics["loss"])
+
+    def fresh(d):
+        d.mkdir()
+        opt = zerojax.zero(optax.adamw(1e-2), mesh, stage=1, offload_optimizer="nvme",
+                           nvme_path=str(d))
+        return opt, opt.train_step(awkward_loss)
+
+    shared = fresh(tmp_path / "shared")
+    run(*shared, p32)
+    got = run(*shared, p16)
+    want = run(*fresh(tmp_path / "fresh"), p16)
+    assert got[1] == want[1]
+    assert jax.tree.map(lambda x: x.dtype, got[0]) == jax.tree.map(lambda x: x.dtype, p16)
+    assert _same(got[0], want[0])
+
+
 def test_files_hold_what_the_docs_say(runs):
     (_, want, _, _), (_, got, _, _), d = runs("stage1_bf16")
     root = d / "zerojax-nvme-p0"

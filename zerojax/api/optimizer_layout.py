@@ -206,6 +206,10 @@ class TreeLayout:
         # params treedef -> their own shapes (ShapeDtypeStructs), from init_state: the
         # stored stage-3 params of a padded leaf have the padded shape
         self._logical: dict = {}
+        # params treedef -> {stored shapes: own shapes}: every tree this optimizer laid
+        # out, so a state finds its own shapes by the shapes it holds (two trees of one
+        # structure stored alike are refused in _remember)
+        self._logical_all: dict = {}
 
     def param_layouts(self, layouts: Any) -> Any:
         """The layouts of ``TrainState.params`` (stage 3) for the partitioned
@@ -297,7 +301,9 @@ class TreeLayout:
                     "was made from (arrays or jax.ShapeDtypeStructs at their own shapes).")
             self._check_like(params, structs)
         else:
-            structs = self._logical.get(treedef)
+            stored = tuple(tuple(int(d) for d in x.shape) for x in jax.tree.leaves(params))
+            structs = self._logical_all.get(treedef, {}).get(stored,
+                                                            self._logical.get(treedef))
         if structs is None:
             found = part.registered_logical(params)
             if len(found) == 1:
@@ -463,5 +469,35 @@ class TreeLayout:
         if model_specs is not None:
             self._check_explicit_split(params, model_specs)
             self._model_specs = (jax.tree.structure(params), model_specs)
-        self._logical[jax.tree.structure(params)] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params)
+        treedef = jax.tree.structure(params)
+        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype),
+                               params)
+        stored = self._stored_shapes(structs)
+        table = self._logical_all.setdefault(treedef, {})
+        prior = table.get(stored)
+        if prior is not None:
+            self._refuse_alike(prior, structs, stored)
+        table[stored] = structs
+        self._logical[treedef] = structs
+
+    def _stored_shapes(self, structs: Any) -> tuple:
+        """Each leaf's shape as a state of this optimizer holds it (stage 3: padded)."""
+        lays = jax.tree.leaves(self.param_layouts(self.layouts(structs)),
+                               is_leaf=lambda x: isinstance(x, part.LeafLayout))
+        return tuple(tuple(lay.padded_shape if self.config.stage == 3 and lay.sharded
+                           else lay.shape) for lay in lays)
+
+    def _refuse_alike(self, prior: Any, structs: Any, stored: tuple) -> None:
+        """Two params trees of one structure whose states hold the same shapes (stage 3
+        pads both leaves alike): a state could not say which it is, and its step would
+        cut the padding by the other tree's shapes. Refused, naming the leaf."""
+        flat = jax.tree_util.tree_flatten_with_path(structs)[0]
+        for (path, new), old, held in zip(flat, jax.tree.leaves(prior), stored):
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)} has shape {tuple(new.shape)}, but "
+                    f"this optimizer ({self.owner}) already made a state of the same tree "
+                    f"where it is {tuple(old.shape)}, and it stores both as {held} "
+                    f"(padded to divide over the data axis): a state could not tell which "
+                    f"params it holds. Use one optimizer per model: build another with "
+                    f"zerojax.zero(...) for these params.")

@@ -117,7 +117,12 @@ class NvmeTrainStep:
     def _plan(self, state: TrainState, params, owned, grads, finite, grad_norm, scale):
         """Per params structure: the traced update, its buckets and their programs
         (:func:`zerojax.engine.nvme_update.build`), built once."""
-        key = (jax.tree.structure(params), tuple(tuple(x.shape) for x in jax.tree.leaves(params)))
+        # shapes and dtypes of every operand the plan was traced with: one optimizer may
+        # step states of the same structure and shapes in other dtypes (params made bf16
+        # without param_dtype), whose update is another program
+        key = (jax.tree.structure(params),
+               tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(
+                   (params, owned, grads, scale))))
         if key not in self._plans:
             self._plans[key] = nvme_update.build(self._opt, state, params, owned, grads, finite,
                                                  grad_norm, scale)
