@@ -31,7 +31,8 @@ from zerojax.compat import (
 FIXTURES = Path(__file__).parent / "fixtures" / "hlo"
 VERSIONS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 # The two legs CI runs: the oldest supported JAX and the newest.
-REQUIRED = {"jax-0.10.2", "jax-0.12.0.1"}
+OLDEST, NEWEST = "jax-0.10.2", "jax-0.12.1"
+REQUIRED = {OLDEST, NEWEST}
 
 
 def _cases(version):
@@ -57,7 +58,7 @@ def _figures(volume):
 
 def test_fixtures_cover_both_legs():
     assert REQUIRED <= set(VERSIONS), VERSIONS
-    assert _cases("jax-0.10.2").keys() == _cases("jax-0.12.0.1").keys()
+    assert all(_cases(v).keys() == _cases(NEWEST).keys() for v in VERSIONS)
 
 
 # --------------------------------------------------------------------- scan parameters
@@ -199,24 +200,38 @@ def test_both_versions_print_the_same_groups_in_different_forms():
     the same groups either way."""
     name = "psum-iota-4x2-data"
     old, new = (comm_volume(_text(v, name)).ops[0].replica_groups
-                for v in ("jax-0.10.2", "jax-0.12.0.1"))
+                for v in (OLDEST, NEWEST))
     assert old.startswith("{{") and new.startswith("mesh[")
     assert replica_groups(old, 8) == replica_groups(new, 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
 def _gpt_names():
-    return [n for n, c in _cases("jax-0.12.0.1").items() if c["kind"] in ("gpt", "gspmd")]
+    return [n for n, c in _cases(NEWEST).items() if c["kind"] in ("gpt", "gspmd")]
 
 
 @pytest.mark.parametrize("name", _gpt_names())
 def test_reference_gpt_traffic_is_the_same_under_every_version(name):
     """The reference GPT at stages 0-3 on data=8 and on data=4 x model=2 (and XLA's own
     jit DP / TP collectives): identical elements and executions per kind and per group
-    size, whichever JAX compiled it."""
+    size, whichever JAX compiled it; except the elements of the Megatron activation
+    all-reduces over a model axis, which XLA's partitioner places: jax 0.12.1 reduces
+    three 64-element ones of the 4x2 GPT as 128, 128 and 64 (49,806 elements against
+    49,550 under 0.10.2 and 0.12.0.1), the same executions, within 1%."""
     figures = {v: _fixture_figures(v, name) for v in VERSIONS}
     first = figures[VERSIONS[0]]
-    assert all(f == first for f in figures.values()), figures
-    case = _cases("jax-0.12.0.1")[name]
+    case = _cases(NEWEST)[name]
+    model = case["model"] if case["kind"] == "gpt" else 1
+    for version, fig in figures.items():
+        assert fig.keys() == first.keys(), (version, figures)
+        for size, (elements, executions) in fig.items():
+            if model > 1 and size == model:
+                assert executions == first[size][1], (version, size, figures)
+                assert elements["all_reduce"] == pytest.approx(first[size][0]["all_reduce"],
+                                                               rel=0.01), (version, figures)
+                assert {k: v for k, v in elements.items() if k != "all_reduce"} == {
+                    k: v for k, v in first[size][0].items() if k != "all_reduce"}
+            else:
+                assert (elements, executions) == first[size], (version, size, figures)
     if case["kind"] == "gpt":
         data, model, stage = case["data"], case["model"], case["stage"]
         psi = _gpt_psi()
@@ -242,18 +257,21 @@ def _gpt_psi():
 @pytest.mark.parametrize("name", ["gpt-8x1-stage0-partitioned", "gpt-4x2-stage3-partitioned",
                                   "jit-dp-grad", "jit-tp-grad"])
 def test_this_jax_compiles_the_fixtures_figures(name):
-    """Compiled now, with the installed JAX: the figures every captured version gave."""
+    """Compiled now, with the installed JAX: the figures its captured version gave."""
     from fixtures.hlo import capture
 
     cases = {n: f for n, _, f in [*capture.gspmd_cases(), *capture.gpt_cases()]}
     live = _figures(comm_volume(cases[name]()))
-    assert live == _fixture_figures("jax-0.12.0.1", name), name
+    # the installed version's own capture (the model axis's all-reduces are XLA's
+    # choice and moved by 1% in 0.12.1: above), else the newest
+    mine = f"jax-{jax.__version__}"
+    assert live == _fixture_figures(mine if mine in VERSIONS else NEWEST, name), name
 
 
 @pytest.mark.parametrize("tiled", [True, False])
 def test_psum_scatter_beside_explicit_axes(tiled):
     """compat.psum_scatter in a shard_map manual over data of jax.make_mesh((4, 2))'s
-    Explicit axes: jax 0.12's own psum_scatter fails to lower there ("Length of
+    Explicit axes: jax 0.12.0.1's own psum_scatter fails to lower there ("Length of
     sharding.spec (2) must be equal to aval's ndim (0)"; jax 0.10.2 lowers it); this
     one lowers on both, typed as the operand, equal to the sum on an Auto mesh."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P

@@ -230,9 +230,9 @@ def test_install_keeps_a_newer_compatible_jax(wheel, outer_site, tmp_path):
     out = _dry_run(python, wheel, tmp_path, env)
     assert out.returncode == 0, out.stderr
     assert [i["metadata"]["name"] for i in json.loads(out.stdout)["install"]] == ["zerojax"]
-    # jax 0.12.0.1, the newest release (real in the newest leg, its metadata here):
+    # jax 0.12.1, the newest release (real in the newest leg, its metadata here):
     # kept, not downgraded to the oldest supported.
-    env = _fake_installed(tmp_path / "current", jax="0.12.0.1", jaxlib="0.12.0.1")
+    env = _fake_installed(tmp_path / "current", jax="0.12.1", jaxlib="0.12.1")
     out = _dry_run(python, wheel, tmp_path, env)
     assert out.returncode == 0, out.stderr
     assert [i["metadata"]["name"] for i in json.loads(out.stdout)["install"]] == ["zerojax"]

@@ -30,10 +30,12 @@ finds rather than for a version string, so a new JAX that keeps either form work
   jax 0.12's reduce-scatter lowering types its reducer's scalar with the operand's
   sharding and fails there ("Length of sharding.spec (2) must be equal to aval's ndim
   (0)"; its all-reduce lowering resets it), so the collective runs with those axes
-  Auto; :func:`needs_auto_scatter` says when.
+  Auto; :func:`needs_auto_scatter` says when. jax 0.12.1 lowers the plain collective
+  (checked 2026-12-07); the shim stays for the 0.11-0.12.0 releases in the supported
+  range, with the same bits on every version.
 
 ``tests/test_compat.py`` checks each against HLO text captured from jax 0.10.2 and
-jax 0.12.0.1 (``tests/fixtures/hlo/``), so both forms are tested whichever JAX is installed.
+jax 0.12.1 (``tests/fixtures/hlo/``), so both forms are tested whichever JAX is installed.
 """
 
 from __future__ import annotations
