@@ -34,6 +34,9 @@ compiler. Cases (``--case``, several allowed):
 - ``inloop``: a scanned stack whose loop body also updates one piece of an fp32 state
   kept in host memory (what ``delayed_update`` would need to run under the gradient
   pass): are the piece's transfers scheduled under the layer's matmul?
+- ``hostcompute``: Adam computed by the host (``compute_on("device_host")``) on an fp32
+  state that stays in ``pinned_host``, beside an independent scanned stack (ZeRO-Offload's
+  schedule in one program): is the host call asynchronous, with the loop under it?
 - ``gpt``: ``gpu.py``'s 1.28B GPT at stage 3, bf16 over fp32 Adam (``--gpt-rows``: no
   offload, ``offload_optimizer`` in place, with buffers of their own, and with
   ``delayed_update``); ``xla`` attention (cuDNN's lowering asks the local cuDNN).
@@ -348,6 +351,59 @@ def _case_inloop(target: str, layers: int, width: int) -> list[tuple[str, GpuCom
                                                          grad, target=target))]
 
 
+def _on_host():
+    """``compute_on("device_host")`` in the installed JAX's spelling (0.12 asks for the
+    outputs' memory space too)."""
+    import inspect
+
+    import jax
+    from jax.experimental.compute_on import compute_on
+
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    return compute_on("device_host")
+
+
+def _case_hostcompute(target: str, layers: int, width: int) -> list[tuple[str, GpuCompiled]]:
+    """ZeRO-Offload's schedule in one program: the optimizer step computed by the host
+    (``compute_on("device_host")``: XLA compiles it for the CPU and the GPU's runtime
+    runs it) on an fp32 state that never leaves ``pinned_host``, beside a gradient pass
+    stand-in (a scanned stack of bf16 matmuls) it does not depend on, as
+    ``delayed_update`` would place it; only the bf16 params go to the device. Does the
+    GPU compiler take it, and is the host computation asynchronous (its start and done
+    apart, the loop between them)?"""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    cpu = jax.devices("cpu")[0]
+    dev, host = SingleDeviceSharding(cpu), SingleDeviceSharding(cpu, memory_kind="pinned_host")
+    n = layers * width * width
+    state = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=host)
+    grad = jax.ShapeDtypeStruct((n,), jnp.bfloat16, sharding=host)
+    ws = jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=dev)
+    h = jax.ShapeDtypeStruct((4 * width, width), jnp.bfloat16, sharding=dev)
+
+    @_on_host()
+    @jax.jit
+    def adam(master, mu, nu, g):
+        g = g.astype(jnp.float32)
+        mu = 0.9 * mu + 0.1 * g
+        nu = 0.999 * nu + 0.001 * g * g
+        master = master - 1e-4 * mu / (jnp.sqrt(nu) + 1e-8)
+        return master, mu, nu, master.astype(jnp.bfloat16)
+
+    def step(ws, h, master, mu, nu, g):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)
+        master, mu, nu, p = adam(master, mu, nu, g)
+        return h, master, mu, nu, jax.device_put(p, jax.memory.Space.Device)
+
+    jitted = jax.jit(step, donate_argnums=(2, 3, 4),
+                     out_shardings=(dev, host, host, host, dev))
+    return [("update on the host", compile_for_gpu(jitted, ws, h, state, state, state, grad,
+                                                    target=target))]
+
+
 def _case_gpt(target: str, accum: int, attention: str,
               which=("none", "offload", "own", "delayed", "fetch", "fetch-own")):
     """gpu.py's 1.28B GPT (24 x 2048, seq 1024, batch 8), stage 3, bf16 params over fp32
@@ -422,7 +478,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200")
     ap.add_argument("--case", action="append",
-                    choices=("fetch", "buckets", "delayed", "gpt", "inloop"))
+                    choices=("fetch", "buckets", "delayed", "gpt", "inloop", "hostcompute"))
     ap.add_argument("--accum", type=int, default=1, help="gpt: micro-batches a step")
     ap.add_argument("--gpt-rows", default="none,offload,own,delayed",
                     help="gpt: which of none, offload, own, delayed, fetch (offload_params, "
@@ -449,6 +505,8 @@ def main():
             rows += _case_buckets(a.target, a.layers, a.width)
         elif case == "inloop":
             rows += _case_inloop(a.target, a.layers, a.width)
+        elif case == "hostcompute":
+            rows += _case_hostcompute(a.target, a.layers, a.width)
         else:
             rows.append(("delayed_update", _offload_step(a.layers, a.width, True, a.target)))
     for name, c in rows:
