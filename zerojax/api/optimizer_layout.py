@@ -472,32 +472,34 @@ class TreeLayout:
         treedef = jax.tree.structure(params)
         structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype),
                                params)
-        stored = self._stored_shapes(structs)
+        stored = _stored_shapes(self, structs)
         table = self._logical_all.setdefault(treedef, {})
         prior = table.get(stored)
         if prior is not None:
-            self._refuse_alike(prior, structs, stored)
+            _refuse_alike(self.owner, prior, structs, stored)
         table[stored] = structs
         self._logical[treedef] = structs
 
-    def _stored_shapes(self, structs: Any) -> tuple:
-        """Each leaf's shape as a state of this optimizer holds it (stage 3: padded)."""
-        lays = jax.tree.leaves(self.param_layouts(self.layouts(structs)),
-                               is_leaf=lambda x: isinstance(x, part.LeafLayout))
-        return tuple(tuple(lay.padded_shape if self.config.stage == 3 and lay.sharded
-                           else lay.shape) for lay in lays)
 
-    def _refuse_alike(self, prior: Any, structs: Any, stored: tuple) -> None:
-        """Two params trees of one structure whose states hold the same shapes (stage 3
-        pads both leaves alike): a state could not say which it is, and its step would
-        cut the padding by the other tree's shapes. Refused, naming the leaf."""
-        flat = jax.tree_util.tree_flatten_with_path(structs)[0]
-        for (path, new), old, held in zip(flat, jax.tree.leaves(prior), stored):
-            if tuple(new.shape) != tuple(old.shape):
-                raise ValueError(
-                    f"params{jax.tree_util.keystr(path)} has shape {tuple(new.shape)}, but "
-                    f"this optimizer ({self.owner}) already made a state of the same tree "
-                    f"where it is {tuple(old.shape)}, and it stores both as {held} "
-                    f"(padded to divide over the data axis): a state could not tell which "
-                    f"params it holds. Use one optimizer per model: build another with "
-                    f"zerojax.zero(...) for these params.")
+def _stored_shapes(layout: TreeLayout, structs: Any) -> tuple:
+    """Each leaf's shape as a state of this optimizer holds it (stage 3: padded)."""
+    lays = jax.tree.leaves(layout.param_layouts(layout.layouts(structs)),
+                           is_leaf=lambda x: isinstance(x, part.LeafLayout))
+    return tuple(tuple(lay.padded_shape if layout.config.stage == 3 and lay.sharded
+                       else lay.shape) for lay in lays)
+
+
+def _refuse_alike(owner: str, prior: Any, structs: Any, stored: tuple) -> None:
+    """Two params trees of one structure whose states hold the same shapes (stage 3
+    pads both leaves alike): a state could not say which it is, and its step would
+    cut the padding by the other tree's shapes. Refused, naming the leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(structs)[0]
+    for (path, new), old, held in zip(flat, jax.tree.leaves(prior), stored):
+        if tuple(new.shape) != tuple(old.shape):
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} has shape {tuple(new.shape)}, but "
+                f"this optimizer ({owner}) already made a state of the same tree "
+                f"where it is {tuple(old.shape)}, and it stores both as {held} "
+                f"(padded to divide over the data axis): a state could not tell which "
+                f"params it holds. Use one optimizer per model: build another with "
+                f"zerojax.zero(...) for these params.")
