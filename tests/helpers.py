@@ -12,6 +12,11 @@ import optax
 # jax 0.11 on: the newer XLA:CPU (keeps bf16 in bf16, schedules the attention
 # differently); tests whose bounds differ between the two XLA:CPUs read this
 JAX_AT_LEAST_0_11 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+# jax 0.12.1 on: XLA:CPU writes a float32 attention softmax as one YNNPACK fusion (the
+# probabilities only, no exponentials beside them), one a s^2 b buffer fewer than the
+# planner's rematerialised phases count (zerojax.analysis.report._fuses_softmax); tests
+# comparing those phases with compiled peaks take their lower bounds from it
+JAX_AT_LEAST_0_12_1 = tuple(int(x) for x in jax.__version__.split(".")[:3]) >= (0, 12, 1)
 
 
 def awkward_params(key=0):

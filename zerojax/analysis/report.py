@@ -530,6 +530,26 @@ def _widens_bf16(platform: str) -> bool:
         int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
 
 
+def _fuses_softmax(platform: str) -> bool:
+    """Whether the compiler writes a float32 attention softmax as one buffer, the
+    probabilities: the XLA:CPU of jax 0.12.1 on does (one YNNPACK fusion takes the
+    reduce_max, exp, reduce_sum and divide; 0.10.2 and 0.12.0.1 write the exponentials
+    and then the probabilities, two ``a s^2 b`` buffers; read from the compiled steps'
+    buffer assignments, ``--xla_dump_to``). Counted where it was measured, a scanned
+    stack without remat (:func:`gpt_activation_bytes`): the stack saves one float32
+    ``a s^2 b`` per layer, not two (a bf16 stack still saves the float32 probabilities
+    and their bf16 copy), and the layer being differentiated holds two ``a s^2 b``, not
+    three. Not counted in the rematerialised phases (:func:`gpt_phases`): there the
+    same rule fits the fp32 multi-head cells (0.78-0.83 -> 1.03-1.05) but under-counts
+    the bf16 GPT (1.28), one head a device (1.16-1.31) and ``"dots"`` at mp 2 (1.16),
+    whose compiled peaks fell by less than a buffer; those phases keep the older count,
+    an over-prediction on 0.12.1 (``tests/test_planner.py``, ``tests/test_plan_seq.py``).
+    Other platforms keep the older count (not checked on a GPU here)."""
+    if platform != "cpu":
+        return False
+    return tuple(int(x) for x in jax.__version__.split(".")[:3]) >= (0, 12, 1)
+
+
 def _grad_bytes(options: dict, compute_dtype: Any, platform: str) -> int:
     """Bytes per gradient value in flight: the step computes and reduces gradients in
     ``reduce_dtype``, else in the params' compute dtype (bf16 with ``param_dtype``; the
@@ -936,10 +956,14 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     layer = (4 * hbs + math.ceil(8 * hbs / mp)) * inner
     if not dm.gpt:  # the 8 h b s hold the GPT's 3 h of QKV and 4 h of MLP
         layer += math.ceil((dm.qkv - 3 * h + f - 4 * h) * b * s / mp) * inner
+    fused = config.scan and _fuses_softmax(platform)
     if flash_attention(config, platform) or config.attention == "blockwise":
         layer += math.ceil(a * s * b / mp) * 4
     else:
-        layer += math.ceil(3 * a * whole * whole * b / (mp * sp)) * softmax_bytes
+        # the scores, the probabilities and the exponentials (a scanned layer's 2
+        # where one fusion writes only the probabilities, :func:`_fuses_softmax`)
+        n = 2 if fused else 3
+        layer += math.ceil(n * a * whole * whole * b / (mp * sp)) * softmax_bytes
     logits = _logits_values(config, b, mp, softmax_bytes, s)
     if not config.scan:
         return L * layer + logits
@@ -953,7 +977,11 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     if flash_attention(config, platform) or config.attention == "blockwise":
         soft = math.ceil(a * s * b / mp) * 4
     else:
-        soft = math.ceil(a * whole * whole * b / (mp * sp)) * (softmax_bytes + value_bytes)
+        # where one fusion writes only the probabilities (:func:`_fuses_softmax`) a
+        # float32 stack saves them once, no second float32 stack (the exponentials);
+        # a 16-bit one still saves the float32 probabilities and their 16-bit copy
+        copy = 0 if fused and value_bytes == softmax_bytes else value_bytes
+        soft = math.ceil(a * whole * whole * b / (mp * sp)) * (softmax_bytes + copy)
     saved = (soft + math.ceil((6 * f + 4 * h + dm.qkv - 3 * h) * b * s / mp) * inner
              + hbs * inner
              + 6 * hbs * max(inner, 4))
