@@ -1145,7 +1145,8 @@ def gpt_step_prediction(config, dp: int, stage: int, global_batch: int, *,
     logits, a scanned layer's forward), each taken with the gradients, weights and
     checkpoints live beside it rather than each term at its own maximum (compiled
     over predicted on 8 CPU devices, six shapes with sequences up to 4x the width,
-    stages 0-3, fp32 and bf16: 0.935-1.079 on jax 0.10.2, 0.916-1.057 on jax 0.12,
+    stages 0-3, fp32 and bf16: 0.935-1.079 on jax 0.10.2, 0.916-1.057 on jax 0.12.0.1,
+    0.782-1.057 on jax 0.12.1, whose XLA:CPU fuses the softmax (:func:`_fuses_softmax`),
     ``benchmarks/memory_model.py``). The
     model states are :func:`~zerojax.analysis.memory.estimate_memory` of the params'
     shapes with ``tx`` (what ``init_state`` places, offloaded parts excluded);
