@@ -922,13 +922,16 @@ def gpt_activation_bytes(config, batch: int, *, mp: int = 1, remat_policy: str |
     mp`` float32 scores (compiled: 0.93x). A scanned stack keeps what jax's partial
     evaluation of the block saves, stacked for the backward loop, per layer: the
     softmax's float32 probabilities and their compute-dtype copy, ``a s^2 b / mp`` each
-    (flash attention: its statistics), ``(6 f + 4 h) b s / mp`` of the MLP and
-    attention and ``h b s`` of the residual in ``internal_bytes``, and six ``h b s`` of
-    the LayerNorms in float32 (counted from the compiled stacks); plus the layer being
-    differentiated and the logits. Compiled over predicted, scanned GPTs at four
-    shapes (seq 64-256, width 64-256, 2-8 layers), stages 0 and 3, fp32 and bf16:
-    0.905-1.056 on jax 0.10.2, 0.852-1.022 on jax 0.12 (over-predicted; the old ``L x``
-    layer count held 1.18-1.82x under).
+    (a float32 stack's once on XLA:CPU from jax 0.12.1, whose fused softmax writes no
+    exponentials, and the layer being differentiated two ``a s^2 b``, not three:
+    :func:`_fuses_softmax`; flash attention: its statistics), ``(6 f + 4 h) b s /
+    mp`` of the MLP and attention and ``h b s`` of the residual in
+    ``internal_bytes``, and six ``h b s`` of the LayerNorms in float32 (counted from
+    the compiled stacks); plus the layer being differentiated and the logits.
+    Compiled over predicted, scanned GPTs at four shapes (seq 64-256, width 64-256,
+    2-8 layers), stages 0 and 3, fp32 and bf16: 0.905-1.056 on jax 0.10.2,
+    0.852-1.022 on jax 0.12.0.1 (over-predicted; the old ``L x`` layer count held
+    1.18-1.82x under).
 
     Pa+cpu's host memory is not seen on the CPU backend, which ignores memory kinds;
     there it is planned as Pa.
