@@ -286,6 +286,7 @@ def test_readme_largest_seq_table_is_what_the_benchmark_prints():
 # (the s^2 scores 4x the width), 0.837 for the tiled MLP; 0.85 on earlier versions
 LOW = 0.75 if JAX_AT_LEAST_0_12_1 else 0.85
 
+
 @functools.cache
 def _compiled(seq, p, attention="xla", attn_block=128):
     """(compiled peak, predicted peak, HLO all-to-all operand bytes, ulysses_bytes) of
