@@ -304,3 +304,78 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         del spec[scatter_dimension]
     out = sharding.update(spec=jax.sharding.PartitionSpec(*spec))
     return jax.sharding.auto_axes(scatter, axes=axes, out_sharding=out)(x)
+
+
+# Primitives whose ``call_jaxpr`` JAX evaluates again, equation by equation, each under
+# the context it was traced in (``eqn.ctx``), when they are bound under a trace
+# (``custom_jvp_call``: ``jax.nn.relu``, and ``jax.nn.softmax`` from jax 0.12.1).
+RETRACED_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def restate_contexts(jaxpr, mesh):
+    """``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``; sub-jaxprs in its equations' params
+    too, ``shard_map`` bodies excepted) with each equation's context restated under the
+    abstract ``mesh``: its own ``compute_on`` type, xla metadata and configs, but
+    ``mesh`` as the context mesh. An equation's context records the abstract mesh it
+    was traced under (``JaxprEqnContext``, jax 0.10.2 and 0.12.1 alike), and JAX enters
+    it when it evaluates a ``custom_jvp_call``'s jaxpr again; a loss traced under one
+    mesh and evaluated in a ``shard_map`` body (another mesh: its axes manual) then
+    fails ("context mesh ... should match the aval mesh")."""
+    from jax._src import core as jcore
+
+    # ClosedJaxpr is a Jaxpr with consts from jax 0.12 (no class of its own)
+    kinds = tuple(t for t in (jcore.Jaxpr, getattr(jcore, "ClosedJaxpr", None)) if t)
+
+    def literal(v):  # a typed literal (-inf: f32[]) names the mesh it was traced under
+        sharding = getattr(getattr(v, "aval", None), "sharding", None)
+        if (not isinstance(v, jcore.Literal) or getattr(sharding, "mesh", mesh) == mesh
+                or not hasattr(sharding, "update")):
+            return v
+        val = np.asarray(v.val) if hasattr(v.val, "dtype") else v.val  # jax 0.12: typed
+        return jcore.Literal(val, v.aval.update(sharding=sharding.update(mesh=mesh)))
+
+    def restate(value):
+        if isinstance(value, (tuple, list)):
+            return type(value)(restate(v) for v in value)
+        if not isinstance(value, kinds):
+            return value
+        inner = getattr(value, "jaxpr", value)
+        eqns = []
+        for eqn in inner.eqns:
+            with eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh):
+                ctx = jcore.JaxprEqnContext()
+            params = (eqn.params if eqn.primitive.name == "shard_map"
+                      else {k: restate(v) for k, v in eqn.params.items()})
+            eqns.append(eqn.replace(ctx=ctx, params=params,
+                                    invars=[literal(v) for v in eqn.invars]))
+        new = inner.replace(eqns=eqns)
+        return new if inner is value else value.replace(jaxpr=new, consts=value.consts)
+
+    return restate(jaxpr)
+
+
+def restate_custom_call(eqn, mesh) -> dict:
+    """The params of a recorded ``custom_jvp_call`` / ``custom_vjp_call`` equation
+    (:data:`RETRACED_PRIMITIVES`) to bind it again under the abstract ``mesh`` (a
+    ``shard_map`` body's, where the loss was traced under another): its ``call_jaxpr``
+    restated (:func:`restate_contexts`), and its rule's thunk (``jvp_jaxpr_fun``,
+    ``fwd_jaxpr_thunk``), which traces the rule on the avals it recorded, run under
+    the equation's own context (the mesh those avals name), its jaxpr then restated.
+    The same rule and primal equations: the same bits."""
+    from jax._src import linear_util as lu
+
+    def wrap(thunk):
+        def call(*zeros):
+            with eqn.ctx.manager:
+                jaxpr, *rest = thunk.call_wrapped(*zeros)
+            return (restate_contexts(jaxpr, mesh), *rest)
+
+        return lu.wrap_init(call, debug_info=thunk.debug_info)
+
+    params = dict(eqn.params)
+    for key, value in params.items():
+        if key == "call_jaxpr":
+            params[key] = restate_contexts(value, mesh)
+        elif key in ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk"):
+            params[key] = wrap(value)
+    return params

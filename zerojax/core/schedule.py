@@ -54,7 +54,8 @@ from zerojax.core.collectives import (
     host_gradient_zero,
     make_param_use,
 )
-from zerojax.core.compat import CALL_PRIMITIVES, REMAT_PRIMITIVES, in_host_memory, scan_counts
+from zerojax.core.compat import (CALL_PRIMITIVES, REMAT_PRIMITIVES, RETRACED_PRIMITIVES, in_host_memory,
+                                  restate_custom_call, scan_counts)
 from zerojax.core.partition import drop_axes
 
 _INLINE = CALL_PRIMITIVES
@@ -215,8 +216,12 @@ def _remesh(v, mesh):
 
 
 def _bind(eqn, invals):
-    params = eqn.primitive.get_bind_params(eqn.params)
     mesh = jax.sharding.get_abstract_mesh()
+    params = eqn.params
+    if not mesh.empty and eqn.primitive.name in RETRACED_PRIMITIVES:
+        # JAX evaluates its jaxpr again, each equation under its recorded context
+        params = restate_custom_call(eqn, mesh)
+    params = eqn.primitive.get_bind_params(params)
     if not mesh.empty:
         params = {k: _remesh(v, mesh) for k, v in params.items()}
     # the equation's own context (compute_on, xla metadata), but the mesh of where it
