@@ -201,6 +201,52 @@ def test_explicit_mesh_under_set_mesh(stage):
     assert state.params["dense1"]["kernel"].sharding.mesh is mesh
 
 
+@jax.custom_vjp
+def _doubled(x):
+    return 2.0 * x
+
+
+_doubled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
+_CUSTOM = {"softmax": lambda h: jax.nn.softmax(h, axis=-1),  # custom_jvp from jax 0.12.1
+           "relu": jax.nn.relu,  # custom_jvp on every version
+           "custom_vjp": _doubled}
+
+
+@pytest.mark.parametrize("fn, shape, kind", [
+    ("softmax", (8,), AxisType.Explicit), ("softmax", (4, 2), AxisType.Explicit),
+    ("softmax", (4, 2), AxisType.Auto), ("relu", (4, 2), AxisType.Auto),
+    ("custom_vjp", (4, 2), AxisType.Auto)])
+def test_custom_derivatives_in_a_loss_traced_under_set_mesh(fn, shape, kind):
+    """A loss with a ``custom_jvp`` (``jax.nn.softmax`` from jax 0.12.1, where
+    ``jax_softmax_custom_jvp`` became True; ``jax.nn.relu``) or a ``custom_vjp``, traced
+    under ``jax.set_mesh``: its recorded call and rule name the tracing mesh (the
+    equations' contexts, the rule's avals), and bound again in the step's ``shard_map``
+    (data manual) they failed ("context mesh ... should match the aval mesh"; softmax
+    on jax 0.12.1 at every mesh here, relu and the custom_vjp on both versions).
+    compat.restate_custom_call restates them: 2 SGD steps at stage 3 as one device."""
+    from helpers import awkward_params, reference_run, regression_batches
+
+    def loss(p, b):
+        x, y = b
+        h = _CUSTOM[fn](x @ p["dense1"]["kernel"] + p["dense1"]["bias"])
+        h = jnp.tanh(h @ p["dense2"]["kernel"] + p["dense2"]["bias"])
+        return jnp.mean((p["scale"] * (jnp.tanh(h @ p["proj"]) @ p["head"]) - y) ** 2)
+
+    batches = regression_batches(2)
+    mesh = jax.make_mesh(shape, ("data", "model")[:len(shape)], axis_types=(kind,) * len(shape))
+    with jax.set_mesh(mesh):
+        opt = zerojax.zero(optax.sgd(0.1), mesh, stage=3, min_shard_size=16)
+        state = opt.init_state(awkward_params())
+        step = opt.train_step(loss)
+        for b in batches:
+            state, _ = step(state, b)
+        full = opt.full_params(state)
+    ref = reference_run(optax.sgd(0.1), awkward_params(), loss, batches)
+    err = max_rel_err(ref, full)
+    print(fn, shape, kind, "max rel err", err)
+    assert err <= 2e-7  # measured 1.2e-8 to 3.1e-8 (jax 0.12.1)
+
+
 @pytest.mark.parametrize("shape, options", [
     ((8,), dict(stage=1, max_grad_norm=0.05)),
     ((4, 2), dict(stage=3, param_dtype=jnp.float16, max_grad_norm=0.05,

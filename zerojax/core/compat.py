@@ -312,7 +312,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
 RETRACED_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
-def restate_contexts(jaxpr, mesh):
+def restate_contexts(jaxpr, mesh, restate_param=None):
     """``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``; sub-jaxprs in its equations' params
     too, ``shard_map`` bodies excepted) with each equation's context restated under the
     abstract ``mesh``: its own ``compute_on`` type, xla metadata and configs, but
@@ -320,7 +320,8 @@ def restate_contexts(jaxpr, mesh):
     was traced under (``JaxprEqnContext``, jax 0.10.2 and 0.12.1 alike), and JAX enters
     it when it evaluates a ``custom_jvp_call``'s jaxpr again; a loss traced under one
     mesh and evaluated in a ``shard_map`` body (another mesh: its axes manual) then
-    fails ("context mesh ... should match the aval mesh")."""
+    fails ("context mesh ... should match the aval mesh"). ``restate_param`` maps each
+    other param value (a sharding recorded on the tracing mesh: the caller's rule)."""
     from jax._src import core as jcore
 
     # ClosedJaxpr is a Jaxpr with consts from jax 0.12 (no class of its own)
@@ -338,7 +339,7 @@ def restate_contexts(jaxpr, mesh):
         if isinstance(value, (tuple, list)):
             return type(value)(restate(v) for v in value)
         if not isinstance(value, kinds):
-            return value
+            return value if restate_param is None else restate_param(value)
         inner = getattr(value, "jaxpr", value)
         eqns = []
         for eqn in inner.eqns:
@@ -354,13 +355,14 @@ def restate_contexts(jaxpr, mesh):
     return restate(jaxpr)
 
 
-def restate_custom_call(eqn, mesh) -> dict:
+def restate_custom_call(eqn, mesh, restate_param=None) -> dict:
     """The params of a recorded ``custom_jvp_call`` / ``custom_vjp_call`` equation
     (:data:`RETRACED_PRIMITIVES`) to bind it again under the abstract ``mesh`` (a
     ``shard_map`` body's, where the loss was traced under another): its ``call_jaxpr``
     restated (:func:`restate_contexts`), and its rule's thunk (``jvp_jaxpr_fun``,
     ``fwd_jaxpr_thunk``), which traces the rule on the avals it recorded, run under
-    the equation's own context (the mesh those avals name), its jaxpr then restated.
+    the equation's own context (the mesh those avals name), its jaxpr then restated;
+    ``restate_param`` as :func:`restate_contexts`'s.
     The same rule and primal equations: the same bits."""
     from jax._src import linear_util as lu
 
@@ -368,14 +370,14 @@ def restate_custom_call(eqn, mesh) -> dict:
         def call(*zeros):
             with eqn.ctx.manager:
                 jaxpr, *rest = thunk.call_wrapped(*zeros)
-            return (restate_contexts(jaxpr, mesh), *rest)
+            return (restate_contexts(jaxpr, mesh, restate_param), *rest)
 
         return lu.wrap_init(call, debug_info=thunk.debug_info)
 
     params = dict(eqn.params)
     for key, value in params.items():
         if key == "call_jaxpr":
-            params[key] = restate_contexts(value, mesh)
+            params[key] = restate_contexts(value, mesh, restate_param)
         elif key in ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk"):
             params[key] = wrap(value)
     return params

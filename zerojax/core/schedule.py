@@ -220,7 +220,7 @@ def _bind(eqn, invals):
     params = eqn.params
     if not mesh.empty and eqn.primitive.name in RETRACED_PRIMITIVES:
         # JAX evaluates its jaxpr again, each equation under its recorded context
-        params = restate_custom_call(eqn, mesh)
+        params = restate_custom_call(eqn, mesh, lambda v: _remesh(v, mesh))
     params = eqn.primitive.get_bind_params(params)
     if not mesh.empty:
         params = {k: _remesh(v, mesh) for k, v in params.items()}
