@@ -297,3 +297,22 @@ def test_psum_scatter_beside_explicit_axes(tiled):
     want = np.tile(total, (4, 1)) if tiled else total.reshape(-1)
     np.testing.assert_array_equal(out[AxisType.Auto], want)
     np.testing.assert_array_equal(out[AxisType.Explicit], want)
+
+
+def test_device_put_moves_a_jit_output_out_of_pinned_host():
+    """compat.device_put of a jit output in pinned_host to device memory and to
+    unpinned_host: jax 0.12.1's CPU client refuses jax.device_put there ("Unsupported
+    layout used for PjRt CPU buffers: {2,1,0:S(5)}"; the --fetch benchmark's move); the
+    same bits on both versions, and the value placed where asked."""
+    from zerojax.core import compat
+
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    made = jax.jit(lambda: jnp.arange(4 * 8 * 8, dtype=jnp.float32).reshape(4, 8, 8) / 4,
+                   out_shardings=host)()
+    want = np.arange(4 * 8 * 8, dtype=np.float32).reshape(4, 8, 8) / 4  # exact
+    for kind in ("device", "unpinned_host", "pinned_host"):
+        to = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+        moved = compat.device_put(made, to)
+        assert moved.sharding.memory_kind == kind
+        np.testing.assert_array_equal(np.asarray(moved), want)

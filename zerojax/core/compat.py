@@ -381,3 +381,29 @@ def restate_custom_call(eqn, mesh, restate_param=None) -> dict:
         elif key in ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk"):
             params[key] = wrap(value)
     return params
+
+
+def device_put(x, sharding):
+    """``jax.device_put(x, sharding)`` for one array, ``x`` possibly a ``jit`` output in
+    another memory kind. jax 0.12.1's CPU client keeps the memory space in the layout
+    of a buffer a compiled program wrote to ``pinned_host`` (``{2,1,0:S(5)}``) and
+    refuses to copy it to another memory kind ("UNIMPLEMENTED: Unsupported layout used
+    for PjRt CPU buffers"; a ``device_put`` to ``pinned_host`` and back works, as every
+    move on jax 0.10.2 does); that copy is made by a compiled identity with
+    ``out_shardings=sharding`` instead: the same bits."""
+    try:
+        return jax.device_put(x, sharding)
+    except jax.errors.JaxRuntimeError as e:
+        if "Unsupported layout" not in str(e):
+            raise
+    return _identity(sharding)(x)
+
+
+_IDENTITIES: dict = {}
+
+
+def _identity(sharding):
+    fn = _IDENTITIES.get(sharding)
+    if fn is None:
+        fn = _IDENTITIES[sharding] = jax.jit(lambda a: a, out_shardings=sharding)
+    return fn
