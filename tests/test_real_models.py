@@ -209,21 +209,24 @@ def _doubled(x):
 _doubled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
 _CUSTOM = {"softmax": lambda h: jax.nn.softmax(h, axis=-1),  # custom_jvp from jax 0.12.1
            "relu": jax.nn.relu,  # custom_jvp on every version
-           "custom_vjp": _doubled}
+           "custom_vjp": _doubled,
+           "cond": lambda h: jax.lax.cond(h.sum() > 0, lambda a: jax.nn.softmax(a, axis=-1),
+                                          jnp.tanh, h)}
 
 
 @pytest.mark.parametrize("fn, shape, kind", [
     ("softmax", (8,), AxisType.Explicit), ("softmax", (4, 2), AxisType.Explicit),
     ("softmax", (4, 2), AxisType.Auto), ("relu", (4, 2), AxisType.Auto),
-    ("custom_vjp", (4, 2), AxisType.Auto)])
+    ("custom_vjp", (4, 2), AxisType.Auto), ("cond", (4, 2), AxisType.Auto)])
 def test_custom_derivatives_in_a_loss_traced_under_set_mesh(fn, shape, kind):
     """A loss with a ``custom_jvp`` (``jax.nn.softmax`` from jax 0.12.1, where
     ``jax_softmax_custom_jvp`` became True; ``jax.nn.relu``) or a ``custom_vjp``, traced
     under ``jax.set_mesh``: its recorded call and rule name the tracing mesh (the
     equations' contexts, the rule's avals), and bound again in the step's ``shard_map``
     (data manual) they failed ("context mesh ... should match the aval mesh"; softmax
-    on jax 0.12.1 at every mesh here, relu and the custom_vjp on both versions).
-    compat.restate_custom_call restates them: 2 SGD steps at stage 3 as one device."""
+    on jax 0.12.1 at every mesh here, relu, the custom_vjp and a ``lax.cond``'s
+    branches on both versions). compat.restate_custom_call / restate_contexts restate
+    them: 2 SGD steps at stage 3 as one device."""
     from helpers import awkward_params, reference_run, regression_batches
 
     def loss(p, b):

@@ -34,6 +34,22 @@ finds rather than for a version string, so a new JAX that keeps either form work
   (checked 2026-12-07); the shim stays for the 0.11-0.12.0 releases in the supported
   range, with the same bits on every version.
 
+- :func:`restate_custom_call` / :func:`restate_contexts`: a recorded ``custom_jvp_call``
+  / ``custom_vjp_call`` (``cond``, ``while``) bound again on another mesh. Its jaxpr's
+  equations carry the abstract mesh they were traced under in their contexts, which
+  JAX re-enters, and its rule's thunk traces on the avals it recorded; jax 0.12.1 made
+  ``jax.nn.softmax`` a ``custom_jvp_call`` (``jax_softmax_custom_jvp`` default True), so
+  Ulysses' attention manual over ``model`` failed ("context mesh (Auto, Auto, Manual)
+  should match the aval mesh (Manual, Manual, Manual)"). Plain JAX (0.12.1): trace
+  ``shard_map(lambda x: jax.nn.softmax(x) + x, axis_names={"model"})`` under an Auto
+  (2, 2, 2) abstract mesh, bind its body's equations in a ``shard_map`` manual over
+  data x seq under ``eqn.ctx.manager`` and ``use_abstract_mesh(current)``:
+  ``reduce_max`` raises it. Restated, the same rule and equations run.
+- :func:`device_put`: ``jax.device_put`` of a ``jit`` output out of ``pinned_host``,
+  which jax 0.12.1's CPU client refuses ("Unsupported layout used for PjRt CPU buffers:
+  {2,1,0:S(5)}"; plain JAX: ``jax.device_put(jax.jit(f, out_shardings=<pinned_host
+  sharding>)(), <device sharding>)``), made by a compiled identity there.
+
 ``tests/test_compat.py`` checks each against HLO text captured from jax 0.10.2 and
 jax 0.12.1 (``tests/fixtures/hlo/``), so both forms are tested whichever JAX is installed.
 """
@@ -363,7 +379,7 @@ def restate_custom_call(eqn, mesh, restate_param=None) -> dict:
     ``fwd_jaxpr_thunk``), which traces the rule on the avals it recorded, run under
     the equation's own context (the mesh those avals name), its jaxpr then restated;
     ``restate_param`` as :func:`restate_contexts`'s.
-    The same rule and primal equations: the same bits."""
+    The same rule and primal equations run."""
     from jax._src import linear_util as lu
 
     def wrap(thunk):

@@ -54,8 +54,15 @@ from zerojax.core.collectives import (
     host_gradient_zero,
     make_param_use,
 )
-from zerojax.core.compat import (CALL_PRIMITIVES, REMAT_PRIMITIVES, RETRACED_PRIMITIVES, in_host_memory,
-                                  restate_custom_call, scan_counts)
+from zerojax.core.compat import (
+    CALL_PRIMITIVES,
+    REMAT_PRIMITIVES,
+    RETRACED_PRIMITIVES,
+    in_host_memory,
+    restate_contexts,
+    restate_custom_call,
+    scan_counts,
+)
 from zerojax.core.partition import drop_axes
 
 _INLINE = CALL_PRIMITIVES
@@ -221,6 +228,10 @@ def _bind(eqn, invals):
     if not mesh.empty and eqn.primitive.name in RETRACED_PRIMITIVES:
         # JAX evaluates its jaxpr again, each equation under its recorded context
         params = restate_custom_call(eqn, mesh, lambda v: _remesh(v, mesh))
+    elif not mesh.empty and eqn.primitive.name in ("cond", "while"):
+        # their branches / bodies' equations name the tracing mesh too
+        params = {k: restate_contexts(v, mesh, lambda v: _remesh(v, mesh))
+                  for k, v in params.items()}
     params = eqn.primitive.get_bind_params(params)
     if not mesh.empty:
         params = {k: _remesh(v, mesh) for k, v in params.items()}
