@@ -40,11 +40,12 @@ finds rather than for a version string, so a new JAX that keeps either form work
   JAX re-enters, and its rule's thunk traces on the avals it recorded; jax 0.12.1 made
   ``jax.nn.softmax`` a ``custom_jvp_call`` (``jax_softmax_custom_jvp`` default True), so
   Ulysses' attention manual over ``model`` failed ("context mesh (Auto, Auto, Manual)
-  should match the aval mesh (Manual, Manual, Manual)"). Plain JAX (0.12.1): trace
-  ``shard_map(lambda x: jax.nn.softmax(x) + x, axis_names={"model"})`` under an Auto
-  (2, 2, 2) abstract mesh, bind its body's equations in a ``shard_map`` manual over
-  data x seq under ``eqn.ctx.manager`` and ``use_abstract_mesh(current)``:
-  ``reduce_max`` raises it. Restated, the same rule and equations run.
+  should match the aval mesh (Manual, Manual, Manual)"). Plain JAX: trace
+  ``jax.nn.softmax`` under ``use_abstract_mesh`` of an Auto (8,) ``data`` mesh, bind its
+  equations in a ``shard_map`` over ``data`` under ``eqn.ctx.manager`` and
+  ``use_abstract_mesh(<the body's mesh>)``: jax 0.12.1's one ``custom_jvp_call`` raises
+  it at ``reduce_max``; jax 0.10.2's plain equations run. Restated, the same rule and
+  equations run.
 - :func:`device_put`: ``jax.device_put`` of a ``jit`` output out of ``pinned_host``,
   which jax 0.12.1's CPU client refuses ("Unsupported layout used for PjRt CPU buffers:
   {2,1,0:S(5)}"; plain JAX: ``jax.device_put(jax.jit(f, out_shardings=<pinned_host

@@ -196,6 +196,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from zerojax.core import compat
 from zerojax.core.state import TrainState
 from zerojax.runtime import nvme_lock
 from zerojax.runtime.nvme_lock import LOCK, NvmeError
@@ -930,7 +931,7 @@ def _placed(x: jax.Array, sharding) -> jax.Array:
     """``x`` laid out as ``sharding`` (the files hold that layout's shards)."""
     if x.sharding.is_equivalent_to(sharding, x.ndim):
         return x
-    return jax.device_put(x, sharding)
+    return compat.device_put(x, sharding)  # a jit output in pinned_host too
 
 
 def stream_to_disk(opt, abstract: Any, make, keep: tuple = ()) -> NvmeState:

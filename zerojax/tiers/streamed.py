@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerojax.core import compat
 from zerojax.tiers import nvme_programs, offload
 
 # Elements per device of outputs one group of a streamed init computes: 2**24 (64 MiB
@@ -78,7 +79,7 @@ def run_streamed(fn, operands: list, out_shardings: Any, capacity: int | None) -
             x = got[i]
             if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(
                     sh_leaves[i], x.ndim) or x.sharding.memory_kind != sh_leaves[i].memory_kind:
-                x = jax.device_put(x, sh_leaves[i])
+                x = compat.device_put(x, sh_leaves[i])  # out of pinned_host too
             results[i] = x
         del got
     return jax.tree.unflatten(treedef, [results[i] for i in range(len(out_refs))])
