@@ -349,7 +349,8 @@ def restate_contexts(jaxpr, mesh, restate_param=None):
         if (not isinstance(v, jcore.Literal) or getattr(sharding, "mesh", mesh) == mesh
                 or not hasattr(sharding, "update")):
             return v
-        val = np.asarray(v.val) if hasattr(v.val, "dtype") else v.val  # jax 0.12: typed
+        # jax 0.12's value is typed (its aval's mesh too): a plain array of its dtype
+        val = np.asarray(v.val, dtype=v.aval.dtype) if hasattr(v.val, "dtype") else v.val
         return jcore.Literal(val, v.aval.update(sharding=sharding.update(mesh=mesh)))
 
     def restate(value):
