@@ -354,7 +354,7 @@ def restate_contexts(jaxpr, mesh, restate_param=None):
         return jcore.Literal(val, v.aval.update(sharding=sharding.update(mesh=mesh)))
 
     def restate(value):
-        if isinstance(value, (tuple, list)):
+        if type(value) in (tuple, list):  # not a NamedTuple (GatherDimensionNumbers)
             return type(value)(restate(v) for v in value)
         if not isinstance(value, kinds):
             return value if restate_param is None else restate_param(value)
